@@ -1,0 +1,204 @@
+#include "engine/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "engine/error.h"
+
+namespace dp {
+namespace {
+
+int64_t dtype_size(const std::string& d) {
+  if (d == "F64" || d == "I64" || d == "U64") return 8;
+  if (d == "F32" || d == "I32" || d == "U32") return 4;
+  if (d == "F16" || d == "BF16" || d == "I16" || d == "U16") return 2;
+  if (d == "I8" || d == "U8" || d == "BOOL" || d == "F8_E4M3" || d == "F8_E5M2") return 1;
+  return 0;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+}  // namespace
+
+SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std::string& path) {
+  auto fail = [&](const std::string& why) { return UsageError(path + ": not a valid safetensors file: " + why); };
+  if (size < 8) throw fail("only " + std::to_string(size) + " bytes; the 8-byte header length is missing");
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; --i) hlen = hlen << 8 | bytes[i];
+  if (hlen > size - 8) throw fail("header length " + std::to_string(hlen) + " runs past the end of the file (" + std::to_string(size) + " bytes)");
+  if (hlen > (uint64_t(100) << 20)) throw fail("header length " + std::to_string(hlen) + " exceeds 100 MB");
+  nlohmann::json h;
+  try {
+    h = nlohmann::json::parse(bytes + 8, bytes + 8 + hlen);
+  } catch (const std::exception& e) {
+    throw fail(std::string("header is not JSON: ") + e.what());
+  }
+  if (!h.is_object()) throw fail("header is not a JSON object");
+  const uint64_t data_size = size - 8 - hlen;
+  const unsigned char* data = bytes + 8 + hlen;
+  SafeTensors st;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (auto& [name, v] : h.items()) {
+    if (name == "__metadata__") {
+      if (!v.is_object()) throw fail("__metadata__ is not an object");
+      for (auto& [k, mv] : v.items()) {
+        if (!mv.is_string()) throw fail("metadata value of '" + k + "' is not a string");
+        st.metadata[k] = mv.get<std::string>();
+      }
+      continue;
+    }
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+      throw fail("tensor '" + name + "' lacks dtype, shape or data_offsets");
+    Tensor t;
+    if (!v["dtype"].is_string() || dtype_size(t.dtype = v["dtype"].get<std::string>()) == 0)
+      throw fail("tensor '" + name + "' has an unknown dtype");
+    if (!v["shape"].is_array()) throw fail("tensor '" + name + "' shape is not a list");
+    uint64_t numel = 1;
+    for (auto& d : v["shape"]) {
+      if (!d.is_number_unsigned()) throw fail("tensor '" + name + "' has a negative or non-integer dimension");
+      uint64_t dim = d.get<uint64_t>();
+      if (dim > (uint64_t(1) << 40) || (dim && numel > (uint64_t(1) << 40) / dim)) throw fail("tensor '" + name + "' is impossibly large");
+      numel *= dim;
+      t.shape.push_back(int64_t(dim));
+    }
+    auto& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+      throw fail("tensor '" + name + "' data_offsets is not [begin, end]");
+    uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+    if (b > e || e > data_size)
+      throw fail("tensor '" + name + "' data_offsets [" + std::to_string(b) + ", " + std::to_string(e) + "] lie outside the " +
+                 std::to_string(data_size) + "-byte data section");
+    if (e - b != numel * uint64_t(dtype_size(t.dtype)))
+      throw fail("tensor '" + name + "' holds " + std::to_string(e - b) + " bytes, its shape " + shape_str(t.shape) + " of " + t.dtype +
+                 " needs " + std::to_string(numel * dtype_size(t.dtype)));
+    t.data.assign(data + b, data + e);
+    ranges.push_back({b, e});
+    st.order.push_back(name);
+    st.tensors[name] = std::move(t);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i)
+    if (ranges[i].first < ranges[i - 1].second) throw fail("two tensors' data overlap");
+  return st;
+}
+
+SafeTensors read_safetensors(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) throw UsageError(path + ": no such checkpoint file");
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw UsageError(path + ": cannot open: " + std::strerror(errno));
+  std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  return parse_safetensors(bytes.data(), bytes.size(), path);
+}
+
+void write_safetensors(const std::string& path, const SafeTensors& st) {
+  nlohmann::json h = nlohmann::json::object();
+  if (!st.metadata.empty()) h["__metadata__"] = st.metadata;
+  uint64_t at = 0;
+  for (auto& name : st.order) {
+    const Tensor& t = st.tensors.at(name);
+    h[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {at, at + t.data.size()}}};
+    at += t.data.size();
+  }
+  std::string header = h.dump();
+  header.append((8 - header.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) throw UsageError(path + ": cannot write checkpoint: " + std::strerror(errno));
+  auto put = [&](const void* p, size_t n) {
+    const char* c = static_cast<const char*>(p);
+    while (n > 0) {
+      ssize_t w = ::write(fd, c, n);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        int err = errno;
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        throw UsageError(path + ": writing checkpoint failed: " + std::strerror(err));
+      }
+      c += w, n -= size_t(w);
+    }
+  };
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = (uint64_t(header.size()) >> (8 * i)) & 0xff;
+  put(len, 8);
+  put(header.data(), header.size());
+  for (auto& name : st.order) put(st.tensors.at(name).data.data(), st.tensors.at(name).data.size());
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    throw UsageError(path + ": flushing checkpoint failed: " + std::strerror(err));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    throw UsageError(path + ": cannot move the new checkpoint into place: " + std::strerror(err));
+  }
+  // Make the rename itself durable.
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void save_checkpoint(const std::string& path, const ModelSpec& spec, const Checkpoint& ckpt) {
+  SafeTensors st;
+  st.metadata = ckpt.metadata;
+  st.metadata["model"] = spec.name;
+  st.metadata["format"] = "dp checkpoint: PyTorch state_dict names and layouts";
+  auto add = [&](const std::string& name, const Param& p, const std::vector<float>& flat) {
+    Tensor t{"F32", p.shape, {}};
+    auto* b = reinterpret_cast<const unsigned char*>(flat.data() + p.offset);
+    t.data.assign(b, b + p.size * sizeof(float));
+    st.order.push_back(name);
+    st.tensors[name] = std::move(t);
+  };
+  for (auto& p : spec.params) add(p.name, p, ckpt.params);
+  if (!ckpt.momentum.empty())
+    for (auto& p : spec.params) add("optimizer." + p.name + ".momentum_buffer", p, ckpt.momentum);
+  write_safetensors(path, st);
+}
+
+Checkpoint load_checkpoint(const std::string& path, const ModelSpec& spec) {
+  SafeTensors st = read_safetensors(path);
+  auto m = st.metadata.find("model");
+  if (m != st.metadata.end() && m->second != spec.name)
+    throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " + m->second + ")");
+  Checkpoint c;
+  c.metadata = st.metadata;
+  c.params.assign(size_t(spec.param_count), 0.0f);
+  bool any_momentum = st.tensors.count("optimizer." + spec.params[0].name + ".momentum_buffer") > 0;
+  if (any_momentum) c.momentum.assign(size_t(spec.param_count), 0.0f);
+  auto take = [&](const std::string& name, const Param& p, std::vector<float>& flat) {
+    auto it = st.tensors.find(name);
+    if (it == st.tensors.end()) throw UsageError(path + ": tensor '" + name + "' is missing; a " + spec.name + " checkpoint has it");
+    const Tensor& t = it->second;
+    if (t.dtype != "F32") throw UsageError(path + ": tensor '" + name + "' is " + t.dtype + ", expected F32");
+    if (t.shape != p.shape)
+      throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", " + spec.name + " needs " + shape_str(p.shape));
+    std::memcpy(flat.data() + p.offset, t.data.data(), t.data.size());
+  };
+  for (auto& p : spec.params) take(p.name, p, c.params);
+  if (any_momentum)
+    for (auto& p : spec.params) take("optimizer." + p.name + ".momentum_buffer", p, c.momentum);
+  for (auto& name : st.order) {
+    bool known = spec.find(name) != nullptr;
+    if (name.rfind("optimizer.", 0) == 0 || name.rfind("state.", 0) == 0) known = true;
+    if (!known) throw UsageError(path + ": unexpected tensor '" + name + "' for model " + spec.name);
+  }
+  return c;
+}
+
+}  // namespace dp

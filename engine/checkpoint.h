@@ -1,0 +1,45 @@
+// Checkpoints as safetensors files: the weights under PyTorch's names and layouts (so
+// safetensors.torch.load_file + load_state_dict reads them), the optimizer's momentum buffers as
+// "optimizer.<name>.momentum_buffer", and the training position in the metadata.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "models/model.h"
+
+namespace dp {
+
+struct Tensor {
+  std::string dtype;  // "F32", "I64", ...
+  std::vector<int64_t> shape;
+  std::vector<unsigned char> data;
+};
+
+struct SafeTensors {
+  std::vector<std::string> order;  // tensors in file order
+  std::map<std::string, Tensor> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+// Validates the header length, the JSON, dtypes, shapes and that every tensor's byte range lies
+// inside the file, matches its shape and overlaps no other; throws UsageError naming the file.
+SafeTensors read_safetensors(const std::string& path);
+SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std::string& name);
+// Writes beside the target, fsyncs, renames over it: a crash leaves the old file or the new one.
+void write_safetensors(const std::string& path, const SafeTensors& st);
+
+struct Checkpoint {
+  std::vector<float> params;    // (P) the flat buffer
+  std::vector<float> momentum;  // (P) or empty
+  std::map<std::string, std::string> metadata;
+};
+
+void save_checkpoint(const std::string& path, const ModelSpec& spec, const Checkpoint& ckpt);
+// Checks the model ("this checkpoint is lenet5, you asked for lenet"), every parameter's name,
+// dtype and shape.
+Checkpoint load_checkpoint(const std::string& path, const ModelSpec& spec);
+
+}  // namespace dp

@@ -1,0 +1,232 @@
+#include "engine/communicator.h"
+
+#include "engine/error.h"
+
+namespace dp {
+
+const char* collective_name(Collective c) {
+  static const char* names[kCollectives] = {"scatter", "gather", "broadcast", "reduce", "all_reduce"};
+  return names[int(c)];
+}
+
+void Barrier::arrive_and_wait() {
+  std::unique_lock lock(mu_);
+  if (aborted_) throw Aborted();
+  int64_t gen = generation_;
+  if (++waiting_ == n_) {
+    waiting_ = 0;
+    ++generation_;
+    cv_.notify_all();
+    return;
+  }
+  cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+  if (generation_ == gen) throw Aborted();
+}
+
+void Barrier::abort() {
+  std::lock_guard lock(mu_);
+  aborted_ = true;
+  cv_.notify_all();
+}
+
+void Barrier::reset() {
+  std::lock_guard lock(mu_);
+  aborted_ = false;
+  waiting_ = 0;
+  ++generation_;
+}
+
+bool Barrier::aborted() const {
+  std::lock_guard lock(mu_);
+  return aborted_;
+}
+
+std::vector<int64_t> even_chunks(int64_t count, int n) {
+  std::vector<int64_t> c(n, count / n);
+  for (int64_t i = 0; i < count % n; ++i) ++c[i];
+  return c;
+}
+
+Communicator::Communicator(std::vector<Device*> devices)
+    : devices_(std::move(devices)),
+      barrier_(int(devices_.size())),
+      slots_(devices_.size()),
+      scratch_slots_(devices_.size()),
+      scratch_(devices_.size()),
+      traffic_(devices_.size()),
+      pending_(devices_.size()) {}
+
+float* Communicator::scratch(int rank, int64_t floats) {
+  size_t bytes = size_t(floats) * sizeof(float);
+  if (scratch_[rank].bytes() < bytes) {
+    scratch_[rank].reset();
+    scratch_[rank] = devices_[rank]->alloc(bytes, Category::comm);
+  }
+  return scratch_[rank].f();
+}
+
+void Communicator::sync_and_wait(int rank) {
+  devices_[rank]->synchronize();
+  barrier_.arrive_and_wait();
+}
+
+Traffic Communicator::total(int rank) const {
+  Traffic t;
+  for (auto& c : traffic_[rank]) t.sent += c.sent, t.received += c.received;
+  return t;
+}
+
+void Communicator::reset_traffic() {
+  for (auto& r : traffic_) r = {};
+}
+
+void Communicator::abort() { barrier_.abort(); }
+
+void Communicator::recover() {
+  for (auto& p : pending_) {
+    for (auto& f : p)
+      if (f.valid()) f.wait();
+    p.clear();
+  }
+  barrier_.reset();
+}
+
+void Communicator::broadcast(int rank, float* buf, int64_t count, int root) {
+  const int n = size();
+  if (n == 1 || count == 0) return;
+  const int64_t bytes = count * int64_t(sizeof(float));
+  slots_[rank] = buf;
+  barrier_.arrive_and_wait();
+  if (rank == root) {
+    tally(rank, Collective::broadcast, (n - 1) * bytes, 0);
+  } else {
+    devices_[rank]->copy_from_peer(buf, *devices_[root], slots_[root], size_t(bytes));
+    tally(rank, Collective::broadcast, 0, bytes);
+  }
+  sync_and_wait(rank);  // the root may not touch buf until every copy has landed
+}
+
+void Communicator::scatter(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) {
+  const int n = size();
+  if (n == 1) return;
+  slots_[rank] = send;
+  barrier_.arrive_and_wait();
+  int64_t offset = 0;
+  for (int r = 0; r < rank; ++r) offset += counts[r];
+  if (rank == root) {
+    int64_t sent = 0;
+    for (int r = 0; r < n; ++r)
+      if (r != root) sent += counts[r];
+    tally(rank, Collective::scatter, sent * int64_t(sizeof(float)), 0);
+  } else if (counts[rank] > 0) {
+    devices_[rank]->copy_from_peer(recv, *devices_[root], slots_[root] + offset, size_t(counts[rank]) * sizeof(float));
+    tally(rank, Collective::scatter, 0, counts[rank] * int64_t(sizeof(float)));
+  }
+  sync_and_wait(rank);
+}
+
+void Communicator::gather(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) {
+  const int n = size();
+  int64_t offset = 0;
+  for (int r = 0; r < rank; ++r) offset += counts[r];
+  if (rank == root && counts[rank] > 0 && send != recv + offset)
+    devices_[rank]->copy(recv + offset, send, size_t(counts[rank]) * sizeof(float));
+  if (n == 1) return;
+  slots_[rank] = send;
+  barrier_.arrive_and_wait();
+  if (rank == root) {
+    int64_t received = 0, at = 0;
+    for (int r = 0; r < n; ++r) {
+      if (r != root && counts[r] > 0) {
+        devices_[rank]->copy_from_peer(recv + at, *devices_[r], slots_[r], size_t(counts[r]) * sizeof(float));
+        received += counts[r];
+      }
+      at += counts[r];
+    }
+    tally(rank, Collective::gather, 0, received * int64_t(sizeof(float)));
+  } else {
+    tally(rank, Collective::gather, counts[rank] * int64_t(sizeof(float)), 0);
+  }
+  sync_and_wait(rank);
+}
+
+void Communicator::reduce(int rank, float* buf, int64_t count, int root) {
+  const int n = size();
+  if (n == 1 || count == 0) return;
+  const int64_t bytes = count * int64_t(sizeof(float));
+  float* recv = rank == root ? scratch(rank, (n - 1) * count) : nullptr;  // (n-1, count)
+  slots_[rank] = buf;
+  barrier_.arrive_and_wait();
+  if (rank == root) {
+    int slot = 0;
+    for (int r = 0; r < n; ++r) {
+      if (r == root) continue;
+      devices_[rank]->copy_from_peer(recv + slot * count, *devices_[r], slots_[r], size_t(bytes));
+      ++slot;
+    }
+    tally(rank, Collective::reduce, 0, (n - 1) * bytes);
+  } else {
+    tally(rank, Collective::reduce, bytes, 0);
+  }
+  sync_and_wait(rank);  // peers may reuse their buffers once the root holds the copies
+  if (rank == root)
+    for (int s = 0; s < n - 1; ++s) devices_[rank]->ops().add(count, recv + s * count, buf);
+}
+
+void Communicator::all_reduce(int rank, float* buf, int64_t count) {
+  const int n = size();
+  if (n == 1 || count == 0) return;
+  const std::vector<int64_t> chunk = even_chunks(count, n);
+  std::vector<int64_t> offset(n, 0);
+  for (int c = 1; c < n; ++c) offset[c] = offset[c - 1] + chunk[c - 1];
+  float* recv = scratch(rank, chunk[0]);  // (largest chunk)
+  const int prev = (rank + n - 1) % n;
+  slots_[rank] = buf;
+  barrier_.arrive_and_wait();
+  Device& dev = *devices_[rank];
+  auto bytes = [&](int c) { return chunk[c] * int64_t(sizeof(float)); };
+  // Reduce-scatter: at step s rank r sends chunk (r - s) to r + 1 and receives chunk (r - 1 - s)
+  // from r - 1, adding it into its own. Nobody writes a chunk while its neighbour reads it.
+  for (int s = 0; s < n - 1; ++s) {
+    int send_c = (rank - s + n) % n, recv_c = (rank - 1 - s + 2 * n) % n;
+    if (chunk[recv_c] > 0) dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
+    tally(rank, Collective::all_reduce, bytes(send_c), bytes(recv_c));
+    sync_and_wait(rank);
+    dev.ops().add(chunk[recv_c], recv, buf + offset[recv_c]);
+    sync_and_wait(rank);
+  }
+  // All-gather: rank r now owns the sum of chunk (r + 1); pass the finished chunks around.
+  for (int s = 0; s < n - 1; ++s) {
+    int send_c = (rank + 1 - s + n) % n, recv_c = (rank - s + n) % n;
+    if (chunk[recv_c] > 0)
+      dev.copy_from_peer(buf + offset[recv_c], *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
+    tally(rank, Collective::all_reduce, bytes(send_c), bytes(recv_c));
+    sync_and_wait(rank);
+  }
+}
+
+void Communicator::all_reduce_async(int rank, float* buf, int64_t count) {
+  pending_[rank].push_back(devices_[rank]->run_comm([this, rank, buf, count] {
+    try {
+      all_reduce(rank, buf, count);
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }));
+}
+
+void Communicator::wait(int rank) {
+  std::exception_ptr first;
+  for (auto& f : pending_[rank]) {
+    try {
+      f.get();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  pending_[rank].clear();
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace dp

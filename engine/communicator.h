@@ -1,0 +1,105 @@
+// The communicator: the only way bytes cross between devices. Collectives are SPMD, as in NCCL and
+// torch.distributed: every rank calls the same collectives in the same order from its own device
+// thread. Each rank counts the bytes it sends and receives, per collective.
+//
+// PeerCommunicator implements them over Device::copy_from_peer and the device's add kernel, with a
+// barrier between phases: on simulated devices that is memcpy between host buffers; on CUDA it is
+// cudaMemcpyPeerAsync (the path for several replicas on one GPU). NCCL overrides all_reduce.
+#pragma once
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <future>
+#include <mutex>
+#include <vector>
+
+#include "engine/device.h"
+
+namespace dp {
+
+enum class Collective { scatter, gather, broadcast, reduce, all_reduce };
+inline constexpr int kCollectives = 5;
+const char* collective_name(Collective c);
+
+struct Traffic {
+  int64_t sent = 0, received = 0;  // bytes
+};
+
+// A barrier that can be aborted: waiting ranks then throw Aborted instead of hanging.
+class Barrier {
+ public:
+  explicit Barrier(int n) : n_(n) {}
+  void arrive_and_wait();
+  void abort();
+  void reset();  // only when no rank is inside
+  bool aborted() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, waiting_ = 0;
+  int64_t generation_ = 0;
+  bool aborted_ = false;
+};
+
+// Chunk sizes that differ by at most one, larger first: 10 over 3 -> 4, 3, 3.
+std::vector<int64_t> even_chunks(int64_t count, int n);
+
+class Communicator {
+ public:
+  explicit Communicator(std::vector<Device*> devices);
+  virtual ~Communicator() = default;
+  int size() const { return int(devices_.size()); }
+  Device& device(int rank) const { return *devices_[rank]; }
+
+  // root's buf -> every other rank's buf.
+  virtual void broadcast(int rank, float* buf, int64_t count, int root);
+  // root's send holds the chunks back to back (counts[r] floats each); rank r != root receives its
+  // chunk into recv. The root's own chunk stays in place (the caller reads it at its offset).
+  virtual void scatter(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root);
+  // Inverse of scatter: rank r's send (counts[r] floats) lands at its offset in root's recv; the
+  // root's own chunk is copied locally (not counted: it does not leave the device).
+  virtual void gather(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root);
+  // Sum of every rank's buf into root's buf. The root receives each peer's whole buffer into its
+  // comm scratch ((n-1) * count floats, as nn.DataParallel's reduce_add gathers before it sums),
+  // then adds them in rank order.
+  virtual void reduce(int rank, float* buf, int64_t count, int root);
+  // Ring all-reduce: reduce-scatter then all-gather over n even chunks; every rank ends with the
+  // same bits. Each rank sends and receives 2 (n-1) chunks.
+  virtual void all_reduce(int rank, float* buf, int64_t count);
+  // Starts all_reduce on the rank's communication thread (buckets overlapping backward); wait()
+  // returns when every started one is done and rethrows the first failure.
+  virtual void all_reduce_async(int rank, float* buf, int64_t count);
+  virtual void wait(int rank);
+
+  // Called when a rank fails: every rank waiting in, or later entering, a collective throws Aborted.
+  void abort();
+  // After a failed step, once every rank has returned: drop pending work and re-arm.
+  void recover();
+
+  Traffic traffic(int rank, Collective c) const { return traffic_[rank][int(c)]; }
+  Traffic total(int rank) const;
+  void reset_traffic();
+
+ protected:
+  void tally(int rank, Collective c, int64_t sent_bytes, int64_t received_bytes) {
+    traffic_[rank][int(c)].sent += sent_bytes;
+    traffic_[rank][int(c)].received += received_bytes;
+  }
+  float* scratch(int rank, int64_t floats);  // comm buffer on the rank's device, grown on demand
+  void sync_and_wait(int rank);              // finish the rank's queued copies, then barrier
+
+  std::vector<Device*> devices_;
+  Barrier barrier_;
+  std::vector<const float*> slots_;  // each rank publishes a pointer for the others to read
+  std::vector<float*> scratch_slots_;
+  std::vector<Buffer> scratch_;
+  std::vector<std::array<Traffic, kCollectives>> traffic_;
+  std::vector<std::vector<std::future<void>>> pending_;
+};
+
+// NCCL when every device is a distinct GPU, the peer ring otherwise (kernels/cuda/ or the stub).
+std::unique_ptr<Communicator> make_communicator(std::vector<Device*> devices);
+
+}  // namespace dp

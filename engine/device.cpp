@@ -1,0 +1,150 @@
+#include "engine/device.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <thread>
+#include <utility>
+
+#include "engine/error.h"
+#include "kernels/cpu/cpu_ops.h"
+
+namespace dp {
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    device_ = std::exchange(o.device_, nullptr);
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+    category_ = o.category_;
+  }
+  return *this;
+}
+
+void Buffer::reset() noexcept {
+  if (ptr_) {
+    device_->raw_free(ptr_);
+    device_->ledger_.release(category_, int64_t(bytes_));
+  }
+  device_ = nullptr;
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+std::string Device::name() const {
+  return std::string(kind_ == DeviceKind::cuda ? "cuda:" : "sim:") + std::to_string(id_);
+}
+
+Buffer Device::alloc(size_t bytes, Category category) {
+  if (bytes == 0) return Buffer();
+  ledger_.book(category, int64_t(bytes));  // throws past the cap, before anything is allocated
+  void* p = nullptr;
+  try {
+    p = raw_alloc(bytes);
+  } catch (...) {
+    ledger_.release(category, int64_t(bytes));
+    throw;
+  }
+  return Buffer(this, p, bytes, category);
+}
+
+void Device::maybe_fail(const char* where) {
+  if (fault_.empty()) return;
+  std::string what = std::move(fault_);
+  fault_.clear();
+  throw DeviceError(rank_, std::string("injected fault in ") + where + ": " + what);
+}
+
+void Device::start_workers(std::function<void()> init) {
+  compute_ = std::make_unique<Worker>(init);
+  comm_ = std::make_unique<Worker>(init);
+}
+
+void Device::stop_workers() {
+  compute_.reset();
+  comm_.reset();
+}
+
+namespace {
+
+// A simulated device: host memory (64-byte aligned), the CPU reference kernels, one thread.
+class SimDevice final : public Device {
+ public:
+  SimDevice(int rank, int id, int64_t cap, int threads)
+      : Device(rank, id, DeviceKind::simulated, cap), ops_(threads) {
+    start_workers({});
+  }
+  ~SimDevice() override { stop_workers(); }
+
+  Ops& ops() override { return ops_; }
+  void upload(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void download(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void copy(void* dst, const void* src, size_t n) override { std::memmove(dst, src, n); }
+  void copy_from_peer(void* dst, const Device&, const void* src, size_t n) override {
+    std::memcpy(dst, src, n);
+  }
+  void synchronize() override {}
+
+ protected:
+  void* raw_alloc(size_t bytes) override {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) throw DeviceError(rank(), "host allocation of " + format_bytes(int64_t(bytes)) + " failed");
+    return p;
+  }
+  void raw_free(void* p) noexcept override { std::free(p); }
+
+ private:
+  CpuOps ops_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t cap, int threads) {
+  return std::make_unique<SimDevice>(rank, id, cap, threads);
+}
+
+DeviceSet make_devices(const DeviceConfig& cfg) {
+  if (cfg.ids.empty()) throw UsageError("--gpus: the device list is empty; give at least one id, e.g. --gpus 0");
+  for (int id : cfg.ids)
+    if (id < 0) throw UsageError("--gpus: device id " + std::to_string(id) + " is negative; ids are 0, 1, ...");
+  if (std::set<int>(cfg.ids.begin(), cfg.ids.end()).size() != cfg.ids.size() && !cfg.allow_shared_device)
+    throw UsageError("--gpus: a device id is repeated; pass --allow-shared-device to run several replicas on one device");
+  if (cfg.backend != "auto" && cfg.backend != "cpu" && cfg.backend != "cuda")
+    throw UsageError("--backend: '" + cfg.backend + "' is not a backend; use auto, cpu or cuda");
+
+  DeviceSet set;
+  bool use_cuda = false;
+  if (cfg.backend != "cpu") {
+    CudaProbe probe = probe_cuda();
+    if (probe.count > 0) {
+      for (int id : cfg.ids)
+        if (id >= probe.count)
+          throw UsageError("--gpus: device " + std::to_string(id) + " does not exist; this machine has " +
+                           std::to_string(probe.count) + " CUDA device(s), ids 0.." + std::to_string(probe.count - 1));
+      use_cuda = true;
+      set.notice = "backend: cuda (" + std::to_string(probe.count) + " CUDA device(s) found)";
+    } else if (cfg.backend == "cuda") {
+      throw UsageError("--backend cuda: no CUDA device is usable (" + probe.reason + "); use --backend cpu or auto");
+    } else {
+      set.notice = "backend: simulated CPU devices (" + probe.reason + "); --gpus ids name simulated devices";
+    }
+  } else {
+    set.notice = "backend: simulated CPU devices (--backend cpu)";
+  }
+
+  int n = int(cfg.ids.size());
+  if (use_cuda) {
+    for (int r = 0; r < n; ++r) set.devices.push_back(make_cuda_device(r, cfg.ids[r], cfg.memory_cap));
+    set.threads_per_device = 1;
+    return set;
+  }
+  int cores = std::max(1u, std::thread::hardware_concurrency());
+  int threads = cfg.threads > 0 ? cfg.threads : std::max(1, cores / n);
+  set.threads_per_device = threads;
+  for (int r = 0; r < n; ++r) set.devices.push_back(make_simulated_device(r, cfg.ids[r], cfg.memory_cap, threads));
+  return set;
+}
+
+}  // namespace dp

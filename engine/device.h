@@ -1,0 +1,127 @@
+// A device: an id, a kind, a compute worker thread alive for the whole run, an allocator that books
+// every byte in a ledger, and its kernels. Simulated devices run on a CPU thread; CUDA devices own a
+// stream and library handles (kernels/cuda/). The engine above sees only this interface.
+#pragma once
+
+#include <cstddef>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/ledger.h"
+#include "engine/worker.h"
+#include "kernels/ops.h"
+
+namespace dp {
+
+enum class DeviceKind { simulated, cuda };
+
+class Device;
+
+// Move-only device memory, booked under a category for as long as it lives.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Device* device, void* ptr, size_t bytes, Category category)
+      : device_(device), ptr_(ptr), bytes_(bytes), category_(category) {}
+  ~Buffer() { reset(); }
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void reset() noexcept;
+  float* f() const { return static_cast<float*>(ptr_); }
+  int32_t* i32() const { return static_cast<int32_t*>(ptr_); }
+  void* data() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  explicit operator bool() const { return ptr_ != nullptr; }
+
+ private:
+  Device* device_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  Category category_ = Category::workspace;
+};
+
+class Device {
+ public:
+  Device(int rank, int id, DeviceKind kind, int64_t memory_cap)
+      : rank_(rank), id_(id), kind_(kind), ledger_(rank, memory_cap) {}
+  virtual ~Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  int rank() const { return rank_; }  // position in the device list: the communicator's rank
+  int id() const { return id_; }      // the id the user gave (--gpus)
+  DeviceKind kind() const { return kind_; }
+  std::string name() const;  // "sim:1", "cuda:0"
+  Ledger& ledger() { return ledger_; }
+
+  Buffer alloc(size_t bytes, Category category);
+  Buffer alloc_floats(int64_t n, Category category) { return alloc(size_t(n) * sizeof(float), category); }
+
+  virtual Ops& ops() = 0;
+  // Copies. upload/copy/copy_from_peer are ordered on the device's stream (asynchronous on CUDA,
+  // the host buffer must outlive synchronize()); download returns when the bytes are on the host.
+  virtual void upload(void* dst, const void* src_host, size_t bytes) = 0;
+  virtual void download(void* dst_host, const void* src, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+
+  // Runs fn on the device's compute thread / its communication thread.
+  std::future<void> run(std::function<void()> fn) { return compute_->submit(std::move(fn)); }
+  std::future<void> run_comm(std::function<void()> fn) { return comm_->submit(std::move(fn)); }
+
+  // Test hook: the next call to maybe_fail() on this device throws (fault injection).
+  void inject_fault(std::string what) { fault_ = std::move(what); }
+  void maybe_fail(const char* where);
+
+ protected:
+  virtual void* raw_alloc(size_t bytes) = 0;
+  virtual void raw_free(void* ptr) noexcept = 0;
+  // Called by the derived constructor once it can run `init` (e.g. cudaSetDevice) on new threads;
+  // the derived destructor calls stop_workers() before its own members go.
+  void start_workers(std::function<void()> init);
+  void stop_workers();
+
+ private:
+  friend class Buffer;
+  int rank_, id_;
+  DeviceKind kind_;
+  Ledger ledger_;
+  std::unique_ptr<Worker> compute_, comm_;
+  std::string fault_;
+};
+
+struct DeviceConfig {
+  std::string backend = "auto";  // auto | cpu | cuda
+  std::vector<int> ids{0};
+  int threads = 0;               // compute threads per simulated device; 0 = cores / devices
+  int64_t memory_cap = 0;        // bytes per simulated device; 0 = unlimited
+  bool allow_shared_device = false;
+};
+
+struct DeviceSet {
+  std::vector<std::unique_ptr<Device>> devices;
+  std::string notice;  // one line: which backend was chosen and why
+  int threads_per_device = 1;
+};
+
+// Throws UsageError for an empty list, repeated ids without allow_shared_device, a bad backend.
+DeviceSet make_devices(const DeviceConfig& config);
+
+std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t memory_cap, int threads);
+
+// The CUDA backend's entry points; kernels/cuda/ defines them, or the stub when built without CUDA.
+struct CudaProbe {
+  int count = 0;       // usable CUDA devices
+  std::string reason;  // why there are none: "built without CUDA", "no CUDA driver", ...
+};
+CudaProbe probe_cuda();  // cheap, never throws
+std::unique_ptr<Device> make_cuda_device(int rank, int id, int64_t memory_cap);
+bool cuda_built();
+
+}  // namespace dp

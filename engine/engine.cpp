@@ -1,0 +1,398 @@
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "engine/error.h"
+
+namespace dp {
+
+Sync parse_sync(const std::string& s) {
+  if (s == "scatter") return Sync::scatter;
+  if (s == "allreduce") return Sync::allreduce;
+  throw UsageError("--sync: '" + s + "' is not a strategy; use scatter or allreduce");
+}
+
+Split parse_split(const std::string& s) {
+  if (s == "even") return Split::even;
+  if (s == "chunk") return Split::chunk;
+  throw UsageError("--split: '" + s + "' is not a split; use even or chunk");
+}
+
+const char* sync_name(Sync s) { return s == Sync::scatter ? "scatter" : "allreduce"; }
+const char* split_name(Split s) { return s == Split::even ? "even" : "chunk"; }
+
+const char* phase_name(Phase p, Sync s) {
+  static const char* names[kPhases] = {"load",        "scatter",  "broadcast", "forward",
+                                       "gather+loss", "backward", "reduce",    "optimizer"};
+  if (p == Phase::reduce && s == Sync::allreduce) return "all-reduce";
+  if (p == Phase::gather_loss && s == Sync::allreduce) return "loss";
+  return names[int(p)];
+}
+
+std::vector<int> split_batch(int b, int n, Split split) {
+  std::vector<int> sizes(n, 0);
+  if (split == Split::even) {
+    for (int r = 0; r < n; ++r) sizes[r] = b / n + (r < b % n ? 1 : 0);
+  } else {
+    int per = (b + n - 1) / n, left = b;
+    for (int r = 0; r < n; ++r) {
+      sizes[r] = std::min(per, left);
+      left -= sizes[r];
+    }
+  }
+  return sizes;
+}
+
+// Everything one device holds for its replica. Shapes use B (global batch), b (largest local
+// batch), P (parameters), D (input size), C (classes).
+struct Engine::Replica {
+  Buffer params;      // (P)
+  Buffer grads;       // (P)
+  Buffer momentum;    // (P) scatter: device 0 only; allreduce: every device; none at momentum 0
+  std::unique_ptr<Network> net;
+  Buffer input;       // (b, D) this device's chunk (not on device 0 under scatter: a view)
+  Buffer labels;      // (b) allreduce only: the loss is local
+  Buffer dlogits;     // (b, C) this device's logit gradients (not on device 0 under scatter)
+  Buffer stats;       // (2) loss sum, correct count
+  // scatter, device 0 only: the whole batch, the gathered logits and their gradients
+  Buffer full_input;     // (B, D)
+  Buffer full_labels;    // (B)
+  Buffer gathered;       // (B, C)
+  Buffer gathered_grad;  // (B, C)
+};
+
+Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig cfg)
+    : devices_(std::move(devices)),
+      spec_(spec),
+      cfg_(cfg),
+      phase_seconds_(devices_.size()),
+      spans_(devices_.size()),
+      step_traffic_(devices_.size()),
+      t0_(std::chrono::steady_clock::now()) {
+  if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
+  comm_ = make_communicator(devices_);
+  const int n = size();
+  const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
+  const int b = split_batch(cfg_.batch, n, cfg_.split)[0];
+  const int eval_b = std::max(b, 1);
+  replicas_.resize(n);
+  run_all([&](int r) {
+    Device& dev = *devices_[r];
+    auto rep = std::make_unique<Replica>();
+    rep->params = dev.alloc_floats(P, Category::parameters);
+    rep->grads = dev.alloc_floats(P, Category::gradients);
+    bool owns_optimizer = cfg_.sync == Sync::allreduce || r == 0;
+    if (cfg_.momentum != 0.0f && owns_optimizer) {
+      rep->momentum = dev.alloc_floats(P, Category::optimizer);
+      dev.ops().fill(P, 0.0f, rep->momentum.f());
+    }
+    rep->net = std::make_unique<Network>(spec_, dev, eval_b);
+    rep->stats = dev.alloc_floats(2, Category::outputs);
+    if (cfg_.sync == Sync::scatter && r == 0) {
+      rep->full_input = dev.alloc_floats(int64_t(cfg_.batch) * D, Category::inputs);
+      rep->full_labels = dev.alloc(size_t(cfg_.batch) * sizeof(int32_t), Category::inputs);
+      rep->gathered = dev.alloc_floats(int64_t(cfg_.batch) * C, Category::outputs);
+      rep->gathered_grad = dev.alloc_floats(int64_t(cfg_.batch) * C, Category::outputs);
+    } else {
+      rep->input = dev.alloc_floats(int64_t(eval_b) * D, Category::inputs);
+      rep->dlogits = dev.alloc_floats(int64_t(eval_b) * C, Category::outputs);
+      if (cfg_.sync == Sync::allreduce)
+        rep->labels = dev.alloc(size_t(eval_b) * sizeof(int32_t), Category::inputs);
+    }
+    dev.synchronize();
+    replicas_[r] = std::move(rep);
+  });
+
+  // Buckets: parameterised layers from the last to the first (the order backward produces their
+  // gradients), closed once they reach bucket_kb. Layers are contiguous in the flat buffer, so each
+  // bucket is one contiguous range.
+  layer_bucket_.assign(spec_.layers.size(), -1);
+  if (cfg_.sync == Sync::allreduce && cfg_.bucket_kb > 0) {
+    Bucket cur;
+    int64_t hi = P;
+    for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
+      const Layer& l = spec_.layers[i];
+      if (l.weight < 0) continue;
+      int64_t lo = spec_.params[l.weight].offset;
+      cur.offset = lo;
+      cur.count = hi - lo;
+      cur.layers++;
+      layer_bucket_[i] = int(buckets_.size());
+      if (cur.count * int64_t(sizeof(float)) >= cfg_.bucket_kb * 1024) {
+        buckets_.push_back(cur);
+        hi = lo;
+        cur = Bucket();
+      }
+    }
+    if (cur.layers > 0) buckets_.push_back(cur);
+  }
+}
+
+Engine::~Engine() {
+  // Buffers are freed by their own device; the CUDA allocator wants its thread.
+  for (int r = 0; r < size() && r < int(replicas_.size()); ++r)
+    if (replicas_[r]) devices_[r]->run([&, r] { replicas_[r].reset(); }).wait();
+}
+
+void Engine::run_all(const std::function<void(int)>& fn) {
+  std::vector<std::future<void>> futures;
+  for (int r = 0; r < size(); ++r) {
+    futures.push_back(devices_[r]->run([this, &fn, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        comm_->abort();  // no rank may wait forever for this one
+        throw;
+      }
+    }));
+  }
+  std::exception_ptr first, aborted;
+  for (int r = 0; r < size(); ++r) {
+    try {
+      futures[r].get();
+    } catch (const Aborted&) {
+      if (!aborted) aborted = std::current_exception();
+    } catch (const DeviceError&) {
+      if (!first) first = std::current_exception();
+    } catch (const std::exception& e) {
+      if (!first) first = std::make_exception_ptr(DeviceError(devices_[r]->id(), e.what()));
+    }
+  }
+  if (first || aborted) {
+    comm_->recover();
+    std::rethrow_exception(first ? first : aborted);
+  }
+}
+
+template <class F>
+void Engine::timed(int rank, Phase p, F&& f) {
+  auto start = std::chrono::steady_clock::now();
+  f();
+  devices_[rank]->synchronize();  // a phase ends when its device work has
+  auto end = std::chrono::steady_clock::now();
+  phase_seconds_[rank][int(p)] += std::chrono::duration<double>(end - start).count();
+  if (cfg_.trace) {
+    auto us = [&](auto t) { return std::chrono::duration<double, std::micro>(t - t0_).count(); };
+    spans_[rank].push_back({p, step_, us(start), us(end)});
+  }
+}
+
+void Engine::reset_timing() {
+  for (auto& p : phase_seconds_) p = {};
+  for (auto& s : spans_) s.clear();
+}
+
+StepResult Engine::step(const float* x, const int32_t* y, int n) {
+  if (n <= 0 || n > cfg_.batch)
+    throw UsageError("step: batch of " + std::to_string(n) + " samples; this engine takes 1.." + std::to_string(cfg_.batch));
+  const std::vector<int> sizes = split_batch(n, size(), cfg_.split);
+  std::vector<Traffic> before(size());
+  for (int r = 0; r < size(); ++r) before[r] = comm_->total(r);
+  run_all([&](int r) {
+    if (cfg_.sync == Sync::scatter) step_scatter(r, x, y, sizes);
+    else step_allreduce(r, x, y, sizes);
+  });
+  StepResult res;
+  res.n = n;
+  for (int r = 0; r < size(); ++r) {
+    if (cfg_.sync == Sync::scatter && r > 0) break;  // the loss lives on device 0
+    float stats[2];
+    devices_[r]->download(stats, replicas_[r]->stats.f(), sizeof stats);
+    res.loss += stats[0];
+    res.correct += int64_t(stats[1]);
+  }
+  if (n == cfg_.batch)
+    for (int r = 0; r < size(); ++r) {
+      Traffic t = comm_->total(r);
+      step_traffic_[r] = {t.sent - before[r].sent, t.received - before[r].received};
+    }
+  ++step_;
+  return res;
+}
+
+void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::vector<int>& sizes) {
+  Device& dev = *devices_[r];
+  Replica& rep = *replicas_[r];
+  Ops& ops = dev.ops();
+  const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
+  int B = 0;
+  for (int s : sizes) B += s;
+  std::vector<int64_t> in_counts, out_counts;
+  for (int s : sizes) in_counts.push_back(s * D), out_counts.push_back(s * C);
+  const int mine = sizes[r];
+
+  // The whole batch lands on device 0 (DataParallel's input is on device_ids[0]).
+  timed(r, Phase::load, [&] {
+    if (r != 0) return;
+    dev.upload(rep.full_input.f(), x, size_t(B * D) * sizeof(float));
+    dev.upload(rep.full_labels.i32(), y, size_t(B) * sizeof(int32_t));
+  });
+  timed(r, Phase::scatter, [&] {
+    comm_->scatter(r, r == 0 ? rep.full_input.f() : nullptr, rep.input.f(), in_counts, 0);
+  });
+  timed(r, Phase::broadcast, [&] { comm_->broadcast(r, rep.params.f(), P, 0); });
+  const float* logits = nullptr;
+  timed(r, Phase::forward, [&] {
+    if (mine > 0) logits = rep.net->forward(rep.params.f(), r == 0 ? rep.full_input.f() : rep.input.f(), mine);
+  });
+  timed(r, Phase::gather_loss, [&] {
+    comm_->gather(r, logits, rep.gathered.f(), out_counts, 0);
+    if (r == 0) {
+      ops.fill(2, 0.0f, rep.stats.f());
+      ops.softmax_xent(B, int(C), rep.gathered.f(), rep.full_labels.i32(), 1.0f / float(B),
+                       rep.gathered_grad.f(), rep.stats.f());
+    }
+    comm_->scatter(r, r == 0 ? rep.gathered_grad.f() : nullptr, rep.dlogits.f(), out_counts, 0);
+  });
+  timed(r, Phase::backward, [&] {
+    // A device without samples (batch smaller than the device count) contributes zeros.
+    if (mine > 0) rep.net->backward(rep.params.f(), rep.grads.f(), r == 0 ? rep.gathered_grad.f() : rep.dlogits.f(), mine);
+    else ops.fill(P, 0.0f, rep.grads.f());
+  });
+  timed(r, Phase::reduce, [&] { comm_->reduce(r, rep.grads.f(), P, 0); });
+  timed(r, Phase::optimizer, [&] {
+    if (r == 0) ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
+  });
+}
+
+void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::vector<int>& sizes) {
+  Device& dev = *devices_[r];
+  Replica& rep = *replicas_[r];
+  Ops& ops = dev.ops();
+  const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
+  int B = 0, first = 0;
+  for (int s : sizes) B += s;
+  for (int q = 0; q < r; ++q) first += sizes[q];
+  const int mine = sizes[r];
+
+  // Each device reads its own shard straight from host memory (DistributedSampler's rank slice).
+  timed(r, Phase::load, [&] {
+    if (mine == 0) return;
+    dev.upload(rep.input.f(), x + int64_t(first) * D, size_t(mine * D) * sizeof(float));
+    dev.upload(rep.labels.i32(), y + first, size_t(mine) * sizeof(int32_t));
+  });
+  const float* logits = nullptr;
+  timed(r, Phase::forward, [&] {
+    if (mine > 0) logits = rep.net->forward(rep.params.f(), rep.input.f(), mine);
+  });
+  // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly.
+  timed(r, Phase::gather_loss, [&] {
+    ops.fill(2, 0.0f, rep.stats.f());
+    if (mine > 0) ops.softmax_xent(mine, int(C), logits, rep.labels.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
+  });
+  std::vector<int> remaining;
+  for (auto& b : buckets_) remaining.push_back(b.layers);
+  auto on_ready = [&](int layer) {
+    int b = layer_bucket_[layer];
+    if (b >= 0 && --remaining[b] == 0) comm_->all_reduce_async(r, rep.grads.f() + buckets_[b].offset, buckets_[b].count);
+  };
+  timed(r, Phase::backward, [&] {
+    if (mine > 0) {
+      rep.net->backward(rep.params.f(), rep.grads.f(), rep.dlogits.f(), mine, buckets_.empty() ? std::function<void(int)>() : on_ready);
+    } else {
+      ops.fill(P, 0.0f, rep.grads.f());
+      dev.synchronize();
+      for (int i = int(spec_.layers.size()) - 1; i >= 0; --i)
+        if (spec_.layers[i].weight >= 0 && !buckets_.empty()) on_ready(i);
+    }
+  });
+  timed(r, Phase::reduce, [&] {
+    if (buckets_.empty()) comm_->all_reduce(r, rep.grads.f(), P);
+    else comm_->wait(r);
+  });
+  timed(r, Phase::optimizer, [&] {
+    ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
+  });
+}
+
+StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
+  const int64_t D = spec_.input_size(), C = spec_.classes;
+  if (cfg_.sync == Sync::scatter) run_all([&](int r) { comm_->broadcast(r, replicas_[r]->params.f(), spec_.param_count, 0); });
+  const std::vector<int> sizes = split_batch(n, size(), Split::even);
+  std::vector<double> loss(size(), 0.0);
+  std::vector<int64_t> correct(size(), 0);
+  run_all([&](int r) {
+    Device& dev = *devices_[r];
+    Replica& rep = *replicas_[r];
+    Network& net = *rep.net;
+    int first = 0;
+    for (int q = 0; q < r; ++q) first += sizes[q];
+    // Evaluation borrows the training buffers: inputs on every device but scatter's device 0,
+    // which reads from its full batch buffer.
+    float* in = rep.input ? rep.input.f() : rep.full_input.f();
+    float* dl = rep.dlogits ? rep.dlogits.f() : rep.gathered_grad.f();
+    int32_t* lab = rep.labels ? rep.labels.i32() : rep.full_labels.i32();
+    Buffer own_labels;
+    if (!lab) {
+      own_labels = dev.alloc(size_t(net.max_batch()) * sizeof(int32_t), Category::inputs);
+      lab = own_labels.i32();
+    }
+    for (int done = 0; done < sizes[r];) {
+      int m = std::min(net.max_batch(), sizes[r] - done);
+      dev.upload(in, x + int64_t(first + done) * D, size_t(m * D) * sizeof(float));
+      dev.upload(lab, y + first + done, size_t(m) * sizeof(int32_t));
+      dev.ops().fill(2, 0.0f, rep.stats.f());
+      dev.ops().softmax_xent(m, int(C), net.forward(rep.params.f(), in, m), lab, 1.0f, dl, rep.stats.f());
+      float stats[2];
+      dev.download(stats, rep.stats.f(), sizeof stats);
+      loss[r] += stats[0];
+      correct[r] += int64_t(stats[1]);
+      done += m;
+    }
+  });
+  StepResult res;
+  res.n = n;
+  for (int r = 0; r < size(); ++r) res.loss += loss[r], res.correct += correct[r];
+  if (n > 0) res.loss /= n;
+  return res;
+}
+
+std::vector<float> Engine::params(int rank) {
+  std::vector<float> host(size_t(spec_.param_count));
+  devices_[rank]->run([&] { devices_[rank]->download(host.data(), replicas_[rank]->params.f(), host.size() * sizeof(float)); }).get();
+  return host;
+}
+
+void Engine::set_params(const std::vector<float>& host) {
+  if (int64_t(host.size()) != spec_.param_count)
+    throw std::invalid_argument("set_params: " + std::to_string(host.size()) + " values for a model of " + std::to_string(spec_.param_count));
+  run_all([&](int r) {
+    if (r == 0) devices_[0]->upload(replicas_[0]->params.f(), host.data(), host.size() * sizeof(float));
+    devices_[r]->synchronize();
+    comm_->broadcast(r, replicas_[r]->params.f(), spec_.param_count, 0);
+  });
+}
+
+std::vector<float> Engine::momentum() {
+  if (!replicas_[0]->momentum) return {};
+  std::vector<float> host(size_t(spec_.param_count));
+  devices_[0]->run([&] { devices_[0]->download(host.data(), replicas_[0]->momentum.f(), host.size() * sizeof(float)); }).get();
+  return host;
+}
+
+void Engine::set_momentum(const std::vector<float>& host) {
+  if (!replicas_[0]->momentum) return;
+  if (int64_t(host.size()) != spec_.param_count) throw std::invalid_argument("set_momentum: wrong size");
+  run_all([&](int r) {
+    if (!replicas_[r]->momentum) return;
+    devices_[r]->upload(replicas_[r]->momentum.f(), host.data(), host.size() * sizeof(float));
+    devices_[r]->synchronize();
+  });
+}
+
+std::string Engine::first_nonfinite_gradient() {
+  std::string bad;
+  devices_[0]->run([&] {
+    Replica& rep = *replicas_[0];
+    for (auto& p : spec_.params)
+      if (!devices_[0]->ops().all_finite(p.size, rep.grads.f() + p.offset)) {
+        bad = p.name;
+        return;
+      }
+  }).get();
+  return bad;
+}
+
+}  // namespace dp

@@ -1,0 +1,124 @@
+// The data-parallel engine: one replica per device, each driven by its device's worker thread, and
+// the two ways of keeping replicas in sync (DESIGN.md):
+//   scatter   — nn.DataParallel: batch to device 0, scatter, broadcast parameters every step,
+//               gather logits, loss on device 0, scatter logit gradients, reduce gradients to
+//               device 0, optimizer on device 0 only.
+//   allreduce — DDP/Horovod: parameters broadcast once, each device loads its own shard, local loss
+//               weighted n_i/B, ring all-reduce of the flat gradient buffer (optionally in buckets
+//               overlapping backward), the same optimizer step everywhere.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/device.h"
+#include "engine/network.h"
+#include "models/model.h"
+
+namespace dp {
+
+enum class Sync { scatter, allreduce };
+enum class Split { even, chunk };
+Sync parse_sync(const std::string& s);
+Split parse_split(const std::string& s);
+const char* sync_name(Sync s);
+const char* split_name(Split s);
+
+// Per-device sample counts of a batch of b over n devices.
+//   even:  sizes differ by at most one (256 over 3 -> 86/85/85)
+//   chunk: torch.chunk's ceil(b/n) per device, the last smaller, trailing ones possibly 0
+//          (256 over 3 -> 86/86/84, 9 over 4 -> 3/3/3/0)
+std::vector<int> split_batch(int b, int n, Split split);
+
+enum class Phase { load, scatter, broadcast, forward, gather_loss, backward, reduce, optimizer };
+inline constexpr int kPhases = 8;
+// "reduce" is the gradient reduction of either strategy: reduce-to-root or all-reduce.
+const char* phase_name(Phase p, Sync s);
+
+struct Span {
+  Phase phase;
+  int64_t step;
+  double start_us, end_us;  // since the engine started
+};
+
+struct EngineConfig {
+  Sync sync = Sync::scatter;
+  Split split = Split::even;
+  int batch = 256;  // the largest global batch a step will see; buffers are sized for it
+  float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;
+  int64_t bucket_kb = 0;  // allreduce: 0 = one all-reduce after backward
+  bool trace = false;
+};
+
+struct StepResult {
+  double loss = 0;      // mean over the batch
+  int64_t correct = 0;  // argmax == label
+  int n = 0;
+};
+
+struct Bucket {
+  int64_t offset = 0, count = 0;  // a contiguous range of the flat gradient buffer
+  int layers = 0;                 // parameterised layers in it
+};
+
+class Engine {
+ public:
+  Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig config);
+  ~Engine();
+
+  // Host copies of device 0's parameters / momentum; setting them places them on device 0 and
+  // broadcasts to every replica (allreduce keeps the momentum on every device).
+  std::vector<float> params(int rank = 0);
+  void set_params(const std::vector<float>& host);
+  std::vector<float> momentum();  // empty when momentum is 0
+  void set_momentum(const std::vector<float>& host);
+
+  // One training step over the host batch x (n, C, H, W), labels y (n).
+  StepResult step(const float* x, const int32_t* y, int n);
+  // Data-parallel inference over n samples: each device its shard, in chunks.
+  StepResult evaluate(const float* x, const int32_t* y, int n);
+  // The first parameterised layer whose gradient on device 0 is not finite, or "" when all are.
+  std::string first_nonfinite_gradient();
+
+  int size() const { return int(devices_.size()); }
+  Device& device(int rank) { return *devices_[rank]; }
+  Communicator& comm() { return *comm_; }
+  const ModelSpec& spec() const { return spec_; }
+  const EngineConfig& config() const { return cfg_; }
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  // Seconds per phase, summed over the steps so far, per device; the spans when tracing.
+  const std::vector<std::array<double, kPhases>>& phase_seconds() const { return phase_seconds_; }
+  const std::vector<std::vector<Span>>& spans() const { return spans_; }
+  void reset_timing();
+  // Traffic of the most recent full-batch step (n == config().batch), per device.
+  Traffic step_traffic(int rank) const { return step_traffic_[rank]; }
+  int64_t steps() const { return step_; }
+
+ private:
+  struct Replica;
+  void run_all(const std::function<void(int rank)>& fn);
+  template <class F>
+  void timed(int rank, Phase p, F&& f);
+  void step_scatter(int rank, const float* x, const int32_t* y, const std::vector<int>& sizes);
+  void step_allreduce(int rank, const float* x, const int32_t* y, const std::vector<int>& sizes);
+
+  std::vector<Device*> devices_;
+  ModelSpec spec_;
+  EngineConfig cfg_;
+  std::unique_ptr<Communicator> comm_;
+  std::vector<std::unique_ptr<Replica>> replicas_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> layer_bucket_;  // layer index -> bucket index
+  std::vector<std::array<double, kPhases>> phase_seconds_;
+  std::vector<std::vector<Span>> spans_;
+  std::vector<Traffic> step_traffic_;
+  std::chrono::steady_clock::time_point t0_;
+  int64_t step_ = 0;
+};
+
+}  // namespace dp

@@ -1,0 +1,43 @@
+// The memory ledger: current and peak bytes per category for one device, and an optional cap.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+namespace dp {
+
+enum class Category { parameters, gradients, optimizer, activations, inputs, outputs, comm, workspace };
+inline constexpr int kCategories = 8;
+const char* category_name(Category c);
+
+struct LedgerSnapshot {
+  std::array<int64_t, kCategories> current{};
+  std::array<int64_t, kCategories> peak{};     // each category's own peak
+  std::array<int64_t, kCategories> at_peak{};  // the breakdown at the moment total peaked
+  int64_t total = 0;
+  int64_t total_peak = 0;
+  std::string describe() const;  // "parameters 516.3 KB, gradients ..., total 3.1 MB"
+};
+
+class Ledger {
+ public:
+  explicit Ledger(int device, int64_t cap_bytes = 0) : device_(device), cap_(cap_bytes) {}
+  // Throws OutOfMemory naming the device, the category and the ledger when past the cap.
+  void book(Category c, int64_t bytes);
+  void release(Category c, int64_t bytes);
+  void reset_peak();
+  LedgerSnapshot snapshot() const;
+  int64_t cap() const { return cap_; }
+
+ private:
+  int device_;
+  int64_t cap_;
+  mutable std::mutex mu_;
+  LedgerSnapshot s_;
+};
+
+std::string format_bytes(int64_t bytes);
+
+}  // namespace dp

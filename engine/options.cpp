@@ -1,0 +1,135 @@
+#include "engine/options.h"
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "engine/error.h"
+
+namespace dp {
+
+int64_t parse_bytes(const std::string& text, const std::string& flag) {
+  auto bad = [&] {
+    return UsageError(flag + ": '" + text + "' is not a size; give bytes with an optional suffix K, M, G (powers of 1024), e.g. 512M or 2G");
+  };
+  size_t used = 0;
+  double v;
+  try {
+    v = std::stod(text, &used);
+  } catch (...) {
+    throw bad();
+  }
+  std::string suffix = text.substr(used);
+  for (auto& c : suffix) c = char(std::toupper(static_cast<unsigned char>(c)));
+  if (suffix.size() > 1 && suffix.back() == 'B') suffix.pop_back();
+  if (suffix.size() == 2 && suffix[1] == 'I') suffix.pop_back();
+  double scale = 1;
+  if (suffix.empty() || suffix == "B") scale = 1;
+  else if (suffix == "K") scale = 1024.0;
+  else if (suffix == "M") scale = 1024.0 * 1024;
+  else if (suffix == "G") scale = 1024.0 * 1024 * 1024;
+  else if (suffix == "T") scale = 1024.0 * 1024 * 1024 * 1024;
+  else throw bad();
+  if (!std::isfinite(v) || v <= 0 || v * scale > 9e18) throw bad();
+  return int64_t(v * scale);
+}
+
+std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
+  std::vector<int> ids;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    int v = -1;
+    try {
+      v = std::stoi(item, &used);
+    } catch (...) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || v < 0)
+      throw UsageError(flag + ": '" + item + "' in '" + text + "' is not a device id; give comma-separated ids >= 0, e.g. 0,1");
+    ids.push_back(v);
+  }
+  if (ids.empty()) throw UsageError(flag + ": the device list is empty; give at least one id, e.g. --gpus 0");
+  return ids;
+}
+
+void DeviceFlags::add(CLI::App& app) {
+  app.add_option("--gpus", gpus, "Device ids, comma-separated (simulated devices where there is no GPU)")->capture_default_str();
+  app.add_option("--devices", devices, "Shorthand for --gpus 0,1,...,N-1")->excludes("--gpus");
+  app.add_option("--backend", backend, "auto | cpu | cuda")->capture_default_str();
+  app.add_option("--threads", threads, "Compute threads per simulated device (default: cores / devices)");
+  app.add_option("--device-memory", memory, "Memory cap per device: bytes or 512M, 2G, ...");
+  app.add_flag("--allow-shared-device", allow_shared, "Allow a repeated id: several replicas on one device");
+}
+
+DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
+  DeviceConfig c;
+  c.backend = backend;
+  if (app.count("--devices")) {
+    if (devices <= 0) throw UsageError("--devices: " + std::to_string(devices) + " is not a device count; give at least 1");
+    for (int i = 0; i < devices; ++i) c.ids.push_back(i);
+  } else {
+    c.ids = parse_ids(gpus, "--gpus");
+  }
+  if (threads < 0) throw UsageError("--threads: must be >= 1 (or 0 for cores / devices)");
+  c.threads = threads;
+  if (!memory.empty()) c.memory_cap = parse_bytes(memory, "--device-memory");
+  c.allow_shared_device = allow_shared;
+  return c;
+}
+
+bool run_parser(CLI::App& app, int argc, const char* const* argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::printf("%s", app.help().c_str());
+    return false;
+  } catch (const CLI::CallForAllHelp&) {
+    std::printf("%s", app.help("", CLI::AppFormatMode::All).c_str());
+    return false;
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(std::string(e.what()) + " (see --help)");
+  }
+  return true;
+}
+
+bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
+  CLI::App app("dp_train: data-parallel training of LeNet on (Fashion-)MNIST", "dp_train");
+  DeviceFlags dev;
+  dev.add(app);
+  std::string sync = "scatter", split = "even";
+  app.add_option("--model", o.model, "lenet | lenet5")->capture_default_str();
+  app.add_option("--batch", o.batch, "Global batch size")->capture_default_str();
+  auto* epochs = app.add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
+  app.add_option("--steps", o.steps, "Train this many steps instead of whole epochs")->excludes(epochs);
+  app.add_option("--lr", o.lr, "Learning rate")->capture_default_str();
+  app.add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay, "L2 weight decay (PyTorch SGD's)")->capture_default_str();
+  app.add_option("--seed", o.seed, "Seed for initialisation and shuffling")->capture_default_str();
+  bool no_shuffle = false;
+  app.add_flag("--no-shuffle", no_shuffle, "Keep the file order");
+  app.add_option("--data", o.data, "Directory of IDX files (gzip'd or raw)")->capture_default_str();
+  app.add_option("--limit-train", o.limit_train, "Use only the first N training images (0: all)");
+  app.add_option("--limit-test", o.limit_test, "Use only the first N test images (0: all)");
+  app.add_option("--sync", sync, "scatter (nn.DataParallel) | allreduce (DDP)")->capture_default_str();
+  app.add_option("--split", split, "even | chunk (torch.chunk)")->capture_default_str();
+  app.add_option("--bucket-kb", o.bucket_kb, "allreduce: gradient bucket size in KiB, overlapped with backward (0: off)");
+  app.add_option("--load", o.load, "Initialise the weights from a safetensors checkpoint");
+  app.add_option("--save", o.save, "Write a safetensors checkpoint at the end (and with --save-every)");
+  app.add_option("--save-every", o.save_every, "Also save every N steps");
+  app.add_option("--resume", o.resume, "Continue exactly from a checkpoint written by --save");
+  app.add_option("--report", o.report, "Write a JSON report of the run");
+  app.add_option("--trace", o.trace, "Write a Chrome trace (one lane per device, a span per phase)");
+  app.add_flag("--verify", o.verify, "Also run the steps on one device and compare the weights at the end");
+  app.add_flag("--quiet", o.quiet, "Print only errors");
+  if (!run_parser(app, argc, argv)) return false;
+  o.devices = dev.finish(app);
+  o.sync = parse_sync(sync);
+  o.split = parse_split(split);
+  o.shuffle = !no_shuffle;
+  if (app.count("--steps") == 0) o.steps = 0;
+  return true;
+}
+
+}  // namespace dp

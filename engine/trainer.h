@@ -1,0 +1,55 @@
+// The training loop behind dp_train: data, devices, engine, per-epoch evaluation, checkpoints,
+// the report and the trace.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/device.h"
+#include "engine/engine.h"
+
+namespace dp {
+
+struct TrainOptions {
+  std::string model = "lenet";
+  int batch = 256;
+  int epochs = 10;
+  int64_t steps = 0;  // when > 0, train this many steps instead of `epochs`
+  float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;
+  uint64_t seed = 0;
+  bool shuffle = true;
+  std::string data = "/usr/share/datasets/fashion-mnist";
+  int64_t limit_train = 0, limit_test = 0;
+  DeviceConfig devices;
+  Sync sync = Sync::scatter;
+  Split split = Split::even;
+  int64_t bucket_kb = 0;
+  std::string load, save, resume, report, trace;
+  int64_t save_every = 0;
+  bool verify = false;
+  bool quiet = false;
+};
+
+struct EpochRecord {
+  int epoch = 0;
+  int64_t steps = 0, images = 0;
+  double train_loss = 0, train_accuracy = 0, test_loss = 0, test_accuracy = 0;
+  double seconds = 0, images_per_second = 0;
+};
+
+struct TrainResult {
+  std::vector<EpochRecord> epochs;
+  double train_loss = 0, test_accuracy = 0, images_per_second = 0;
+  double verify_max_diff = -1, verify_tolerance = 0;  // -1: not verified
+  bool verify_ok = true;
+};
+
+// The bound on the largest weight difference between two runs that differ only in the order
+// gradients are summed (see trainer.cpp for the derivation).
+double summation_tolerance(int64_t steps, int batch, float lr, float momentum);
+
+// Throws UsageError for bad input, DeviceError / NumericalError for failures during training.
+TrainResult train(const TrainOptions& opt);
+
+}  // namespace dp

@@ -1,0 +1,85 @@
+// The kernel interface: every op dp runs, once per backend (kernels/cpu/, kernels/cuda/), with the
+// same signature. Pointers are device memory of the backend that runs them; shapes are explicit.
+// CUDA implementations enqueue on their device's stream; CPU ones run to completion.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dp {
+
+enum class Activation { relu, sigmoid };
+
+struct ConvShape {
+  int n = 0;                // images
+  int c = 0, h = 0, w = 0;  // input channels, height, width
+  int k = 0;                // output channels
+  int kh = 0, kw = 0;       // kernel
+  int pad = 0;              // symmetric zero padding; stride is 1 throughout LeNet
+  int out_h() const { return h + 2 * pad - kh + 1; }
+  int out_w() const { return w + 2 * pad - kw + 1; }
+  int64_t col_rows() const { return int64_t(c) * kh * kw; }          // im2col rows
+  int64_t col_cols() const { return int64_t(out_h()) * out_w(); }    // im2col columns per image
+};
+
+struct PoolShape {
+  int n = 0, c = 0, h = 0, w = 0;
+  int k = 2;  // window and stride (non-overlapping, PyTorch's default stride = kernel)
+  int out_h() const { return h / k; }
+  int out_w() const { return w / k; }
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+  virtual const char* backend() const = 0;
+
+  // Row-major C(m,n) = alpha * op(A) * op(B) + beta * C, op(A) is (m,k), op(B) is (k,n).
+  virtual void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
+                    const float* b, float beta, float* c) = 0;
+
+  // Scratch floats conv needs (im2col buffers on the CPU, algorithm workspace on cuDNN).
+  virtual size_t conv2d_workspace_floats(const ConvShape& s) = 0;
+  virtual void conv2d_forward(const ConvShape& s, const float* x,  // (N, C, H, W)
+                              const float* w,                      // (K, C, KH, KW)
+                              const float* b,                      // (K)
+                              float* y,                            // (N, K, OH, OW)
+                              float* workspace) = 0;
+  // dx may be null (first layer). dw and db are overwritten, not accumulated.
+  virtual void conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy,
+                               float* dx, float* dw, float* db, float* workspace) = 0;
+
+  virtual void avgpool_forward(const PoolShape& s, const float* x, float* y) = 0;
+  virtual void avgpool_backward(const PoolShape& s, const float* dy, float* dx) = 0;
+  virtual void maxpool_forward(const PoolShape& s, const float* x, float* y, int32_t* argmax) = 0;
+  virtual void maxpool_backward(const PoolShape& s, const float* dy, const int32_t* argmax,
+                                float* dx) = 0;
+
+  virtual void activation_forward(Activation a, int64_t n, const float* x, float* y) = 0;
+  // From the activation's output y (both relu and sigmoid derivatives are functions of y).
+  virtual void activation_backward(Activation a, int64_t n, const float* y, const float* dy,
+                                   float* dx) = 0;
+
+  // y(n,out) = x(n,in) * W(out,in)^T + b(out); PyTorch's nn.Linear layout.
+  virtual void linear_forward(int n, int in, int out, const float* x, const float* w,
+                              const float* b, float* y) = 0;
+  // dx may be null. dw, db overwritten.
+  virtual void linear_backward(int n, int in, int out, const float* x, const float* w,
+                               const float* dy, float* dx, float* dw, float* db) = 0;
+
+  // Softmax cross-entropy over n rows. dlogits = (softmax - onehot) * scale; stats[0] += sum of
+  // per-row losses * scale, stats[1] += number of rows whose argmax is the label (device memory).
+  virtual void softmax_xent(int n, int classes, const float* logits, const int32_t* labels,
+                            float scale, float* dlogits, float* stats) = 0;
+
+  // One SGD step over a flat buffer (PyTorch's rule, see math::sgd_update).
+  virtual void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum,
+                        float weight_decay) = 0;
+
+  virtual void add(int64_t n, const float* x, float* y) = 0;  // y += x (the reduction kernel)
+  virtual void fill(int64_t n, float value, float* x) = 0;
+  // True when every element is finite. Synchronises with the host.
+  virtual bool all_finite(int64_t n, const float* x) = 0;
+};
+
+}  // namespace dp

@@ -1,0 +1,137 @@
+#include "models/model.h"
+
+#include <cmath>
+#include <random>
+
+#include "engine/error.h"
+
+namespace dp {
+namespace {
+
+// Builds a ModelSpec layer by layer, tracking the running shape and the parameter table.
+struct Builder {
+  ModelSpec m;
+  int c, h, w;
+  explicit Builder(std::string name) {
+    m.name = std::move(name);
+    c = m.in_c, h = m.in_h, w = m.in_w;
+  }
+  Layer& push(LayerKind kind, std::string name = {}) {
+    Layer l{kind, std::move(name)};
+    l.in_c = c, l.in_h = h, l.in_w = w;
+    m.layers.push_back(l);
+    return m.layers.back();
+  }
+  int param(const std::string& name, std::vector<int64_t> shape, int64_t fan_in) {
+    Param p{name, std::move(shape), m.param_count, 1, int(m.layers.size()) - 1, fan_in};
+    for (auto d : p.shape) p.size *= d;
+    m.param_count += p.size;
+    m.params.push_back(p);
+    return int(m.params.size()) - 1;
+  }
+  void conv(const std::string& name, int out, int k, int pad = 0) {
+    Layer& l = push(LayerKind::conv, name);
+    l.kernel = k, l.pad = pad;
+    l.out_c = out, l.out_h = h + 2 * pad - k + 1, l.out_w = w + 2 * pad - k + 1;
+    int64_t fan_in = int64_t(c) * k * k;
+    int wi = param(name + ".weight", {out, c, k, k}, fan_in);
+    int bi = param(name + ".bias", {out}, fan_in);
+    m.layers.back().weight = wi, m.layers.back().bias = bi;
+    c = out, h = m.layers.back().out_h, w = m.layers.back().out_w;
+  }
+  void linear(const std::string& name, int out) {
+    int in = c * h * w;
+    Layer& l = push(LayerKind::linear, name);
+    l.out_c = out;
+    int wi = param(name + ".weight", {out, in}, in);
+    int bi = param(name + ".bias", {out}, in);
+    m.layers.back().weight = wi, m.layers.back().bias = bi;
+    c = out, h = 1, w = 1;
+  }
+  void act(LayerKind k) {
+    Layer& l = push(k);
+    l.out_c = c, l.out_h = h, l.out_w = w;
+  }
+  void pool(LayerKind k, int window) {
+    Layer& l = push(k);
+    l.kernel = window;
+    l.out_c = c, l.out_h = h / window, l.out_w = w / window;
+    h /= window, w /= window;
+  }
+  void flatten() {
+    Layer& l = push(LayerKind::flatten);
+    c = c * h * w, h = 1, w = 1;
+    l.out_c = c;
+  }
+};
+
+}  // namespace
+
+std::vector<std::string> model_names() { return {"lenet", "lenet5"}; }
+
+ModelSpec make_model(const std::string& name) {
+  Builder b(name);
+  if (name == "lenet") {
+    b.conv("conv1", 20, 3);                      // (N, 20, 26, 26)
+    b.act(LayerKind::relu);
+    b.pool(LayerKind::avgpool, 2);               // (N, 20, 13, 13)
+    b.conv("conv2", 50, 5);                      // (N, 50, 9, 9)
+    b.act(LayerKind::relu);
+    b.pool(LayerKind::avgpool, 2);               // (N, 50, 4, 4)
+    b.flatten();                                 // (N, 800)
+    b.linear("fc1", 128);
+    b.act(LayerKind::relu);
+    b.linear("fc2", 10);                         // (N, 10)
+  } else if (name == "lenet5") {
+    b.conv("conv1", 6, 5, 2);                    // (N, 6, 28, 28)
+    b.act(LayerKind::sigmoid);
+    b.pool(LayerKind::avgpool, 2);               // (N, 6, 14, 14)
+    b.conv("conv2", 16, 5);                      // (N, 16, 10, 10)
+    b.act(LayerKind::sigmoid);
+    b.pool(LayerKind::avgpool, 2);               // (N, 16, 5, 5)
+    b.flatten();                                 // (N, 400)
+    b.linear("fc1", 120);
+    b.act(LayerKind::sigmoid);
+    b.linear("fc2", 84);
+    b.act(LayerKind::sigmoid);
+    b.linear("fc3", 10);                         // (N, 10)
+  } else {
+    throw UsageError("--model: unknown model '" + name + "'; accepted: lenet, lenet5");
+  }
+  return b.m;
+}
+
+const Param* ModelSpec::find(const std::string& n) const {
+  for (auto& p : params)
+    if (p.name == n) return &p;
+  return nullptr;
+}
+
+void init_params(const ModelSpec& spec, uint64_t seed, float* params) {
+  std::mt19937_64 gen(seed);
+  for (auto& p : spec.params) {
+    double bound = 1.0 / std::sqrt(double(p.fan_in));
+    // The 53-bit uniform from raw generator output: identical on every standard library.
+    for (int64_t i = 0; i < p.size; ++i) {
+      double u = double(gen() >> 11) * 0x1.0p-53;
+      params[p.offset + i] = float((2.0 * u - 1.0) * bound);
+    }
+  }
+}
+
+double train_flops_per_sample(const ModelSpec& spec) {
+  double f = 0;
+  for (auto& l : spec.layers) {
+    double macs = 0;
+    if (l.kind == LayerKind::conv)
+      macs = double(l.out_size()) * l.in_c * l.kernel * l.kernel;
+    else if (l.kind == LayerKind::linear)
+      macs = double(l.in_size()) * l.out_c;
+    // forward 1x, backward 2x (data gradient and weight gradient); the first layer needs no
+    // data gradient, but frameworks count it the same way in published figures, so do we.
+    f += 2.0 * macs * 3.0;
+  }
+  return f;
+}
+
+}  // namespace dp
