@@ -1,5 +1,6 @@
 // Per-element math shared by the CPU kernels and their CUDA twins: one definition of every formula,
-// compiled for host and device, so the two backends cannot drift apart.
+// compiled for host and device, so the two backends cannot drift apart. Templates over the scalar:
+// the kernels run in float; the CPU reference also instantiates double for the gradient checks.
 #pragma once
 
 #include <cmath>
@@ -13,42 +14,57 @@
 
 namespace dp::math {
 
-DP_HD float relu(float x) { return x > 0.0f ? x : 0.0f; }
-// Derivative from the output: relu'(x) = [y > 0]. PyTorch's threshold_backward also uses y > 0.
-DP_HD float relu_grad(float y, float dy) { return y > 0.0f ? dy : 0.0f; }
+// exp that picks expf for float in device code as well as on the host.
+DP_HD float exp_(float x) { return expf(x); }
+DP_HD double exp_(double x) { return ::exp(x); }
+
+template <class T>
+DP_HD T relu(T x) {
+  return x > T(0) ? x : T(0);
+}
+// Derivative from the output: relu'(x) = [y > 0], as PyTorch's threshold_backward.
+template <class T>
+DP_HD T relu_grad(T y, T dy) {
+  return y > T(0) ? dy : T(0);
+}
 
 // Stable in both tails: never evaluates exp of a large positive number.
-DP_HD float sigmoid(float x) {
-  if (x >= 0.0f) {
-    float z = expf(-x);
-    return 1.0f / (1.0f + z);
-  }
-  float z = expf(x);
-  return z / (1.0f + z);
+template <class T>
+DP_HD T sigmoid(T x) {
+  if (x >= T(0)) return T(1) / (T(1) + exp_(-x));
+  T z = exp_(x);
+  return z / (T(1) + z);
 }
-DP_HD float sigmoid_grad(float y, float dy) { return dy * y * (1.0f - y); }
+template <class T>
+DP_HD T sigmoid_grad(T y, T dy) {
+  return dy * y * (T(1) - y);
+}
 
 // PyTorch's SGD (torch.optim.SGD, dampening 0, nesterov off):
-//   g <- g + wd * w ;  v <- momentum * v + g  (v <- g on the first step) ;  w <- w - lr * v
-// `first` marks the first step, where PyTorch initialises the buffer to g instead of scaling zeros;
-// the two are equal in exact arithmetic and in float (0 * momentum + g == g), so dp keeps one formula
-// and zero-initialised momentum buffers.
-DP_HD void sgd_update(float& w, float& v, float g, float lr, float momentum, float weight_decay) {
-  float d = g + weight_decay * w;
-  if (momentum != 0.0f) {
+//   d <- g + wd * w ;  v <- momentum * v + d  (v <- d on the first step) ;  w <- w - lr * v
+// PyTorch initialises the buffer to d on the first step; dp keeps zero-initialised buffers, and
+// momentum * 0 + d == d exactly in floating point, so one formula covers both.
+template <class T>
+DP_HD void sgd_update(T& w, T& v, T g, T lr, T momentum, T weight_decay) {
+  T d = g + weight_decay * w;
+  if (momentum != T(0)) {
     v = momentum * v + d;
     d = v;
   }
   w = w - lr * d;
 }
 
-// Cross-entropy of one row given its max and the log of its shifted partition sum:
-//   loss = log(sum exp(z - m)) - (z_y - m)
-DP_HD float xent_loss(float z_label, float row_max, float log_sum) { return log_sum - (z_label - row_max); }
-// d loss / d z_j, times `scale` (1/B for a mean over the global batch).
-DP_HD float xent_grad(float z, float row_max, float log_sum, bool is_label, float scale) {
-  float p = expf(z - row_max - log_sum);
-  return (p - (is_label ? 1.0f : 0.0f)) * scale;
+// Cross-entropy of one row from its maximum m and log_sum = log(sum_j exp(z_j - m)):
+//   loss = log_sum - (z_label - m)
+template <class T>
+DP_HD T xent_loss(T z_label, T row_max, T log_sum) {
+  return log_sum - (z_label - row_max);
+}
+// d loss / d z_j = softmax_j - [j == label], times `scale` (1/B for a mean over the global batch).
+template <class T>
+DP_HD T xent_grad(T z, T row_max, T log_sum, bool is_label, T scale) {
+  T p = exp_(z - row_max - log_sum);
+  return (p - (is_label ? T(1) : T(0))) * scale;
 }
 
 }  // namespace dp::math
