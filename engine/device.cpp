@@ -54,7 +54,7 @@ void Device::maybe_fail(const char* where) {
   if (fault_.empty()) return;
   std::string what = std::move(fault_);
   fault_.clear();
-  throw DeviceError(rank_, std::string("injected fault in ") + where + ": " + what);
+  throw DeviceError(id_, std::string("injected fault in ") + where + ": " + what);
 }
 
 void Device::start_workers(std::function<void()> init) {

@@ -48,7 +48,7 @@ class Buffer {
 class Device {
  public:
   Device(int rank, int id, DeviceKind kind, int64_t memory_cap)
-      : rank_(rank), id_(id), kind_(kind), ledger_(rank, memory_cap) {}
+      : rank_(rank), id_(id), kind_(kind), ledger_(id, memory_cap) {}
   virtual ~Device() = default;
   Device(const Device&) = delete;
   Device& operator=(const Device&) = delete;

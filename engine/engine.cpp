@@ -386,9 +386,10 @@ std::string Engine::first_nonfinite_gradient() {
   std::string bad;
   devices_[0]->run([&] {
     Replica& rep = *replicas_[0];
-    for (auto& p : spec_.params)
-      if (!devices_[0]->ops().all_finite(p.size, rep.grads.f() + p.offset)) {
-        bad = p.name;
+    // In backward order: the layer where the non-finite values entered, not where they ended up.
+    for (auto p = spec_.params.rbegin(); p != spec_.params.rend(); ++p)
+      if (!devices_[0]->ops().all_finite(p->size, rep.grads.f() + p->offset)) {
+        bad = p->name;
         return;
       }
   }).get();

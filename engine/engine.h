@@ -82,7 +82,7 @@ class Engine {
   StepResult step(const float* x, const int32_t* y, int n);
   // Data-parallel inference over n samples: each device its shard, in chunks.
   StepResult evaluate(const float* x, const int32_t* y, int n);
-  // The first parameterised layer whose gradient on device 0 is not finite, or "" when all are.
+  // The parameter, in backward order, whose gradient on device 0 is first not finite ("" if none).
   std::string first_nonfinite_gradient();
 
   int size() const { return int(devices_.size()); }

@@ -68,6 +68,7 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
   c.backend = backend;
   if (app.count("--devices")) {
     if (devices <= 0) throw UsageError("--devices: " + std::to_string(devices) + " is not a device count; give at least 1");
+    c.ids.clear();
     for (int i = 0; i < devices; ++i) c.ids.push_back(i);
   } else {
     c.ids = parse_ids(gpus, "--gpus");

@@ -248,8 +248,9 @@ TrainResult train(const TrainOptions& opt) {
       if (!std::isfinite(r.loss) || !engine.first_nonfinite_gradient().empty()) {
         progress.clear();
         std::string layer = engine.first_nonfinite_gradient();
-        throw NumericalError("step " + std::to_string(global_step) + " (epoch " + std::to_string(epoch + 1) + "): loss is " +
-                             std::to_string(r.loss) + (layer.empty() ? std::string() : ", first non-finite gradient in " + layer) +
+        throw NumericalError("step " + std::to_string(global_step) + " (epoch " + std::to_string(epoch + 1) + "): non-finite " +
+                             (std::isfinite(r.loss) ? std::string("gradients") : "loss (" + std::to_string(r.loss) + ")") +
+                             (layer.empty() ? std::string() : "; the first layer with a non-finite gradient is " + layer) +
                              "; training stopped" + (opt.save.empty() ? "" : ", the last good checkpoint " + opt.save + " is kept") +
                              " (try a smaller --lr)");
       }

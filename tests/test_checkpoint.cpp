@@ -1,0 +1,115 @@
+// safetensors checkpoints: round trip, PyTorch names and layouts, validation of what is loaded.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "engine/checkpoint.h"
+#include "engine/error.h"
+#include "tests/util.h"
+
+using namespace dp;
+using namespace dp::test;
+
+namespace {
+
+std::string slurp(const std::string& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void expect_load_error(const std::string& path, const ModelSpec& spec, const std::string& words) {
+  try {
+    load_checkpoint(path, spec);
+    FAIL("no error");
+  } catch (const UsageError& e) {
+    INFO(e.what());
+    CHECK(std::string(e.what()).find(words) != std::string::npos);
+    CHECK(std::string(e.what()).find(path) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint round trip keeps every bit, with PyTorch names and shapes") {
+  TempDir dir;
+  ModelSpec spec = make_model("lenet");
+  Checkpoint c;
+  c.params = random_floats(size_t(spec.param_count), 1, -1, 1);
+  c.momentum = random_floats(size_t(spec.param_count), 2, -1, 1);
+  c.metadata["epoch"] = "3";
+  save_checkpoint(dir / "a.safetensors", spec, c);
+  Checkpoint back = load_checkpoint(dir / "a.safetensors", spec);
+  CHECK(back.params == c.params);
+  CHECK(back.momentum == c.momentum);
+  CHECK(back.metadata.at("epoch") == "3");
+  CHECK(back.metadata.at("model") == "lenet");
+  SafeTensors st = read_safetensors(dir / "a.safetensors");
+  CHECK(st.tensors.at("conv1.weight").shape == std::vector<int64_t>{20, 1, 3, 3});
+  CHECK(st.tensors.at("fc1.weight").shape == std::vector<int64_t>{128, 800});
+  CHECK(st.tensors.at("fc2.bias").shape == std::vector<int64_t>{10});
+  CHECK(st.tensors.count("optimizer.fc1.weight.momentum_buffer") == 1);
+  // the file layout: 8-byte little-endian header length, JSON, data 8-byte aligned
+  std::string bytes = slurp(dir / "a.safetensors");
+  uint64_t hlen = 0;
+  std::memcpy(&hlen, bytes.data(), 8);
+  CHECK(hlen % 8 == 0);
+  CHECK(bytes[8] == '{');
+  CHECK(bytes.size() == 8 + hlen + 2 * size_t(spec.param_count) * 4);
+  CHECK(!std::filesystem::exists(dir / "a.safetensors.tmp"));
+}
+
+TEST_CASE("loading validates model, names, shapes, dtypes and offsets") {
+  TempDir dir;
+  ModelSpec lenet = make_model("lenet"), lenet5 = make_model("lenet5");
+  Checkpoint c;
+  c.params = random_floats(size_t(lenet5.param_count), 3);
+  save_checkpoint(dir / "l5", lenet5, c);
+  expect_load_error(dir / "l5", lenet, "this checkpoint is lenet5, you asked for lenet");
+
+  SafeTensors st = read_safetensors(dir / "l5");
+  st.metadata.erase("model");
+  st.tensors.at("fc1.weight").shape = {400, 120};
+  write_safetensors(dir / "shape", st);
+  expect_load_error(dir / "shape", lenet5, "shape");
+
+  st = read_safetensors(dir / "l5");
+  st.tensors.at("conv1.bias").dtype = "I32";
+  write_safetensors(dir / "dtype", st);
+  expect_load_error(dir / "dtype", lenet5, "I32");
+
+  st = read_safetensors(dir / "l5");
+  st.tensors.erase("fc3.bias");
+  st.order.erase(std::find(st.order.begin(), st.order.end(), "fc3.bias"));
+  write_safetensors(dir / "missing", st);
+  expect_load_error(dir / "missing", lenet5, "fc3.bias");
+
+  std::string good = slurp(dir / "l5");
+  write_file(dir / "tiny", good.substr(0, 5), false);
+  expect_load_error(dir / "tiny", lenet5, "header length");
+  std::string huge = good;
+  huge[0] = '\xff', huge[1] = '\xff', huge[2] = '\xff';
+  write_file(dir / "hlen", huge, false);
+  expect_load_error(dir / "hlen", lenet5, "header length");
+  write_file(dir / "trunc", good.substr(0, good.size() - 4), false);
+  expect_load_error(dir / "trunc", lenet5, "outside");
+  std::string notjson = good;
+  notjson[8] = 'x';
+  write_file(dir / "json", notjson, false);
+  expect_load_error(dir / "json", lenet5, "JSON");
+  expect_load_error(dir / "absent", lenet5, "no such");
+}
+
+TEST_CASE("a failed save leaves the previous checkpoint intact") {
+  TempDir dir;
+  ModelSpec spec = make_model("lenet5");
+  Checkpoint c;
+  c.params = random_floats(size_t(spec.param_count), 4);
+  save_checkpoint(dir / "ck", spec, c);
+  std::string before = slurp(dir / "ck");
+  // a directory squatting on the temporary file name makes the write fail before the rename
+  std::filesystem::create_directory(dir / ("ck.tmp." + std::to_string(::getpid())));
+  c.params[0] += 1;
+  CHECK_THROWS_AS(save_checkpoint(dir / "ck", spec, c), UsageError);
+  CHECK(slurp(dir / "ck") == before);
+}

@@ -1,0 +1,120 @@
+// dp_train end to end: bad arguments exit 2 with a message naming the flag; a short run on a
+// synthetic data set learns; --save/--load, --report, --trace and --verify produce what they say.
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tests/util.h"
+
+using namespace dp::test;
+
+namespace {
+
+const std::string kTrain = DP_TRAIN_BIN;
+
+nlohmann::json read_json(const std::string& p) {
+  std::ifstream f(p);
+  return nlohmann::json::parse(f);
+}
+
+}  // namespace
+
+TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 32);
+  const std::string data = " --data " + dir.path.string();
+  struct Case {
+    std::string args, words;
+  };
+  std::vector<Case> cases = {
+      {"--batch 0", "--batch"},
+      {"--batch -5", "--batch"},
+      {"--batch abc", "--batch"},
+      {"--model resnet", "lenet, lenet5"},
+      {"--lr -1", "--lr"},
+      {"--lr nan", "--lr"},
+      {"--momentum 1.5", "--momentum"},
+      {"--epochs 0", "--epochs"},
+      {"--sync ring", "scatter or allreduce"},
+      {"--split half", "even or chunk"},
+      {"--gpus ''", "--gpus"},
+      {"--gpus 0,x", "--gpus"},
+      {"--gpus 0,0", "--allow-shared-device"},
+      {"--devices 0", "--devices"},
+      {"--backend tpu", "auto, cpu or cuda"},
+      {"--device-memory 12X", "--device-memory"},
+      {"--bucket-kb 64", "--sync allreduce"},
+      {"--save-every 5", "--save"},
+      {"--load /nonexistent/ck.safetensors", "/nonexistent/ck.safetensors"},
+      {"--report /nonexistent/dir/r.json", "/nonexistent/dir"},
+      {"--no-such-flag", "--no-such-flag"},
+      {"--limit-train -1", "--limit-train"},
+  };
+  for (auto& c : cases) {
+    CAPTURE(c.args);
+    CommandResult r = run_command(kTrain + data + " --quiet " + c.args);
+    CAPTURE(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK(r.output.find(c.words) != std::string::npos);
+  }
+  CommandResult r = run_command(kTrain + " --data " + dir / "nowhere" + " --quiet");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("nowhere") != std::string::npos);
+}
+
+TEST_CASE("dp_train: a short run learns, saves, reloads, reports and traces") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 1024, 256);
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 64 --lr 0.05 --threads 1";
+  CommandResult r = run_command(base + " --epochs 3 --devices 2 --sync allreduce --save " + dir / "ck.safetensors" + " --report " +
+                                dir / "r.json" + " --trace " + dir / "t.json");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("backend: simulated CPU devices") != std::string::npos);
+  nlohmann::json rep = read_json(dir / "r.json");
+  CHECK(rep["epochs"].size() == 3);
+  CHECK(rep["epochs"][2]["train_loss"].get<double>() < rep["epochs"][0]["train_loss"].get<double>());
+  CHECK(rep["test_accuracy"].get<double>() > 0.8);  // chance is 0.1
+  CHECK(rep["images_per_second"].get<double>() > 0);
+  CHECK(rep["devices"].size() == 2);
+  for (auto& d : rep["devices"]) {
+    CHECK(d["peak_bytes"].get<int64_t>() > 0);
+    CHECK(d["bytes_sent_per_step"].get<int64_t>() > 0);
+    int64_t sum = 0;
+    for (auto& [k, v] : d["peak_by_category"].items()) sum += v.get<int64_t>();
+    CHECK(sum == d["peak_bytes"].get<int64_t>());
+  }
+  CHECK(rep["config"]["strategy"] == "allreduce");
+  nlohmann::json trace = read_json(dir / "t.json");
+  CHECK(trace["traceEvents"].size() > 10);
+
+  // --load starts from the saved weights: the first epoch's loss is already low
+  CommandResult again = run_command(base + " --epochs 1 --load " + dir / "ck.safetensors" + " --report " + dir / "r2.json");
+  REQUIRE(again.exit_code == 0);
+  CHECK(read_json(dir / "r2.json")["epochs"][0]["train_loss"].get<double>() <
+        rep["epochs"][0]["train_loss"].get<double>());
+}
+
+TEST_CASE("dp_train --verify compares with one device and passes for both strategies") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  for (std::string sync : {"scatter", "allreduce"}) {
+    CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --steps 8 --devices 3 --threads 1 --sync " +
+                                  sync + " --verify");
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+    CHECK(r.output.find("verify: largest weight difference") != std::string::npos);
+    CHECK(r.output.find(" ok") != std::string::npos);
+  }
+}
+
+TEST_CASE("dp_train: a non-finite loss stops with exit 3 naming the step and the layer") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --epochs 1 --threads 1 --lr 1e6 --quiet");
+  INFO(r.output);
+  CHECK(r.exit_code == 3);
+  CHECK(r.output.find("step ") != std::string::npos);
+  CHECK(r.output.find("non-finite") != std::string::npos);
+}

@@ -1,0 +1,192 @@
+// Collectives against closed forms: rank r contributes r, the sum is n(n-1)/2; sizes not divisible
+// by the device count, zero-length chunks, one device; and the bytes each rank counts.
+#include <doctest/doctest.h>
+
+#include <numeric>
+
+#include "engine/communicator.h"
+#include "engine/error.h"
+#include "tests/backends.h"
+#include "tests/util.h"
+
+using namespace dp;
+using dp::test::raw;
+using dp::test::spmd;
+
+namespace {
+
+// Ring all-reduce bytes rank r sends (== receives) under the even-chunk ring: at reduce-scatter step
+// s it sends chunk (r - s) and at all-gather step s chunk (r + 1 - s), both mod n.
+int64_t ring_bytes_sent(int64_t count, int n, int r) {
+  auto chunk = even_chunks(count, n);
+  int64_t b = 0;
+  for (int s = 0; s < n - 1; ++s) b += chunk[((r - s) % n + n) % n] + chunk[((r + 1 - s) % n + n) % n];
+  return b * 4;
+}
+
+// ... and receives chunk (r - 1 - s) then chunk (r - s).
+int64_t ring_bytes_received(int64_t count, int n, int r) {
+  auto chunk = even_chunks(count, n);
+  int64_t b = 0;
+  for (int s = 0; s < n - 1; ++s) b += chunk[((r - 1 - s) % n + n) % n] + chunk[((r - s) % n + n) % n];
+  return b * 4;
+}
+
+}  // namespace
+
+TEST_CASE("even_chunks differ by at most one, larger first") {
+  CHECK(even_chunks(10, 3) == std::vector<int64_t>{4, 3, 3});
+  CHECK(even_chunks(2, 4) == std::vector<int64_t>{1, 1, 0, 0});
+  CHECK(even_chunks(0, 2) == std::vector<int64_t>{0, 0});
+}
+
+TEST_CASE("all_reduce sums rank contributions on every rank, for awkward sizes") {
+  for (const std::string& kind : dp::test::backends()) {
+    for (int n : {1, 2, 3, 4}) {
+      for (int64_t count : {int64_t(0), int64_t(1), int64_t(3), int64_t(7), int64_t(1001)}) {
+        CAPTURE(kind);
+        CAPTURE(n);
+        CAPTURE(count);
+        auto devs = dp::test::make_test_devices(kind, n);
+        auto comm = make_communicator(raw(devs));
+        std::vector<Buffer> bufs(n);
+        std::vector<std::vector<float>> out(n, std::vector<float>(size_t(count)));
+        spmd(raw(devs), [&](int r) {
+          Device& d = *devs[r];
+          bufs[r] = d.alloc_floats(std::max<int64_t>(count, 1), Category::gradients);
+          std::vector<float> host(static_cast<size_t>(count));
+          for (int64_t i = 0; i < count; ++i) host[i] = float(r) + float(i % 5);  // r plus an index pattern
+          d.upload(bufs[r].f(), host.data(), host.size() * 4);
+          d.synchronize();
+          comm->all_reduce(r, bufs[r].f(), count);
+          d.download(out[r].data(), bufs[r].f(), out[r].size() * 4);
+        });
+        for (int r = 0; r < n; ++r)
+          for (int64_t i = 0; i < count; ++i) REQUIRE(out[r][i] == float(n * (n - 1) / 2 + n * (i % 5)));
+        int64_t sent = 0, received = 0;
+        for (int r = 0; r < n; ++r) {
+          Traffic t = comm->traffic(r, Collective::all_reduce);
+          CHECK(t.sent == (n == 1 ? 0 : ring_bytes_sent(count, n, r)));
+          CHECK(t.received == (n == 1 ? 0 : ring_bytes_received(count, n, r)));
+          sent += t.sent, received += t.received;
+        }
+        CHECK(sent == received);  // every byte sent is received by someone
+      }
+    }
+  }
+}
+
+TEST_CASE("ring all_reduce moves 2(n-1)/n of the buffer per device when it divides evenly") {
+  auto devs = dp::test::make_test_devices("cpu", 4);
+  auto comm = make_communicator(raw(devs));
+  const int64_t P = 1000;  // divisible by 4
+  std::vector<Buffer> bufs(4);
+  spmd(raw(devs), [&](int r) {
+    bufs[r] = devs[r]->alloc_floats(P, Category::gradients);
+    devs[r]->ops().fill(P, 1.0f, bufs[r].f());
+    comm->all_reduce(r, bufs[r].f(), P);
+  });
+  for (int r = 0; r < 4; ++r) CHECK(comm->traffic(r, Collective::all_reduce).sent == 2 * 3 * P * 4 / 4);
+}
+
+TEST_CASE("broadcast, reduce, scatter and gather against closed forms") {
+  for (const std::string& kind : dp::test::backends()) {
+    for (int n : {1, 2, 3, 4}) {
+      CAPTURE(kind);
+      CAPTURE(n);
+      auto devs = dp::test::make_test_devices(kind, n);
+      auto comm = make_communicator(raw(devs));
+      const int64_t count = 13;
+      // chunk sizes for scatter/gather including a zero-length chunk on the last rank
+      std::vector<int64_t> counts(n);
+      for (int r = 0; r < n; ++r) counts[r] = (r == n - 1 && n > 1) ? 0 : r + 2;
+      const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
+      std::vector<std::vector<float>> bcast(n), reduced(n), scattered(n), gathered(n);
+      std::vector<Buffer> keep;
+      std::mutex mu;
+      spmd(raw(devs), [&](int r) {
+        Device& d = *devs[r];
+        Buffer b = d.alloc_floats(count, Category::comm), s = d.alloc_floats(total + 1, Category::comm),
+               c = d.alloc_floats(total + 1, Category::comm), g = d.alloc_floats(total + 1, Category::comm);
+        std::vector<float> host(count);
+        for (int64_t i = 0; i < count; ++i) host[i] = r == 0 ? float(i) : -1.0f;
+        d.upload(b.f(), host.data(), count * 4);
+        d.synchronize();
+        comm->broadcast(r, b.f(), count, 0);
+        bcast[r].resize(count);
+        d.download(bcast[r].data(), b.f(), count * 4);
+
+        for (int64_t i = 0; i < count; ++i) host[i] = float(r);
+        d.upload(b.f(), host.data(), count * 4);
+        d.synchronize();
+        comm->reduce(r, b.f(), count, 0);
+        reduced[r].resize(count);
+        d.download(reduced[r].data(), b.f(), count * 4);
+
+        // scatter: root holds 0..total-1; rank r receives its slice
+        std::vector<float> all(total);
+        std::iota(all.begin(), all.end(), 0.0f);
+        if (r == 0 && total > 0) d.upload(s.f(), all.data(), total * 4);
+        d.synchronize();
+        comm->scatter(r, s.f(), c.f(), counts, 0);
+        scattered[r].resize(counts[r]);
+        if (counts[r] > 0) {
+          int64_t off = 0;
+          for (int q = 0; q < r; ++q) off += counts[q];
+          d.download(scattered[r].data(), r == 0 ? s.f() + off : c.f(), counts[r] * 4);
+        }
+        // gather: rank r contributes counts[r] copies of 100 + r
+        std::vector<float> mine(counts[r], 100.0f + r);
+        if (counts[r] > 0) d.upload(c.f(), mine.data(), counts[r] * 4);
+        d.synchronize();
+        comm->gather(r, c.f(), g.f(), counts, 0);
+        if (r == 0) {
+          gathered[0].resize(total);
+          if (total > 0) d.download(gathered[0].data(), g.f(), total * 4);
+        }
+        std::lock_guard lock(mu);
+        keep.push_back(std::move(b));
+        keep.push_back(std::move(s));
+        keep.push_back(std::move(c));
+        keep.push_back(std::move(g));
+      });
+      for (int r = 0; r < n; ++r)
+        for (int64_t i = 0; i < count; ++i) CHECK(bcast[r][i] == float(i));
+      for (int64_t i = 0; i < count; ++i) CHECK(reduced[0][i] == float(n * (n - 1) / 2));
+      int64_t off = 0;
+      for (int r = 0; r < n; ++r) {
+        for (int64_t i = 0; i < counts[r]; ++i) CHECK(scattered[r][i] == float(off + i));
+        for (int64_t i = 0; i < counts[r]; ++i) CHECK(gathered[0][off + i] == 100.0f + r);
+        off += counts[r];
+      }
+      // bytes: the root sends (n-1) copies in broadcast and receives (n-1) buffers in reduce
+      CHECK(comm->traffic(0, Collective::broadcast).sent == (n - 1) * count * 4);
+      CHECK(comm->traffic(0, Collective::reduce).received == (n - 1) * count * 4);
+      CHECK(comm->traffic(0, Collective::scatter).sent == (total - counts[0]) * 4);
+      CHECK(comm->traffic(0, Collective::gather).received == (total - counts[0]) * 4);
+      for (int r = 1; r < n; ++r) {
+        CHECK(comm->traffic(r, Collective::broadcast).received == count * 4);
+        CHECK(comm->traffic(r, Collective::reduce).sent == count * 4);
+        CHECK(comm->traffic(r, Collective::scatter).received == counts[r] * 4);
+      }
+    }
+  }
+}
+
+TEST_CASE("an aborted collective releases every waiting rank") {
+  auto devs = dp::test::make_test_devices("cpu", 3);
+  auto comm = make_communicator(raw(devs));
+  std::vector<std::future<void>> fs;
+  std::vector<Buffer> bufs(3);
+  for (int r = 0; r < 3; ++r) bufs[r] = devs[r]->alloc_floats(8, Category::gradients);
+  // ranks 0 and 1 enter the collective; rank 2 fails before it and aborts
+  for (int r = 0; r < 2; ++r) fs.push_back(devs[r]->run([&, r] { comm->all_reduce(r, bufs[r].f(), 8); }));
+  fs.push_back(devs[2]->run([&] {
+    comm->abort();
+    throw DeviceError(2, "boom");
+  }));
+  for (int r = 0; r < 2; ++r) CHECK_THROWS_AS(fs[r].get(), Aborted);
+  CHECK_THROWS_AS(fs[2].get(), DeviceError);
+  comm->recover();
+  spmd(raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); });  // usable again
+}

@@ -1,0 +1,135 @@
+// Golden comparison against PyTorch (bench/make_golden.py wrote tests/golden/*.safetensors with
+// torch 1.13): the logits, loss and every gradient at fixed weights and a fixed batch, and the
+// trajectory of 3 SGD-with-momentum steps, for both models; on one device and data-parallel.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "engine/checkpoint.h"
+#include "engine/engine.h"
+#include "engine/network.h"
+#include "tests/backends.h"
+#include "tests/util.h"
+
+using namespace dp;
+using dp::test::raw;
+
+namespace {
+
+std::vector<float> floats(const Tensor& t) {
+  std::vector<float> v(t.data.size() / 4);
+  std::memcpy(v.data(), t.data.data(), t.data.size());
+  return v;
+}
+
+std::vector<float> flat(const SafeTensors& st, const ModelSpec& spec, const std::string& prefix) {
+  std::vector<float> out(static_cast<size_t>(spec.param_count));
+  for (auto& p : spec.params) {
+    auto v = floats(st.tensors.at(prefix + p.name));
+    REQUIRE(int64_t(v.size()) == p.size);
+    std::copy(v.begin(), v.end(), out.begin() + p.offset);
+  }
+  return out;
+}
+
+// The longest float reduction on the path to any gradient here: conv1's weight gradient sums
+// N * 26 * 26 = 5408 products (N = 8). Two summation orders of K terms differ by at most
+// 2 K u sum|terms|; the terms are bounded by the tensor's largest magnitude times a small factor
+// for cancellation, so each tensor is compared with |a - b| <= 2 K u max|ref| * 4 + 1e-7 (the
+// absolute floor covers tensors that are almost zero). Measured differences are ~100x smaller.
+constexpr double kReduction = 5408;
+const double u = std::ldexp(1.0, -24);
+
+void compare(const std::vector<float>& got, const std::vector<float>& want, const std::string& what, int64_t offset = 0,
+             int64_t size = -1) {
+  if (size < 0) size = int64_t(want.size());
+  double scale = 0;
+  for (int64_t i = offset; i < offset + size; ++i) scale = std::max(scale, double(std::fabs(want[i])));
+  const double tol = 2 * kReduction * u * scale * 4 + 1e-7;
+  double worst = 0;
+  int64_t at = -1;
+  for (int64_t i = offset; i < offset + size; ++i) {
+    double d = std::fabs(double(got[i]) - double(want[i]));
+    if (d > worst) worst = d, at = i;
+  }
+  INFO(what << ": largest difference " << worst << " at " << at << " (tolerance " << tol << ")");
+  CHECK(worst <= tol);
+}
+
+}  // namespace
+
+TEST_CASE("loss, logits and every gradient match PyTorch; 3 SGD steps follow its trajectory") {
+  for (std::string model : {"lenet", "lenet5"}) {
+    CAPTURE(model);
+    SafeTensors g = read_safetensors(std::string(DP_SOURCE_DIR) + "/tests/golden/" + model + ".safetensors");
+    ModelSpec spec = make_model(model);
+    const std::vector<float> init = flat(g, spec, "init.");
+    const std::vector<float> x = floats(g.tensors.at("x"));
+    std::vector<int32_t> y;
+    for (size_t i = 0; i < g.tensors.at("y").data.size() / 8; ++i) {
+      int64_t v;
+      std::memcpy(&v, g.tensors.at("y").data.data() + 8 * i, 8);
+      y.push_back(int32_t(v));
+    }
+    const int N = int(y.size());
+    const float lr = std::stof(g.metadata.at("lr")), momentum = std::stof(g.metadata.at("momentum")),
+                wd = std::stof(g.metadata.at("weight_decay"));
+
+    // One forward and backward on one device, through the Network the engine uses.
+    auto devs = dp::test::make_test_devices("cpu", 1);
+    Device& d = *devs[0];
+    {
+      Network net(spec, d, N);
+      Buffer params = d.alloc_floats(spec.param_count, Category::parameters);
+      Buffer grads = d.alloc_floats(spec.param_count, Category::gradients);
+      Buffer xin = d.alloc_floats(int64_t(x.size()), Category::inputs);
+      Buffer lab = d.alloc(y.size() * 4, Category::inputs);
+      Buffer dlogits = d.alloc_floats(N * 10, Category::outputs), stats = d.alloc_floats(2, Category::outputs);
+      d.upload(params.f(), init.data(), init.size() * 4);
+      d.upload(xin.f(), x.data(), x.size() * 4);
+      d.upload(lab.data(), y.data(), y.size() * 4);
+      const float* logits = net.forward(params.f(), xin.f(), N);
+      compare(std::vector<float>(logits, logits + N * 10), floats(g.tensors.at("logits")), "logits");
+      d.ops().fill(2, 0.0f, stats.f());
+      d.ops().softmax_xent(N, 10, logits, lab.i32(), 1.0f / float(N), dlogits.f(), stats.f());
+      compare({stats.f()[0]}, floats(g.tensors.at("loss")), "loss");
+      net.backward(params.f(), grads.f(), dlogits.f(), N);
+      std::vector<float> got(grads.f(), grads.f() + spec.param_count);
+      const std::vector<float> want = flat(g, spec, "grad.");
+      for (auto& p : spec.params) compare(got, want, "gradient of " + p.name, p.offset, p.size);
+    }
+
+    // Three SGD steps with momentum and weight decay, on 1 device and data-parallel on 3.
+    const std::vector<float> want3 = flat(g, spec, "step3.");
+    const std::vector<float> loss3 = floats(g.tensors.at("loss3"));
+    for (auto [n, sync] : std::vector<std::pair<int, Sync>>{{1, Sync::allreduce}, {3, Sync::scatter}, {3, Sync::allreduce}}) {
+      CAPTURE(n);
+      CAPTURE(sync_name(sync));
+      auto ds = dp::test::make_test_devices("cpu", n);
+      EngineConfig c;
+      c.batch = N, c.lr = lr, c.momentum = momentum, c.weight_decay = wd, c.sync = sync;
+      Engine e(raw(ds), spec, c);
+      e.set_params(init);
+      for (int s = 0; s < 3; ++s) {
+        StepResult r = e.step(x.data(), y.data(), N);
+        CHECK(std::fabs(r.loss - loss3[s]) <= 2 * kReduction * u * 4 * std::fabs(loss3[s]));
+      }
+      const std::vector<float> got = e.params();
+      for (auto& p : spec.params) compare(got, want3, "after 3 steps: " + p.name, p.offset, p.size);
+    }
+  }
+}
+
+TEST_CASE("the golden comparison is sharp: a wrong gradient is caught") {
+  SafeTensors g = read_safetensors(std::string(DP_SOURCE_DIR) + "/tests/golden/lenet.safetensors");
+  auto want = floats(g.tensors.at("grad.fc1.weight"));
+  auto wrong = want;
+  for (auto& v : wrong) v *= 1.01f;  // a 1% error (the tolerance is 0.26% of the tensor's scale)
+  double scale = 0, worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    scale = std::max(scale, double(std::fabs(want[i])));
+    worst = std::max(worst, double(std::fabs(wrong[i] - want[i])));
+  }
+  CHECK(worst > 2 * kReduction * u * scale * 4 + 1e-7);
+}

@@ -1,0 +1,127 @@
+// Helpers shared by the test suites: temporary directories, synthetic IDX files, running the
+// front ends, SPMD calls over devices.
+#pragma once
+
+#include <zlib.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/device.h"
+
+namespace dp::test {
+
+// A fresh directory under the system temp dir, removed with its contents at scope exit.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    static int counter = 0;
+    path = std::filesystem::temp_directory_path() /
+           ("dp_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
+};
+
+inline void put_be32(std::string& s, uint32_t v) {
+  for (int i = 3; i >= 0; --i) s.push_back(char((v >> (8 * i)) & 0xff));
+}
+
+inline void write_file(const std::string& path, const std::string& bytes, bool gz) {
+  if (gz) {
+    gzFile f = gzopen(path.c_str(), "wb");
+    gzwrite(f, bytes.data(), unsigned(bytes.size()));
+    gzclose(f);
+  } else {
+    std::ofstream(path, std::ios::binary) << bytes;
+  }
+}
+
+inline std::string idx_images(const std::vector<uint8_t>& pixels, uint32_t n, uint32_t rows, uint32_t cols) {
+  std::string s;
+  put_be32(s, 0x803);
+  put_be32(s, n);
+  put_be32(s, rows);
+  put_be32(s, cols);
+  s.append(pixels.begin(), pixels.end());
+  return s;
+}
+
+inline std::string idx_labels(const std::vector<uint8_t>& labels) {
+  std::string s;
+  put_be32(s, 0x801);
+  put_be32(s, uint32_t(labels.size()));
+  s.append(labels.begin(), labels.end());
+  return s;
+}
+
+// A learnable synthetic data set: class k is a bright horizontal bar at rows 2k+3..2k+5 plus noise.
+// Writes <dir>/{train,t10k}-{images,labels}-idx*-ubyte(.gz).
+inline void write_synthetic_dataset(const std::string& dir, int train, int test, bool gz = true, uint32_t seed = 7) {
+  std::mt19937 gen(seed);
+  auto make = [&](const std::string& prefix, int n) {
+    std::vector<uint8_t> px(size_t(n) * 784), lab(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      int k = int(gen() % 10);
+      lab[i] = uint8_t(k);
+      for (int p = 0; p < 784; ++p) {
+        int row = p / 28;
+        int v = int(gen() % 60);
+        if (row >= 2 * k + 3 && row < 2 * k + 6) v += 180;
+        px[size_t(i) * 784 + p] = uint8_t(std::min(v, 255));
+      }
+    }
+    std::string ext = gz ? ".gz" : "";
+    write_file(dir + "/" + prefix + "-images-idx3-ubyte" + ext, idx_images(px, uint32_t(n), 28, 28), gz);
+    write_file(dir + "/" + prefix + "-labels-idx1-ubyte" + ext, idx_labels(lab), gz);
+  };
+  make("train", train);
+  make("t10k", test);
+}
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+// Runs a shell command line, capturing both streams.
+inline CommandResult run_command(const std::string& cmd) {
+  CommandResult r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t got;
+  while ((got = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, got);
+  int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+// Calls fn(rank) on every device's compute thread at once (SPMD), rethrowing the first failure.
+inline void spmd(const std::vector<Device*>& devs, const std::function<void(int)>& fn) {
+  std::vector<std::future<void>> fs;
+  for (auto* d : devs) fs.push_back(d->run([&fn, d] { fn(d->rank()); }));
+  for (auto& f : fs) f.get();
+}
+
+// n deterministic pseudo-random floats in [lo, hi).
+inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = 0.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = u(gen);
+  return v;
+}
+
+}  // namespace dp::test
