@@ -1,0 +1,117 @@
+// The CPU reference kernels as templates over the scalar type T: float is what dp trains with (CpuOps
+// calls these), double is what the finite-difference gradient checks in tests/ run in. Plain loops
+// over shape-commented buffers, GEMM on OpenBLAS. Each op is defined in its own file in this
+// directory, with explicit instantiations for float and double.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/ops.h"
+
+namespace dp::cpu {
+
+// Row-major C = alpha * op(A) * op(B) + beta * C (cblas_sgemm / cblas_dgemm). k == 0 is an empty
+// sum: C = beta * C, and C = 0 when beta == 0 whatever C held.
+template <class T>
+void gemm(bool trans_a, bool trans_b, int m, int n, int k, T alpha,
+          const T* a,  // (m, k), or (k, m) when trans_a
+          const T* b,  // (k, n), or (n, k) when trans_b
+          T beta,
+          T* c);  // (m, n)
+
+// Scratch elements of T that conv2d needs: col and dcol of one image.
+int64_t conv2d_workspace_size(const ConvShape& s);
+
+template <class T>
+void conv2d_forward(const ConvShape& s,
+                    const T* x,     // (N, C, H, W)
+                    const T* w,     // (K, C, KH, KW)
+                    const T* b,     // (K)
+                    T* y,           // (N, K, OH, OW)
+                    T* workspace);  // (conv2d_workspace_size(s))
+// dx may be null (first layer). dw and db are overwritten, not accumulated.
+template <class T>
+void conv2d_backward(const ConvShape& s,
+                     const T* x,     // (N, C, H, W)
+                     const T* w,     // (K, C, KH, KW)
+                     const T* dy,    // (N, K, OH, OW)
+                     T* dx,          // (N, C, H, W) or null
+                     T* dw,          // (K, C, KH, KW)
+                     T* db,          // (K)
+                     T* workspace);  // (conv2d_workspace_size(s))
+
+// Window and stride s.k; rows and columns past OH*k, OW*k are not read (PyTorch's floor mode).
+template <class T>
+void avgpool_forward(const PoolShape& s,
+                     const T* x,  // (N, C, H, W)
+                     T* y);       // (N, C, OH, OW)
+template <class T>
+void avgpool_backward(const PoolShape& s,
+                      const T* dy,  // (N, C, OH, OW)
+                      T* dx);       // (N, C, H, W), overwritten
+// argmax holds the index of each maximum within its (H, W) plane; the first maximum wins.
+template <class T>
+void maxpool_forward(const PoolShape& s,
+                     const T* x,        // (N, C, H, W)
+                     T* y,              // (N, C, OH, OW)
+                     int32_t* argmax);  // (N, C, OH, OW)
+template <class T>
+void maxpool_backward(const PoolShape& s,
+                      const T* dy,            // (N, C, OH, OW)
+                      const int32_t* argmax,  // (N, C, OH, OW)
+                      T* dx);                 // (N, C, H, W), overwritten
+
+template <class T>
+void activation_forward(Activation a, int64_t n,
+                        const T* x,  // (n)
+                        T* y);       // (n)
+// From the activation's output y (both relu and sigmoid derivatives are functions of y).
+template <class T>
+void activation_backward(Activation a, int64_t n,
+                         const T* y,   // (n)
+                         const T* dy,  // (n)
+                         T* dx);       // (n)
+
+// nn.Linear: y = x W^T + b.
+template <class T>
+void linear_forward(int n, int in, int out,
+                    const T* x,  // (N, IN)
+                    const T* w,  // (OUT, IN)
+                    const T* b,  // (OUT)
+                    T* y);       // (N, OUT)
+// dx may be null. dw, db overwritten.
+template <class T>
+void linear_backward(int n, int in, int out,
+                     const T* x,   // (N, IN)
+                     const T* w,   // (OUT, IN)
+                     const T* dy,  // (N, OUT)
+                     T* dx,        // (N, IN) or null
+                     T* dw,        // (OUT, IN)
+                     T* db);       // (OUT)
+
+// dlogits = (softmax - onehot) * scale; stats[0] += sum of per-row losses * scale, stats[1] += number
+// of rows whose argmax (the first maximum) is the label.
+template <class T>
+void softmax_xent(int n, int classes,
+                  const T* logits,        // (N, CLASSES)
+                  const int32_t* labels,  // (N)
+                  T scale,
+                  T* dlogits,  // (N, CLASSES)
+                  T* stats);   // (2)
+
+// PyTorch's SGD over a flat buffer (math::sgd_update). v may be null when momentum is 0.
+template <class T>
+void sgd_step(int64_t n,
+              T* w,        // (n)
+              const T* g,  // (n)
+              T* v,        // (n) or null
+              T lr, T momentum, T weight_decay);
+
+template <class T>
+void add(int64_t n, const T* x /* (n) */, T* y /* (n) */);  // y += x
+template <class T>
+void fill(int64_t n, T value, T* x /* (n) */);
+template <class T>
+bool all_finite(int64_t n, const T* x /* (n) */);
+
+}  // namespace dp::cpu
