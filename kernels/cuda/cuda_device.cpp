@@ -1,0 +1,207 @@
+// The CUDA device (cuda_device.h) and the backend's entry points declared in engine/device.h:
+// cuda_built, probe_cuda, make_cuda_device. The stub (kernels/stub/cuda_stub.cpp) replaces this
+// file in builds without CUDA.
+#include "kernels/cuda/cuda_device.h"
+
+#include <algorithm>
+#include <string>
+
+#include "engine/error.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/cuda_ops.h"
+
+namespace dp {
+namespace {
+
+// The GPU a CudaDevice worker thread was bound to by its init; -1 on every other thread.
+thread_local int t_bound_device = -1;
+
+}  // namespace
+
+DeviceGuard::DeviceGuard(int id) noexcept {
+  if (cudaGetDevice(&prev_) != cudaSuccess) {
+    (void)cudaGetLastError();
+    prev_ = -1;
+  }
+  if (prev_ == id) return;
+  DP_CUDA_CHECK_PRINT(cudaSetDevice(id));
+  restore_ = t_bound_device >= 0 && prev_ >= 0;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (restore_) DP_CUDA_CHECK_PRINT(cudaSetDevice(prev_));
+}
+
+CudaDevice::CudaDevice(int rank, int id, int64_t memory_cap) : Device(rank, id, DeviceKind::cuda, memory_cap) {
+  // Both workers (compute, communication) bind to the GPU before anything else runs on them, so no
+  // CUDA call of theirs can create a context on device 0 by default.
+  start_workers([id] {
+    DP_CUDA_CHECK(cudaSetDevice(id));
+    t_bound_device = id;
+  });
+  try {
+    run([this] { open(); }).get();
+  } catch (...) {
+    run([this] { close(); }).wait();
+    stop_workers();
+    throw;
+  }
+}
+
+CudaDevice::~CudaDevice() {
+  run([this] { close(); }).wait();
+  stop_workers();
+}
+
+void CudaDevice::open() {
+  stream_ = cuda::make_stream();       // compute: every op, upload, download, copy
+  comm_stream_ = cuda::make_stream();  // NCCL all-reduce of buckets, overlapping backward
+  ready_ = cuda::make_event();
+  cublasHandle_t blas = nullptr;
+  DP_CUBLAS_CHECK(cublasCreate(&blas));
+  cublas_ = cuda::CublasHandle(blas);
+  DP_CUBLAS_CHECK(cublasSetStream(blas, stream_.get()));
+  // FP32 GEMMs in FP32: the default math mode never uses TF32 tensor cores for cublasSgemm (that
+  // takes CUBLAS_TF32_TENSOR_OP_MATH); said explicitly because the tests' error bounds rely on it.
+  DP_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
+  cudnnHandle_t dnn = nullptr;
+  DP_CUDNN_CHECK(cudnnCreate(&dnn));
+  cudnn_ = cuda::CudnnHandle(dnn);
+  DP_CUDNN_CHECK(cudnnSetStream(dnn, stream_.get()));
+  ops_ = std::make_unique<CudaOps>(*this, stream_.get(), blas, dnn);
+}
+
+void CudaDevice::close() noexcept {
+  if (stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(stream_.get()));
+  if (comm_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(comm_stream_.get()));
+  ops_.reset();  // its buffer and cuDNN descriptors first: it borrows the handles below
+  cudnn_.reset();
+  cublas_.reset();
+  ready_.reset();
+  comm_stream_.reset();
+  stream_.reset();
+}
+
+Ops& CudaDevice::ops() {
+  if (!ops_) throw DeviceError(id(), name() + " has no kernels: it failed to start or is shutting down");
+  return *ops_;
+}
+
+void* CudaDevice::raw_alloc(size_t bytes) {
+  DeviceGuard guard(id());
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) (void)cudaGetLastError();
+    throw OutOfMemory(id(), "cudaMalloc of " + format_bytes(int64_t(bytes)) + " on " + name() +
+                                " failed: the driver reports " + format_bytes(int64_t(free)) + " free of " +
+                                format_bytes(int64_t(total)) + " (the ledger: " + ledger().snapshot().describe() + ")");
+  }
+  DP_CUDA_CHECK_NAMED(err, "cudaMalloc(&p, bytes)");
+  return p;
+}
+
+void CudaDevice::raw_free(void* p) noexcept {
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK_PRINT(cudaFree(p));
+}
+
+void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream_.get()));
+}
+
+void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, stream_.get()));
+  DP_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+}
+
+void CudaDevice::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_.get()));
+}
+
+void CudaDevice::wait_for(const CudaDevice& other) {
+  if (&other == this) return;
+  std::lock_guard lock(other.ready_mu_);
+  {
+    DeviceGuard on_other(other.id());  // the event and the stream it is recorded on are other's
+    DP_CUDA_CHECK(cudaEventRecord(other.ready_.get(), other.stream_.get()));
+  }
+  DeviceGuard on_this(id());
+  DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), other.ready_.get(), 0));  // may cross devices
+}
+
+void CudaDevice::enable_peer_access(int peer) {
+  std::lock_guard lock(peer_mu_);
+  if (std::find(peers_seen_.begin(), peers_seen_.end(), peer) != peers_seen_.end()) return;
+  peers_seen_.push_back(peer);
+  int can = 0;
+  DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, id(), peer));
+  if (!can) return;  // cudaMemcpyPeerAsync still works, staged through the host
+  cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {  // by another CudaDevice on this GPU, or by NCCL
+    (void)cudaGetLastError();
+    return;
+  }
+  DP_CUDA_CHECK_NAMED(err, "cudaDeviceEnablePeerAccess(peer, 0)");
+}
+
+void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  const auto* peer = dynamic_cast<const CudaDevice*>(&src_device);
+  if (!peer) throw DeviceError(id(), "copy_from_peer: " + src_device.name() + " is not a CUDA device");
+  DeviceGuard guard(id());
+  wait_for(*peer);
+  if (peer->id() == id()) {
+    DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_.get()));
+  } else {
+    enable_peer_access(peer->id());
+    DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, id(), src, peer->id(), bytes, stream_.get()));
+  }
+}
+
+void CudaDevice::synchronize() {
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+}
+
+std::pair<size_t, size_t> CudaDevice::driver_memory() {
+  DeviceGuard guard(id());
+  size_t free = 0, total = 0;
+  DP_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return {free, total};
+}
+
+bool cuda_built() { return true; }
+
+CudaProbe probe_cuda() {
+  try {
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return {0, std::string("no CUDA driver or device: ") + cudaGetErrorString(err)};
+    }
+    if (count <= 0) return {0, "no CUDA device found"};
+    return {count, ""};
+  } catch (...) {
+    return {0, "the CUDA probe failed"};
+  }
+}
+
+std::unique_ptr<Device> make_cuda_device(int rank, int id, int64_t memory_cap) {
+  CudaProbe probe = probe_cuda();
+  if (id < 0 || id >= probe.count)
+    throw UsageError("device " + std::to_string(id) + ": not a usable CUDA device (" +
+                     (probe.count > 0 ? "ids are 0.." + std::to_string(probe.count - 1) : probe.reason) + ")");
+  return std::make_unique<CudaDevice>(rank, id, memory_cap);
+}
+
+}  // namespace dp

@@ -1,0 +1,87 @@
+// A CUDA GPU as a dp::Device: its worker threads are bound to the GPU (cudaSetDevice first thing),
+// and it owns, all created on its compute thread: the compute stream every op and copy is enqueued
+// on, a cuBLAS and a cuDNN handle bound to that stream, a communication stream (NCCL's, for
+// all-reduce overlapping backward), and the event peers wait on. Memory is cudaMalloc'd and booked
+// by the Device base in the ledger.
+//
+// Several CudaDevices may name the same GPU (--gpus 0,0 --allow-shared-device): each then has its
+// own streams and handles on the shared context, and the communicator uses peer copies, not NCCL.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "engine/device.h"
+#include "kernels/cuda/raii.h"
+
+namespace dp {
+
+class CudaOps;
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int rank, int id, int64_t memory_cap);
+  ~CudaDevice() override;
+
+  Ops& ops() override;
+  // Host memory may be pageable: the copy is then staged by the driver (slower, and the driver may
+  // wait for the stream); pinned memory would make it truly asynchronous. Either way the host buffer
+  // must stay untouched until synchronize(), as the Device contract says.
+  void upload(void* dst, const void* src_host, size_t bytes) override;
+  void download(void* dst_host, const void* src, size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
+  // Ordered after everything already enqueued on both this device's stream and src_device's (an
+  // event, not a host wait), on this device's stream: cudaMemcpyPeerAsync between GPUs (with peer
+  // access where the topology allows), cudaMemcpyAsync within one GPU.
+  void copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) override;
+  void synchronize() override;
+
+  // The driver's view of this GPU's memory, bytes: (free, total), from cudaMemGetInfo. It counts
+  // what the ledger does not: the context, library workspaces, NCCL buffers, other processes.
+  std::pair<size_t, size_t> driver_memory();
+
+  cudaStream_t stream() const { return stream_.get(); }
+  cudaStream_t comm_stream() const { return comm_stream_.get(); }
+  // Makes this device's stream wait for the work enqueued on `other`'s stream so far.
+  void wait_for(const CudaDevice& other);
+
+ protected:
+  void* raw_alloc(size_t bytes) override;
+  void raw_free(void* ptr) noexcept override;
+
+ private:
+  void open();            // on the compute thread
+  void close() noexcept;  // on the compute thread
+  void enable_peer_access(int peer_id);
+
+  cuda::Stream stream_, comm_stream_;
+  cuda::CublasHandle cublas_;
+  cuda::CudnnHandle cudnn_;
+  std::unique_ptr<CudaOps> ops_;
+  cuda::Event ready_;  // recorded on stream_ when a peer wants to wait for this device
+  mutable std::mutex ready_mu_;
+  std::mutex peer_mu_;
+  std::vector<int> peers_seen_;
+};
+
+// Makes `id` the calling thread's current device for the guard's lifetime. On a thread bound to a
+// device (a CudaDevice worker) the previous device is restored afterwards; any other thread (main,
+// a test) simply stays on `id`, so no context is ever created on a GPU nobody asked for. Never
+// throws: a failure to switch surfaces as the error of the CUDA call that follows.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int id) noexcept;
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+  bool restore_ = false;
+};
+
+}  // namespace dp

@@ -1,0 +1,87 @@
+// The CUDA kernels: every op of kernels/ops.h on one device, enqueued on that device's stream.
+// GEMM goes through cuBLAS (a row-major wrapper), convolution through cuDNN, the rest are the
+// kernels in this directory, one file per op family, each the twin of kernels/cpu/<same name>.cpp.
+//
+// Threading: a CudaOps belongs to one CudaDevice and is called from that device's threads (compute,
+// and the communication thread for add()). The cuBLAS and cuDNN handles are only used from the
+// compute thread; the convolution plan cache is guarded anyway.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <array>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "engine/device.h"
+#include "kernels/cuda/raii.h"
+#include "kernels/ops.h"
+
+namespace dp {
+
+// Everything cuDNN needs for one convolution shape: descriptors and the three algorithms, chosen
+// once (kernels/cuda/conv2d.cu explains how).
+struct ConvPlan {
+  cuda::TensorDesc x, y;  // (N, C, H, W), (N, K, OH, OW)
+  cuda::FilterDesc w;     // (K, C, KH, KW)
+  cuda::ConvDesc conv;
+  cudnnConvolutionFwdAlgo_t fwd{};
+  cudnnConvolutionBwdDataAlgo_t bwd_data{};
+  cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
+  size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
+  size_t workspace_floats() const;
+};
+
+class CudaOps final : public Ops {
+ public:
+  // The handles belong to the device and are already bound to `stream`.
+  CudaOps(Device& device, cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn);
+  ~CudaOps() override;
+  const char* backend() const override { return "cuda"; }
+  cudaStream_t stream() const { return stream_; }
+
+  void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, const float* b, float beta,
+            float* c) override;
+  size_t conv2d_workspace_floats(const ConvShape& s) override;
+  void conv2d_forward(const ConvShape& s, const float* x, const float* w, const float* b, float* y,
+                      float* workspace) override;
+  void conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,
+                       float* db, float* workspace) override;
+  void avgpool_forward(const PoolShape& s, const float* x, float* y) override;
+  void avgpool_backward(const PoolShape& s, const float* dy, float* dx) override;
+  void maxpool_forward(const PoolShape& s, const float* x, float* y, int32_t* argmax) override;
+  void maxpool_backward(const PoolShape& s, const float* dy, const int32_t* argmax, float* dx) override;
+  void activation_forward(Activation a, int64_t n, const float* x, float* y) override;
+  void activation_backward(Activation a, int64_t n, const float* y, const float* dy, float* dx) override;
+  void linear_forward(int n, int in, int out, const float* x, const float* w, const float* b, float* y) override;
+  void linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx, float* dw,
+                       float* db) override;
+  void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
+                    float* stats) override;
+  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay) override;
+  void add(int64_t n, const float* x, float* y) override;
+  void fill(int64_t n, float value, float* x) override;
+  bool all_finite(int64_t n, const float* x) override;
+
+ private:
+  using ShapeKey = std::array<int, 8>;     // n, c, h, w, k, kh, kw, pad
+  using GeometryKey = std::array<int, 7>;  // the same without n
+  // The plan for s, made on first use, or again when its workspace exceeds the smallest one
+  // conv2d_workspace_floats has handed out for s's geometry (see conv2d.cu).
+  ConvPlan& plan(const ConvShape& s);
+  ConvPlan& make_plan(const ConvShape& s, size_t limit_bytes);
+
+  Device& device_;
+  cudaStream_t stream_;
+  cublasHandle_t cublas_;
+  cudnnHandle_t cudnn_;
+  std::mutex conv_mu_;
+  std::map<ShapeKey, std::unique_ptr<ConvPlan>> plans_;
+  std::map<GeometryKey, size_t> budget_floats_;
+  Buffer flag_;  // (1) int32: all_finite's answer
+};
+
+}  // namespace dp

@@ -1,0 +1,73 @@
+// SGD, the reduction add, fill and the finiteness check over flat buffers. Twin of
+// kernels/cpu/elementwise.cpp; SGD goes through math::sgd_update like the CPU's.
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/math.h"
+
+namespace dp {
+namespace {
+
+__global__ void sgd_kernel(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd) {
+  DP_GRID_STRIDE(i, n) { math::sgd_update(w[i], v[i], g[i], lr, momentum, wd); }
+}
+
+// momentum 0: no buffer (the optimizer category stays empty), as the CPU twin
+__global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, float lr, float wd) {
+  DP_GRID_STRIDE(i, n) {
+    float none = 0.0f;
+    math::sgd_update(w[i], none, g[i], lr, 0.0f, wd);
+  }
+}
+
+__global__ void add_kernel(int64_t n, const float* x, float* y) {
+  DP_GRID_STRIDE(i, n) { y[i] += x[i]; }
+}
+
+__global__ void fill_kernel(int64_t n, float value, float* x) {
+  DP_GRID_STRIDE(i, n) { x[i] = value; }
+}
+
+// Any thread that sees a NaN or an infinity raises the flag; they all write the same value.
+__global__ void nonfinite_kernel(int64_t n, const float* x, int32_t* flag) {
+  DP_GRID_STRIDE(i, n) {
+    if (!isfinite(x[i])) *flag = 1;
+  }
+}
+
+}  // namespace
+
+void CudaOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay) {
+  if (n == 0) return;
+  if (v) {
+    sgd_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, v, lr, momentum, weight_decay);
+    DP_CUDA_LAUNCH_CHECK("sgd_kernel");
+  } else {
+    sgd_no_momentum_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, lr, weight_decay);
+    DP_CUDA_LAUNCH_CHECK("sgd_no_momentum_kernel");
+  }
+}
+
+void CudaOps::add(int64_t n, const float* x, float* y) {
+  if (n == 0) return;
+  add_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, y);
+  DP_CUDA_LAUNCH_CHECK("add_kernel");
+}
+
+void CudaOps::fill(int64_t n, float value, float* x) {
+  if (n == 0) return;
+  fill_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, value, x);
+  DP_CUDA_LAUNCH_CHECK("fill_kernel");
+}
+
+bool CudaOps::all_finite(int64_t n, const float* x) {
+  if (n == 0) return true;
+  DP_CUDA_CHECK(cudaMemsetAsync(flag_.data(), 0, sizeof(int32_t), stream_));
+  nonfinite_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, flag_.i32());
+  DP_CUDA_LAUNCH_CHECK("nonfinite_kernel");
+  int32_t raised = 0;
+  DP_CUDA_CHECK(cudaMemcpyAsync(&raised, flag_.data(), sizeof raised, cudaMemcpyDeviceToHost, stream_));
+  DP_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return raised == 0;
+}
+
+}  // namespace dp
