@@ -386,6 +386,8 @@ std::string Engine::first_nonfinite_gradient() {
   std::string bad;
   devices_[0]->run([&] {
     Replica& rep = *replicas_[0];
+    // One pass over the flat buffer each step (one host sync on CUDA); per tensor only on failure.
+    if (devices_[0]->ops().all_finite(spec_.param_count, rep.grads.f())) return;
     // In backward order: the layer where the non-finite values entered, not where they ended up.
     for (auto p = spec_.params.rbegin(); p != spec_.params.rend(); ++p)
       if (!devices_[0]->ops().all_finite(p->size, rep.grads.f() + p->offset)) {
