@@ -59,7 +59,7 @@ void compare(const std::vector<float>& got, const std::vector<float>& want, cons
 
 }  // namespace
 
-TEST_CASE("loss, logits and every gradient match PyTorch; 3 SGD steps follow its trajectory") {
+TEST_CASE("loss, logits and every gradient match PyTorch, and 3 SGD steps follow its trajectory") {
   for (std::string model : {"lenet", "lenet5"}) {
     CAPTURE(model);
     SafeTensors g = read_safetensors(std::string(DP_SOURCE_DIR) + "/tests/golden/" + model + ".safetensors");

@@ -131,7 +131,7 @@ TEST_CASE("kernels: maxpool values and argmax, the first maximum wins") {
   CHECK(dx == want);
 }
 
-TEST_CASE("kernels: relu and sigmoid values; sigmoid stable in both tails") {
+TEST_CASE("kernels: relu and sigmoid values, sigmoid stable in both tails") {
   CpuOps ops;
   const Vec x = {-2.0f, -0.0f, 0.0f, 0.5f, 3.0f};
   Vec y(5), dx(5);

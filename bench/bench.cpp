@@ -1,0 +1,480 @@
+#include "bench/bench.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+
+#include "engine/error.h"
+
+extern char** environ;
+
+namespace dp::bench {
+
+// --- synthetic data -------------------------------------------------------------------------------
+
+namespace {
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
+SyntheticData make_synthetic(const ModelSpec& spec, int batch, int batches, uint64_t seed) {
+  SyntheticData d;
+  d.batch = batch, d.batches = std::max(1, batches), d.image_size = spec.input_size();
+  d.x.resize(size_t(d.batches) * size_t(batch) * size_t(d.image_size));
+  d.y.resize(size_t(d.batches) * size_t(batch));
+  uint64_t state = seed ^ 0x5DEECE66Dull;
+  for (auto& v : d.x) v = float(splitmix64(state) >> 40) * 0x1.0p-24f;  // 24 random bits: exact in a float, < 1
+  for (auto& v : d.y) v = int32_t(splitmix64(state) % uint64_t(spec.classes));
+  return d;
+}
+
+// --- the byte model -------------------------------------------------------------------------------
+
+int64_t CollectiveTraffic::busiest() const {
+  int64_t b = 0;
+  for (const Traffic& t : per_rank) b = std::max({b, t.sent, t.received});
+  return b;
+}
+
+std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
+  std::vector<Traffic> t(static_cast<size_t>(n));
+  if (n == 1 || count == 0) return t;
+  const std::vector<int64_t> chunk = even_chunks(count, n);
+  auto bytes = [&](int c) { return chunk[size_t((c % n + n) % n)] * int64_t(sizeof(float)); };
+  for (int r = 0; r < n; ++r)
+    for (int s = 0; s < n - 1; ++s) {
+      t[r].sent += bytes(r - s) + bytes(r + 1 - s);  // reduce-scatter, then all-gather
+      t[r].received += bytes(r - 1 - s) + bytes(r - s);
+    }
+  return t;
+}
+
+// Bytes per step, with P parameters, D input floats per image, C classes, n devices, n_i the split
+// sizes (split_batch) and 4 bytes a float. No collective runs on one device.
+//
+// scatter (nn.DataParallel; device 0 is the root of every collective):
+//   scatter the input chunks   device 0 sends Σ_{i≥1} n_i·D·4         device i receives n_i·D·4
+//   broadcast the parameters   device 0 sends (n−1)·P·4              device i receives P·4
+//   gather the logits          device 0 receives Σ_{i≥1} n_i·C·4     device i sends n_i·C·4
+//   scatter the logit grads    device 0 sends Σ_{i≥1} n_i·C·4        device i receives n_i·C·4
+//   reduce the gradients       device 0 receives (n−1)·P·4           device i sends P·4
+//   so device 0 sends Σ n_i·D·4 + (n−1)·P·4 + Σ n_i·C·4 and receives Σ n_i·C·4 + (n−1)·P·4;
+//   device i receives n_i·D·4 + P·4 + n_i·C·4 and sends n_i·C·4 + P·4.
+//
+// allreduce (DDP): one ring all-reduce per bucket of c floats (one bucket of P when not bucketed)
+//   over even_chunks(c, n): at reduce-scatter step s (0 ≤ s < n−1) rank r sends chunk (r−s) mod n
+//   and receives chunk (r−1−s) mod n; at all-gather step s it sends chunk (r+1−s) mod n and
+//   receives chunk (r−s) mod n. Each way ≈ 2(n−1)/n·c·4 bytes (exact when n divides c).
+std::vector<CollectiveTraffic> step_collectives(Sync sync, const ModelSpec& spec, const std::vector<int>& sizes,
+                                                const std::vector<Bucket>& buckets) {
+  const int n = int(sizes.size());
+  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
+  std::vector<CollectiveTraffic> out;
+  if (n == 1) return out;
+  if (sync == Sync::scatter) {
+    // root_sends: device 0 sends each device i its share(i) bytes; otherwise it receives them.
+    auto rooted = [&](Collective c, const std::string& what, bool root_sends, auto share) {
+      CollectiveTraffic ct{c, what, std::vector<Traffic>(static_cast<size_t>(n))};
+      for (int i = 1; i < n; ++i) {
+        int64_t b = share(i);
+        Traffic &root = ct.per_rank[0], &peer = ct.per_rank[i];
+        (root_sends ? root.sent : root.received) += b;
+        (root_sends ? peer.received : peer.sent) += b;
+      }
+      out.push_back(ct);
+    };
+    rooted(Collective::scatter, "input chunks", true, [&](int i) { return sizes[i] * D * F; });
+    rooted(Collective::broadcast, "parameters", true, [&](int) { return P * F; });
+    rooted(Collective::gather, "logits", false, [&](int i) { return sizes[i] * C * F; });
+    rooted(Collective::scatter, "logit gradients", true, [&](int i) { return sizes[i] * C * F; });
+    rooted(Collective::reduce, "gradients", false, [&](int) { return P * F; });
+  } else {
+    std::vector<Bucket> bs = buckets;
+    if (bs.empty()) bs.push_back({0, P, 0});
+    for (size_t b = 0; b < bs.size(); ++b)
+      out.push_back({Collective::all_reduce, buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b),
+                     ring_all_reduce_traffic(bs[b].count, n)});
+  }
+  return out;
+}
+
+std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n) {
+  std::vector<Traffic> t(static_cast<size_t>(n));
+  for (const auto& c : collectives)
+    for (int r = 0; r < n; ++r) t[r].sent += c.per_rank[r].sent, t[r].received += c.per_rank[r].received;
+  return t;
+}
+
+// --- the alpha-beta model -------------------------------------------------------------------------
+
+double AlphaBeta::step_seconds(const std::vector<CollectiveTraffic>& collectives) const {
+  double s = 0;
+  for (const auto& c : collectives) s += seconds(double(c.busiest()));
+  return s;
+}
+
+// Ordinary least squares on t would let the few largest sizes (seconds) decide everything and leave
+// alpha (microseconds) as the residue of their noise, often negative. Minimising the relative error
+// Σ ((t_i − α − x_i/β) / t_i)² weighs every size alike, so the small sizes pin α and the large
+// ones β. A negative α (no measurable latency) is clamped to 0 and β refitted alone.
+AlphaBeta fit_alpha_beta(const std::vector<double>& x, const std::vector<double>& t) {
+  double sw = 0, sx = 0, sxx = 0, st = 0, sxt = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (!(t[i] > 0)) continue;
+    double w = 1.0 / (t[i] * t[i]);
+    sw += w, sx += w * x[i], sxx += w * x[i] * x[i], st += w * t[i], sxt += w * x[i] * t[i];
+  }
+  AlphaBeta ab;
+  double det = sw * sxx - sx * sx;
+  if (sw == 0 || det <= 0) return ab;
+  double a = (st * sxx - sx * sxt) / det, b = (sw * sxt - sx * st) / det;
+  if (a < 0) a = 0, b = sxt / sxx;
+  if (b <= 0) return ab;
+  ab.alpha = a, ab.beta = 1.0 / b;
+  return ab;
+}
+
+// --- the collective sweep -------------------------------------------------------------------------
+
+double busbw_factor(Collective c, int n) {
+  switch (c) {
+    case Collective::all_reduce:
+      return 2.0 * (n - 1) / n;
+    case Collective::scatter:
+    case Collective::gather:
+      return double(n - 1) / n;
+    case Collective::broadcast:
+    case Collective::reduce:
+      return 1.0;
+  }
+  return 1.0;
+}
+
+namespace {
+// The most bytes one rank sends or receives in the collective over S = 4·count bytes.
+int64_t busiest_bytes(Collective c, int64_t count, int n) {
+  const int64_t F = sizeof(float);
+  switch (c) {
+    case Collective::all_reduce: {
+      int64_t b = 0;
+      for (const Traffic& t : ring_all_reduce_traffic(count, n)) b = std::max({b, t.sent, t.received});
+      return b;
+    }
+    case Collective::broadcast:
+    case Collective::reduce:
+      return (n - 1) * count * F;  // the root sends / receives n − 1 copies
+    case Collective::scatter:
+    case Collective::gather:
+      return (count - even_chunks(count, n)[0]) * F;  // everything but its own chunk
+  }
+  return 0;
+}
+}  // namespace
+
+std::vector<int64_t> sweep_sizes(int64_t min_bytes, int64_t max_bytes) {
+  std::vector<int64_t> s;
+  for (int64_t b = min_bytes; b <= max_bytes; b *= 2) {
+    s.push_back(b / 4 * 4);
+    if (b > max_bytes / 2 && b != max_bytes) {
+      s.push_back(max_bytes / 4 * 4);
+      break;
+    }
+  }
+  s.erase(std::unique(s.begin(), s.end()), s.end());
+  return s;
+}
+
+void spmd(Communicator& comm, const std::vector<Device*>& devices, const std::function<void(int)>& fn) {
+  std::vector<std::future<void>> futures;
+  for (int r = 0; r < int(devices.size()); ++r)
+    futures.push_back(devices[r]->run([&comm, &fn, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        comm.abort();
+        throw;
+      }
+    }));
+  std::exception_ptr first;
+  for (auto& f : futures) {
+    try {
+      f.get();
+    } catch (const Aborted&) {
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) {
+    comm.recover();
+    std::rethrow_exception(first);
+  }
+}
+
+std::vector<CommPoint> run_comm_sweep(const std::vector<Device*>& devices, const CommSweep& sw) {
+  using clock = std::chrono::steady_clock;
+  const int n = int(devices.size());
+  std::unique_ptr<Communicator> comm = make_communicator(devices);
+  const std::vector<int64_t> sizes = sweep_sizes(sw.min_bytes, sw.max_bytes);
+  const int64_t max_count = sizes.back() / 4;
+  // Per rank: the collective's buffer (S bytes) and one chunk of it (scatter's receive, gather's
+  // send). Filled with zeros: repeated in-place sums then stay finite.
+  std::vector<Buffer> buf(static_cast<size_t>(n)), part(static_cast<size_t>(n));
+  spmd(*comm, devices, [&](int r) {
+    Device& d = *devices[r];
+    buf[r] = d.alloc_floats(max_count, Category::workspace);                      // (S / 4)
+    part[r] = d.alloc_floats(even_chunks(max_count, n)[0], Category::workspace);  // (S / 4n)
+    d.ops().fill(max_count, 0.0f, buf[r].f());
+    d.ops().fill(even_chunks(max_count, n)[0], 0.0f, part[r].f());
+    d.synchronize();
+  });
+
+  // Largest size first: the communicator's scratch then grows once, instead of being reallocated
+  // (and its pages first touched again) at every doubling.
+  std::vector<CommPoint> points;
+  for (Collective c : sw.collectives) {
+    for (auto it = sizes.rbegin(); it != sizes.rend(); ++it) {
+      const int64_t bytes = *it;
+      const int64_t count = bytes / 4;
+      const std::vector<int64_t> counts = even_chunks(count, n);
+      auto op = [&](int r) {
+        switch (c) {
+          case Collective::all_reduce:
+            comm->all_reduce(r, buf[r].f(), count);
+            break;
+          case Collective::broadcast:
+            comm->broadcast(r, buf[r].f(), count, 0);
+            break;
+          case Collective::reduce:
+            comm->reduce(r, buf[r].f(), count, 0);
+            break;
+          case Collective::scatter:
+            comm->scatter(r, r == 0 ? buf[r].f() : nullptr, part[r].f(), counts, 0);
+            break;
+          case Collective::gather:
+            comm->gather(r, part[r].f(), r == 0 ? buf[r].f() : nullptr, counts, 0);
+            break;
+        }
+      };
+      // One warm-up op (first touch of the communicator's scratch), which also sizes the run.
+      auto w0 = clock::now();
+      spmd(*comm, devices, [&](int r) {
+        op(r);
+        devices[r]->synchronize();
+      });
+      double warm = std::chrono::duration<double>(clock::now() - w0).count();
+      int iters = std::clamp(int(sw.budget_seconds / std::max(warm, 1e-9)), 1, std::max(1, sw.max_iters));
+      // Every rank starts its clock after a common barrier and stops it when its last op is done;
+      // the op takes as long as the slowest rank.
+      Barrier start(n);
+      std::vector<double> elapsed(static_cast<size_t>(n));
+      spmd(*comm, devices, [&](int r) {
+        start.arrive_and_wait();
+        auto t0 = clock::now();
+        for (int i = 0; i < iters; ++i) op(r);
+        devices[r]->synchronize();
+        elapsed[r] = std::chrono::duration<double>(clock::now() - t0).count();
+      });
+      CommPoint p;
+      p.collective = c, p.bytes = bytes, p.rank_bytes = busiest_bytes(c, count, n), p.iters = iters;
+      p.seconds = *std::max_element(elapsed.begin(), elapsed.end()) / iters;
+      p.algbw = double(bytes) / p.seconds;
+      p.busbw = p.algbw * busbw_factor(c, n);
+      points.push_back(p);
+    }
+  }
+  // Back in the sweep's order: collectives as listed, sizes ascending.
+  auto rank_of = [&](Collective c) {
+    return std::find(sw.collectives.begin(), sw.collectives.end(), c) - sw.collectives.begin();
+  };
+  std::stable_sort(points.begin(), points.end(), [&](const CommPoint& a, const CommPoint& b) {
+    return a.collective != b.collective ? rank_of(a.collective) < rank_of(b.collective) : a.bytes < b.bytes;
+  });
+  // Device memory is freed on the device's own thread (the CUDA allocator wants it).
+  for (int r = 0; r < n; ++r)
+    devices[r]
+        ->run([&, r] {
+          buf[r].reset();
+          part[r].reset();
+        })
+        .get();
+  return points;
+}
+
+AlphaBeta fit_from_sweep(const std::vector<CommPoint>& points) {
+  std::vector<double> x, t;
+  int64_t lo = 0, hi = 0;
+  for (const auto& p : points)
+    if (p.collective == Collective::all_reduce) {
+      x.push_back(double(p.rank_bytes)), t.push_back(p.seconds);
+      lo = lo == 0 ? p.bytes : std::min(lo, p.bytes), hi = std::max(hi, p.bytes);
+    }
+  AlphaBeta ab = fit_alpha_beta(x, t);
+  ab.source = "fitted to all_reduce over " + format_bytes(lo) + " .. " + format_bytes(hi);
+  return ab;
+}
+
+// --- plots ----------------------------------------------------------------------------------------
+
+namespace {
+
+std::string python() {
+  const char* env = std::getenv("DP_BENCH_PYTHON");  // lets a test point at a python without matplotlib
+  return env && *env ? env : "/usr/bin/python3";
+}
+
+std::string plot_script() { return std::string(DP_SOURCE_DIR) + "/bench/plot.py"; }
+
+// Runs argv[0] with argv (no shell); returns its exit status, -1 when it could not start. stdout
+// is captured into *out when given, else discarded with stderr.
+int run_process(const std::vector<std::string>& args, std::string* out) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&fa, fds[0]);
+  if (!out) posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  pid_t pid;
+  int rc = posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  close(fds[1]);
+  if (rc != 0) {
+    close(fds[0]);
+    return -1;
+  }
+  char chunk[4096];
+  ssize_t got;
+  while ((got = read(fds[0], chunk, sizeof chunk)) > 0)
+    if (out) out->append(chunk, size_t(got));
+  close(fds[0]);
+  int status = 0;
+  if (waitpid(pid, &status, 0) < 0) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+}  // namespace
+
+void check_plotting() {
+  const std::string py = python();
+  if (access(py.c_str(), X_OK) != 0)
+    throw PlotUnavailable("--plot needs " + py + " with matplotlib, and there is no " + py +
+                          " (Debian: apt install python3 python3-matplotlib). Plots are optional: leave out --plot, or "
+                          "keep the --json and plot elsewhere.");
+  if (run_process({py, "-c", "import matplotlib"}, nullptr) != 0)
+    throw PlotUnavailable("--plot needs matplotlib, and " + py +
+                          " cannot import it (Debian: apt install python3-matplotlib). Plots are optional: leave "
+                          "out --plot, or keep the --json and plot elsewhere.");
+  if (!std::filesystem::exists(plot_script()))
+    throw PlotUnavailable("--plot: the plotting script " + plot_script() +
+                          " is missing (dp_bench looks for it in the "
+                          "source tree it was built from)");
+}
+
+std::vector<std::string> run_plot(const std::string& kind, const std::string& json_path, const std::string& dir) {
+  std::string out;
+  int rc = run_process({python(), plot_script(), kind, json_path, dir}, &out);
+  if (rc != 0)
+    throw PlotUnavailable("--plot: " + plot_script() + " " + kind + " failed (exit " + std::to_string(rc) +
+                          "); the data is in " + json_path);
+  std::vector<std::string> pngs;
+  size_t at = 0;
+  while (at < out.size()) {
+    size_t nl = out.find('\n', at);
+    if (nl == std::string::npos) nl = out.size();
+    if (nl > at) pngs.push_back(out.substr(at, nl - at));
+    at = nl + 1;
+  }
+  return pngs;
+}
+
+// --- small helpers --------------------------------------------------------------------------------
+
+std::string commas(int64_t v) {
+  std::string digits = std::to_string(v < 0 ? -v : v), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
+std::string fixed(double v, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+  return buf;
+}
+
+namespace {
+int shown_width(const std::string& s) {
+  int w = 0;
+  for (unsigned char ch : s) w += (ch & 0xC0) != 0x80;
+  return w;
+}
+}  // namespace
+
+std::string pad(const std::string& s, int width, bool right) {
+  // Width in characters on screen: count UTF-8 lead bytes only (Σ, α, β, ≈ are multi-byte).
+  int shown = shown_width(s);
+  if (shown >= width) return s;
+  std::string fill(size_t(width - shown), ' ');
+  return right ? fill + s : s + fill;
+}
+
+std::string Table::str(int gap) const {
+  std::vector<int> width;
+  for (const auto& r : rows_) {
+    if (r.size() < 2) continue;
+    if (width.size() < r.size()) width.resize(r.size(), 0);
+    for (size_t c = 0; c < r.size(); ++c) width[c] = std::max(width[c], shown_width(r[c]));
+  }
+  std::string out;
+  for (const auto& r : rows_) {
+    if (r.size() < 2) {
+      out += (r.empty() ? "" : r[0]) + "\n";
+      continue;
+    }
+    std::string line = pad(r[0], width[0], false);
+    for (size_t c = 1; c < r.size(); ++c) line += std::string(size_t(gap), ' ') + pad(r[c], width[c]);
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    out += line + "\n";
+  }
+  return out;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+void check_output_path(const std::string& path, const std::string& flag) {
+  if (path.empty()) return;
+  auto dir = std::filesystem::path(path).parent_path();
+  std::error_code ec;
+  if (!dir.empty() && !std::filesystem::is_directory(dir, ec))
+    throw UsageError(flag + ": " + path + ": the directory " + dir.string() + " does not exist");
+}
+
+std::string command_line(int argc, const char* const* argv) {
+  std::string s = "dp_bench";
+  for (int i = 1; i < argc; ++i) s += std::string(" ") + argv[i];
+  return s;
+}
+
+}  // namespace dp::bench

@@ -1,0 +1,129 @@
+// dp_bench's shared parts: synthetic data, the byte model of a training step, the collective sweep
+// with nccl-tests' bandwidth definitions, the alpha-beta fit, the plot hand-off and table helpers.
+// Everything runs on the same dp_core library dp_train uses; nothing here computes a layer.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/engine.h"
+#include "models/model.h"
+
+namespace dp::bench {
+
+// --- synthetic data -------------------------------------------------------------------------------
+
+// A few deterministic batches: images uniform in [0, 1), labels uniform over the classes, drawn from
+// splitmix64 seeded with `seed` (no data set needed; identical on every machine and library).
+struct SyntheticData {
+  int batch = 0, batches = 0;
+  int64_t image_size = 0;
+  std::vector<float> x;    // (batches, batch, D)
+  std::vector<int32_t> y;  // (batches, batch)
+  const float* images(int64_t step) const { return x.data() + (step % batches) * batch * image_size; }
+  const int32_t* labels(int64_t step) const { return y.data() + (step % batches) * batch; }
+};
+SyntheticData make_synthetic(const ModelSpec& spec, int batch, int batches, uint64_t seed);
+
+// --- the byte model -------------------------------------------------------------------------------
+
+// One collective of a step and what each rank sends and receives in it.
+struct CollectiveTraffic {
+  Collective collective;
+  std::string what;               // "input chunks", "parameters", "gradient bucket 2", ...
+  std::vector<Traffic> per_rank;  // bytes
+  int64_t busiest() const;        // the most bytes one rank sends or receives in it
+};
+
+// Ring all-reduce of `count` floats over n ranks (reduce-scatter then all-gather over
+// even_chunks(count, n)): what each rank sends and receives.
+std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n);
+
+// The collectives of one full training step and their bytes per rank (formulas in bench.cpp).
+std::vector<CollectiveTraffic> step_collectives(Sync sync, const ModelSpec& spec, const std::vector<int>& sizes,
+                                                const std::vector<Bucket>& buckets);
+std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n);
+
+// --- the alpha-beta model -------------------------------------------------------------------------
+
+// t = alpha + S / beta, with S the bytes the busiest rank moves (for the ring: 2 (n-1)/n of the
+// buffer). alpha in seconds, beta in bytes per second.
+struct AlphaBeta {
+  double alpha = 0, beta = 0;
+  std::string source;  // "fitted: ..." or "given: --alpha-us/--beta-gbps"
+  bool valid() const { return beta > 0; }
+  double seconds(double bytes) const { return alpha + bytes / beta; }
+  // Each collective of the step costs one alpha plus its busiest rank's bytes over beta.
+  double step_seconds(const std::vector<CollectiveTraffic>& collectives) const;
+};
+// Least squares of t = alpha + x / beta in relative error (see bench.cpp for why relative).
+AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds);
+
+// --- the collective sweep -------------------------------------------------------------------------
+
+// nccl-tests' bus bandwidth factor: busbw = algbw * factor.
+double busbw_factor(Collective c, int n);
+
+struct CommPoint {
+  Collective collective;
+  int64_t bytes = 0;       // S: the buffer (all_reduce, broadcast, reduce) or the root's whole buffer (scatter, gather)
+  int64_t rank_bytes = 0;  // the busiest rank's bytes for this size (the alpha-beta model's x)
+  int iters = 0;
+  double seconds = 0;           // per op, averaged over iters, the slowest rank
+  double algbw = 0, busbw = 0;  // bytes per second
+};
+
+struct CommSweep {
+  int64_t min_bytes = 8, max_bytes = 256ll << 20;
+  int max_iters = 20;
+  double budget_seconds = 0.1;  // per collective and size: fewer iterations when one op is slow
+  std::vector<Collective> collectives{Collective::all_reduce, Collective::broadcast, Collective::reduce,
+                                      Collective::scatter, Collective::gather};
+};
+
+// Sizes from min to max doubling (max included), rounded down to whole floats.
+std::vector<int64_t> sweep_sizes(int64_t min_bytes, int64_t max_bytes);
+// Each collective over each size through a communicator over `devices`, SPMD from each device's
+// thread; one warm-up op, then timed ops.
+std::vector<CommPoint> run_comm_sweep(const std::vector<Device*>& devices, const CommSweep& sweep);
+AlphaBeta fit_from_sweep(const std::vector<CommPoint>& points);
+
+// Runs fn(rank) on every device's compute thread at once and waits; a failure aborts the
+// communicator (no rank waits forever) and is rethrown here.
+void spmd(Communicator& comm, const std::vector<Device*>& devices, const std::function<void(int)>& fn);
+
+// --- plots ----------------------------------------------------------------------------------------
+
+// Throws PlotUnavailable when /usr/bin/python3 (or $DP_BENCH_PYTHON) cannot import matplotlib or
+// bench/plot.py is missing; the message says what to install.
+struct PlotUnavailable : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+void check_plotting();
+// Runs bench/plot.py KIND DATA.json DIR; returns the PNGs it wrote (one per line of its stdout).
+std::vector<std::string> run_plot(const std::string& kind, const std::string& json_path, const std::string& dir);
+
+// --- small helpers --------------------------------------------------------------------------------
+
+// A plain-text table: the first column left-aligned, the others right-aligned; a row of one cell is
+// a heading printed as is (and not counted in the widths).
+class Table {
+ public:
+  void row(std::vector<std::string> cells) { rows_.push_back(std::move(cells)); }
+  std::string str(int gap = 3) const;
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+std::string commas(int64_t v);              // 1234567 -> "1,234,567"
+std::string fixed(double v, int decimals);  // "%.*f"
+std::string pad(const std::string& s, int width, bool right = true);
+double median(std::vector<double> v);
+// Throws UsageError when FILE's directory does not exist.
+void check_output_path(const std::string& path, const std::string& flag);
+std::string command_line(int argc, const char* const* argv);
+
+}  // namespace dp::bench

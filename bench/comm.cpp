@@ -1,0 +1,111 @@
+// dp_bench comm: the collectives alone through dp::Communicator, over message sizes doubling from
+// --min-bytes to --max-bytes, reported with nccl-tests' definitions (algbw = S/t, busbw = algbw
+// times 2(n-1)/n for all_reduce, (n-1)/n for scatter and gather, 1 for broadcast and reduce), and
+// the alpha-beta fit of the all-reduce times.
+#include <cstdio>
+#include <filesystem>
+
+#include "bench/bench.h"
+#include "bench/commands.h"
+#include "engine/error.h"
+#include "engine/report.h"
+
+namespace dp::bench {
+
+int run_comm(const CommOptions& o) {
+  if (o.min_bytes < 4)
+    throw UsageError("--min-bytes: " + std::to_string(o.min_bytes) + " is less than one float; give at least 4");
+  if (o.max_bytes < o.min_bytes)
+    throw UsageError("--max-bytes: " + format_bytes(o.max_bytes) + " is below --min-bytes " +
+                     format_bytes(o.min_bytes));
+  if (o.iters < 1) throw UsageError("--iters: must be at least 1");
+  check_output_path(o.json, "--json");
+  if (!o.plot.empty()) check_plotting();
+  DeviceSet set = make_devices(o.devices);
+  const int n = int(set.devices.size());
+  if (n < 2)
+    throw UsageError("--gpus: comm measures collectives between devices; give at least two, e.g. --gpus 0,1,2,3");
+  std::printf("%s\n", set.notice.c_str());
+  std::vector<Device*> devices;
+  std::vector<std::string> names;
+  for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
+
+  CommSweep sw;
+  sw.min_bytes = o.min_bytes, sw.max_bytes = o.max_bytes, sw.max_iters = o.iters, sw.budget_seconds = o.budget_seconds;
+  const std::vector<CommPoint> points = run_comm_sweep(devices, sw);
+  const AlphaBeta ab = fit_from_sweep(points);
+
+  std::string list;
+  for (size_t i = 0; i < names.size(); ++i) list += (i ? "," : "") + names[i];
+  std::printf(
+      "\ncollectives over %d devices (%s): time per op = the slowest rank's mean over up to %d ops after one "
+      "warm-up (fewer when an op takes over %.0f ms / %d)\n",
+      n, list.c_str(), o.iters, o.budget_seconds * 1e3, o.iters);
+  std::printf(
+      "S = message size; algbw = S / time; busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (scatter, gather), "
+      "1 (broadcast, reduce); GB/s = 1e9 B/s\n\n");
+  Table t;
+  std::vector<std::string> head{"S"};
+  for (Collective c : sw.collectives) {
+    std::string name = collective_name(c);
+    head.push_back(name + " µs");
+    head.push_back("algbw");
+    head.push_back("busbw");
+    if (c == Collective::all_reduce) head.push_back("α-β model µs");
+  }
+  t.row(head);
+  for (int64_t bytes : sweep_sizes(o.min_bytes, o.max_bytes)) {
+    std::vector<std::string> r{format_bytes(bytes)};
+    for (Collective c : sw.collectives)
+      for (const CommPoint& p : points)
+        if (p.collective == c && p.bytes == bytes) {
+          r.push_back(fixed(p.seconds * 1e6, p.seconds < 1e-3 ? 1 : 0));
+          r.push_back(fixed(p.algbw / 1e9, 2));
+          r.push_back(fixed(p.busbw / 1e9, 2));
+          if (c == Collective::all_reduce)
+            r.push_back(ab.valid() ? fixed(ab.seconds(double(p.rank_bytes)) * 1e6, 1) : "-");
+        }
+    t.row(r);
+  }
+  std::printf("%s", t.str(2).c_str());
+  if (ab.valid())
+    std::printf(
+        "\nα-β fit of all_reduce: t = α + S_rank / β with S_rank = the ring's bytes per rank (2(n-1)/n x S): "
+        "α = %.1f µs, β = %.2f GB/s\n",
+        ab.alpha * 1e6, ab.beta / 1e9);
+  else
+    std::printf("\nα-β fit of all_reduce: no fit (too few sizes or times that do not grow with size)\n");
+
+  nlohmann::json pts = nlohmann::json::array();
+  for (const CommPoint& p : points)
+    pts.push_back({{"collective", collective_name(p.collective)},
+                   {"bytes", p.bytes},
+                   {"rank_bytes", p.rank_bytes},
+                   {"iters", p.iters},
+                   {"time_us", p.seconds * 1e6},
+                   {"algbw_gbps", p.algbw / 1e9},
+                   {"busbw_gbps", p.busbw / 1e9},
+                   {"busbw_factor", busbw_factor(p.collective, n)}});
+  nlohmann::json j = {
+      {"command", o.command},
+      {"devices", n},
+      {"names", names},
+      {"backend", set.notice},
+      {"min_bytes", o.min_bytes},
+      {"max_bytes", o.max_bytes},
+      {"max_iters", o.iters},
+      {"points", pts},
+      {"alpha_beta",
+       ab.valid() ? nlohmann::json{{"alpha_us", ab.alpha * 1e6}, {"beta_gbps", ab.beta / 1e9}, {"source", ab.source}}
+                  : nlohmann::json()}};
+  if (!o.json.empty()) write_json(o.json, j);
+  if (!o.plot.empty()) {
+    std::filesystem::create_directories(o.plot);
+    std::string data_path = (std::filesystem::path(o.plot) / "comm.json").string();
+    write_json(data_path, j);
+    for (const auto& png : run_plot("comm", data_path, o.plot)) std::printf("plot: %s\n", png.c_str());
+  }
+  return 0;
+}
+
+}  // namespace dp::bench

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Plots for `dp_bench ... --plot DIR`: dp_bench writes DIR/KIND.json and runs
+
+    python3 bench/plot.py KIND DIR/KIND.json DIR
+
+KIND is compare, comm or skew. Prints the path of every PNG it writes, one a line. Needs only
+matplotlib (Debian: python3-matplotlib); never needed to build, train or test.
+"""
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+MIB = 1024.0 * 1024.0
+
+# The engine's eight phases; the two strategies name two of them differently.
+PHASES = [
+    ("load", ("load",), "#9ecae1"),
+    ("scatter", ("scatter",), "#fdae6b"),
+    ("broadcast", ("broadcast",), "#fd8d3c"),
+    ("forward", ("forward",), "#4292c6"),
+    ("gather+loss | loss", ("gather+loss", "loss"), "#e6550d"),
+    ("backward", ("backward",), "#08519c"),
+    ("reduce | all-reduce", ("reduce", "all-reduce"), "#a63603"),
+    ("optimizer", ("optimizer",), "#74c476"),
+]
+
+CATEGORY_COLORS = {
+    "parameters": "#3182bd",
+    "gradients": "#6baed6",
+    "optimizer": "#31a354",
+    "activations": "#bdbdbd",
+    "inputs": "#e6550d",
+    "outputs": "#fdae6b",
+    "comm": "#756bb1",
+    "workspace": "#636363",
+}
+
+
+def size_label(b):
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if b >= scale:
+            v = b / scale
+            return f"{v:g}{unit}"
+    return f"{b}B"
+
+
+def save(fig, out, name):
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(path)
+
+
+def compare(d, out):
+    cfg = d["config"]
+    bars = []  # (label, {slot: ms}, median step ms)
+    for run in d["runs"]:
+        for s in run["strategies"]:
+            by_slot = {}
+            for p in s["phases"]:
+                for slot, names, _ in PHASES:
+                    if p["phase"] in names:
+                        by_slot[slot] = p["device0_ms"]
+            label = s["strategy"] + (f"\n{run['devices']} device" + ("s" if run["devices"] > 1 else "") if len(d["runs"]) > 1 else "")
+            bars.append((label, by_slot, s["step_ms"]["median"]))
+
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(bars) + 2.5), 4.8))
+    x = range(len(bars))
+    bottom = [0.0] * len(bars)
+    for slot, _, color in PHASES:
+        h = [b[1].get(slot, 0.0) for b in bars]
+        if not any(h):
+            continue
+        ax.bar(x, h, bottom=bottom, color=color, label=slot, width=0.6, edgecolor="white", linewidth=0.5)
+        bottom = [bo + hi for bo, hi in zip(bottom, h)]
+    ax.scatter(x, [b[2] for b in bars], marker="_", s=900, color="black", zorder=3, label="median step (wall)")
+    for i, b in enumerate(bars):
+        ax.annotate(f"{b[2]:.1f} ms", (i, max(bottom[i], b[2])), textcoords="offset points", xytext=(0, 6),
+                    ha="center", fontsize=9)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([b[0] for b in bars])
+    ax.set_ylabel("ms per step (device 0's phases)")
+    n = d["runs"][0]["devices"] if len(d["runs"]) == 1 else None
+    where = f", {n} devices" if n else ""
+    ax.set_title(f"{cfg['model']}, global batch {cfg['batch']}{where}: time per step by phase")
+    ax.set_ylim(0, max(max(bottom), max(b[2] for b in bars)) * 1.15)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    save(fig, out, "compare_phases.png")
+
+    if "scaling" in d and len(d["scaling"]) > 1:
+        sc = d["scaling"]
+        fig, ax = plt.subplots(figsize=(6.0, 4.2))
+        devs = [r["devices"] for r in sc]
+        ax.plot(devs, [r["scatter_images_per_second"] for r in sc], "o-", color="#e6550d", label="scatter (DataParallel)")
+        ax.plot(devs, [r["allreduce_images_per_second"] for r in sc], "s-", color="#3182bd", label="allreduce (DDP)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(devs)
+        ax.set_xticklabels([str(v) for v in devs])
+        ax.set_xlabel("devices")
+        ax.set_ylabel("images / s")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{cfg['model']}, global batch {cfg['batch']}: throughput vs devices")
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False)
+        save(fig, out, "compare_scaling.png")
+
+
+def comm(d, out):
+    pts = d["points"]
+    names = []
+    for p in pts:
+        if p["collective"] not in names:
+            names.append(p["collective"])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.0, 4.4))
+    for c in names:
+        xs = [p["bytes"] for p in pts if p["collective"] == c]
+        ax.plot(xs, [p["busbw_gbps"] for p in pts if p["collective"] == c], "o-", ms=3, label=c)
+        ax2.plot(xs, [p["time_us"] for p in pts if p["collective"] == c], "o-", ms=3, label=c)
+    ab = d.get("alpha_beta")
+    if ab:
+        ar = [p for p in pts if p["collective"] == "all_reduce"]
+        model = [ab["alpha_us"] + p["rank_bytes"] / (ab["beta_gbps"] * 1e3) for p in ar]
+        ax2.plot([p["bytes"] for p in ar], model, "k--", lw=1,
+                 label=f"all_reduce α-β: α={ab['alpha_us']:.0f} µs, β={ab['beta_gbps']:.2f} GB/s")
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        ticks = [p["bytes"] for p in pts if p["collective"] == names[0]][::3]
+        a.set_xticks(ticks)
+        a.set_xticklabels([size_label(t) for t in ticks], rotation=45)
+        a.set_xlabel("message size S")
+        a.grid(alpha=0.3, which="both")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"bus bandwidth, {d['devices']} devices")
+    ax.legend(frameon=False, fontsize=9)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("time per op (µs)")
+    ax2.set_title("time per op")
+    ax2.legend(frameon=False, fontsize=8)
+    fig.tight_layout()
+    save(fig, out, "comm_busbw.png")
+
+
+def skew(d, out):
+    strategies = [s for s in d["strategies"] if s["fits"]]
+    if not strategies:
+        return
+    # What every replica holds at the bottom, what differs on top, so the skew is the top of the bar.
+    order = ["activations", "workspace", "parameters", "gradients", "optimizer", "outputs", "inputs", "comm"]
+    cats = [c for c in order if c in d["config"]["categories"]] + [c for c in d["config"]["categories"] if c not in order]
+    fig, axes = plt.subplots(1, len(strategies), figsize=(5.5 * len(strategies), 4.6), sharey=True)
+    if len(strategies) == 1:
+        axes = [axes]
+    top = 0
+    for ax, s in zip(axes, strategies):
+        devs = s["devices"]
+        x = range(len(devs))
+        bottom = [0.0] * len(devs)
+        for c in cats:
+            h = [dv["at_peak"][c] / MIB for dv in devs]
+            if not any(h):
+                continue
+            ax.bar(x, h, bottom=bottom, color=CATEGORY_COLORS.get(c), label=c, width=0.6, edgecolor="white", linewidth=0.5)
+            bottom = [bo + hi for bo, hi in zip(bottom, h)]
+        top = max(top, max(bottom))
+        for i, b in enumerate(bottom):
+            ax.annotate(f"{b:.2f}", (i, b), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=9)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([dv["name"] for dv in devs])
+        ax.set_title(f"{s['strategy']}: skew {s['skew']:.3f}")
+        ax.grid(axis="y", alpha=0.3)
+    cap = d["config"].get("device_memory", 0)
+    if cap:
+        for ax in axes:
+            ax.axhline(cap / MIB, color="red", ls="--", lw=1, label="--device-memory")
+        top = max(top, cap / MIB)
+    axes[0].set_ylabel("MiB at the device's peak")
+    axes[0].set_ylim(0, top * 1.12)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=9)
+    cfg = d["config"]
+    fig.suptitle(f"memory per device by category: {cfg['model']}, global batch {cfg['batch']}")
+    fig.tight_layout()
+    save(fig, out, "skew_memory.png")
+
+
+def main():
+    if len(sys.argv) != 4 or sys.argv[1] not in ("compare", "comm", "skew"):
+        sys.exit("usage: plot.py compare|comm|skew DATA.json OUTDIR")
+    kind, path, out = sys.argv[1:]
+    with open(path) as f:
+        d = json.load(f)
+    os.makedirs(out, exist_ok=True)
+    {"compare": compare, "comm": comm, "skew": skew}[kind](d, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+// dp_bench skew: the memory-skew demo. nn.DataParallel (scatter) keeps more on device 0 than on
+// any other device: the whole input batch, the gathered logits and their gradient, the buffer that
+// receives every replica's gradients, the optimizer state. DDP (allreduce) keeps the same on every
+// device. Printed from each device's ledger at the moment its total peaked; with --device-memory,
+// the largest batch each strategy fits, and device 0 running out first under scatter.
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+
+#include "bench/bench.h"
+#include "bench/commands.h"
+#include "engine/error.h"
+#include "engine/report.h"
+
+namespace dp::bench {
+namespace {
+
+struct StrategySkew {
+  Sync sync;
+  bool fits = true;
+  std::string oom;  // why it did not fit at --batch
+  std::vector<LedgerSnapshot> ledgers;
+  double skew = 0;
+  bool adds_up = true;
+  std::vector<std::string> explanation;
+};
+
+EngineConfig engine_config(Sync sync, int batch, const SkewOptions& o) {
+  EngineConfig ec;
+  ec.sync = sync, ec.split = o.split, ec.batch = batch, ec.momentum = o.momentum;
+  return ec;
+}
+
+// One line per category: the bytes the formula gives, what they are, and whether the ledger booked
+// the same.
+std::string explain(const char* category, int64_t expected, int64_t booked, const std::string& text) {
+  std::string check = expected == booked ? "" : " [the ledger has " + commas(booked) + " B]";
+  return pad(category, 11, false) + pad(commas(expected) + " B", 13) + "  " + text + check;
+}
+
+void explain_scatter(StrategySkew& s, const ModelSpec& spec, int batch, int n, const SkewOptions& o) {
+  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
+  const int b = std::max(1, split_batch(batch, n, o.split)[0]);  // every replica's buffers hold the largest chunk
+  const std::string B = std::to_string(batch), sb = std::to_string(b), sD = std::to_string(D), sC = std::to_string(C);
+  auto at = [&](Category c) { return s.ledgers[0].at_peak[int(c)]; };
+  s.explanation.push_back(
+      "what device 0 holds beyond every replica's parameters, gradients, activations and workspace "
+      "(for its own " +
+      sb + " images):");
+  s.explanation.push_back(explain("inputs", batch * D * F + batch * 4, at(Category::inputs),
+                                  "the whole batch, " + B + " x " + sD + " floats + " + B +
+                                      " labels: it lands on device 0 before it is scattered (the others: their " + sb +
+                                      " images, " + commas(b * D * F) + " B)"));
+  s.explanation.push_back(explain("outputs", 2 * batch * C * F + 2 * F, at(Category::outputs),
+                                  "the gathered logits and their gradient, 2 x " + B + " x " + sC +
+                                      " floats + 8 B loss/correct: the loss runs on device 0 (the others: " + sb +
+                                      " x " + sC + " floats + 8 B)"));
+  s.explanation.push_back(
+      explain("comm", (n - 1) * P * F, at(Category::comm),
+              "the reduce buffer, " + std::to_string(n - 1) +
+                  " x P floats: every other replica's whole gradient lands here before the sum (the "
+                  "others only send)"));
+  if (o.momentum != 0)
+    s.explanation.push_back(explain("optimizer", P * F, at(Category::optimizer),
+                                    "the momentum buffer, P floats: only device 0 runs the optimizer"));
+  else
+    s.explanation.push_back(pad("optimizer", 11, false) + pad("0 B", 13) +
+                            "  plain SGD (--optimizer sgd) keeps no state");
+}
+
+void explain_allreduce(StrategySkew& s, const ModelSpec& spec, int batch, int n, const SkewOptions& o) {
+  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
+  const int b = std::max(1, split_batch(batch, n, o.split)[0]);
+  const std::string sb = std::to_string(b), sD = std::to_string(D), sC = std::to_string(C);
+  auto at = [&](Category c) { return s.ledgers[0].at_peak[int(c)]; };
+  s.explanation.push_back("every device holds the same: parameters, gradients, activations and workspace for its own " +
+                          sb + " images, and");
+  s.explanation.push_back(explain("inputs", b * D * F + b * 4, at(Category::inputs),
+                                  "its own shard, " + sb + " x " + sD + " floats + " + sb + " labels"));
+  s.explanation.push_back(explain("outputs", b * C * F + 2 * F, at(Category::outputs),
+                                  "its shard's logit gradient, " + sb + " x " + sC + " floats + 8 B loss/correct"));
+  s.explanation.push_back(explain("comm", even_chunks(P, n)[0] * F, at(Category::comm),
+                                  "one ring chunk, ceil(P / " + std::to_string(n) + ") floats"));
+  if (o.momentum != 0)
+    s.explanation.push_back(explain("optimizer", P * F, at(Category::optimizer),
+                                    "its own momentum buffer, P floats: every device runs the same optimizer step"));
+}
+
+StrategySkew measure(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, const SkewOptions& o,
+                     const SyntheticData& data, const std::vector<float>& init) {
+  StrategySkew s;
+  s.sync = sync;
+  // Peaks from the engine's construction on: its buffers are most of what a step holds.
+  for (Device* d : devices) d->ledger().reset_peak();
+  try {
+    Engine engine(devices, spec, engine_config(sync, o.batch, o));
+    engine.set_params(init);
+    for (int i = 0; i < o.steps; ++i) engine.step(data.images(i), data.labels(i), o.batch);
+    for (Device* d : devices) s.ledgers.push_back(d->ledger().snapshot());
+  } catch (const OutOfMemory& e) {
+    s.fits = false;
+    s.oom = e.what();
+    return s;
+  }
+  const int n = int(devices.size());
+  double others = 0;
+  for (int r = 1; r < n; ++r) others += double(s.ledgers[r].total_peak);
+  s.skew = double(s.ledgers[0].total_peak) / (others / (n - 1));
+  for (const auto& l : s.ledgers) {
+    int64_t sum = 0;
+    for (int64_t v : l.at_peak) sum += v;
+    s.adds_up = s.adds_up && sum == l.total_peak;
+  }
+  if (sync == Sync::scatter)
+    explain_scatter(s, spec, o.batch, n, o);
+  else
+    explain_allreduce(s, spec, o.batch, n, o);
+  return s;
+}
+
+struct Trial {
+  bool fits = true;
+  int device = -1;  // the rank that ran out
+  std::string message;
+  int64_t peak0 = 0, peak_others = 0;  // device 0's peak, the largest of the others'
+};
+
+// Builds an engine at global batch b and steps it. The search steps a single sample: every buffer
+// is sized for b when the engine is built, and the one allocated later (the communicator's
+// scratch, at the first reduce or all-reduce) depends on P only. `full` steps the whole batch.
+Trial try_batch(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, int b, const SkewOptions& o,
+                const std::vector<float>& init, bool full) {
+  Trial t;
+  for (Device* d : devices) d->ledger().reset_peak();
+  try {
+    Engine engine(devices, spec, engine_config(sync, b, o));
+    engine.set_params(init);
+    int n = full ? b : 1;
+    SyntheticData data = make_synthetic(spec, n, 1, o.seed);
+    engine.step(data.images(0), data.labels(0), n);
+    t.peak0 = devices[0]->ledger().snapshot().total_peak;
+    for (size_t r = 1; r < devices.size(); ++r)
+      t.peak_others = std::max(t.peak_others, devices[r]->ledger().snapshot().total_peak);
+  } catch (const OutOfMemory& e) {
+    t.fits = false;
+    t.device = e.device;
+    t.message = e.what();
+  }
+  return t;
+}
+
+struct Search {
+  Sync sync;
+  int largest = 0;         // 0: not even batch 1
+  Trial at_largest, past;  // a full step at the largest batch; the first batch that does not fit
+};
+
+Search search(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, const SkewOptions& o,
+              const std::vector<float>& init) {
+  Search s;
+  s.sync = sync;
+  constexpr int kLimit = 1 << 24;  // a cap this generous is not a demo
+  int lo = 0, hi = 1;
+  Trial fail;
+  for (;;) {
+    Trial t = try_batch(devices, sync, spec, hi, o, init, false);
+    if (!t.fits) {
+      fail = t;
+      break;
+    }
+    lo = hi;
+    if (hi >= kLimit)
+      throw UsageError("--device-memory: " + format_bytes(devices[0]->ledger().cap()) +
+                       " per device fits a batch of over " + commas(kLimit) + "; give a smaller cap");
+    hi *= 2;
+  }
+  while (hi - lo > 1) {
+    int mid = lo + (hi - lo) / 2;
+    Trial t = try_batch(devices, sync, spec, mid, o, init, false);
+    if (t.fits)
+      lo = mid;
+    else
+      hi = mid, fail = t;
+  }
+  s.largest = lo;
+  s.past = fail;
+  if (lo > 0) s.at_largest = try_batch(devices, sync, spec, lo, o, init, true);
+  return s;
+}
+
+nlohmann::json ledger_json(const LedgerSnapshot& l) {
+  nlohmann::json cats = nlohmann::json::object();
+  for (int c = 0; c < kCategories; ++c) cats[category_name(Category(c))] = l.at_peak[c];
+  return cats;
+}
+
+}  // namespace
+
+int run_skew(const SkewOptions& o) {
+  if (o.batch <= 0)
+    throw UsageError("--batch: " + std::to_string(o.batch) +
+                     " is not a batch size; give a positive number of images, e.g. 256");
+  check_output_path(o.json, "--json");
+  if (!o.plot.empty()) check_plotting();
+  const ModelSpec spec = make_model(o.model);
+  DeviceSet set = make_devices(o.devices);
+  const int n = int(set.devices.size());
+  if (n < 2)
+    throw UsageError("--gpus: skew compares device 0 with the others; give at least two devices, e.g. --gpus 0,1,2,3");
+  std::printf("%s\n", set.notice.c_str());
+  std::vector<Device*> devices;
+  std::vector<std::string> names;
+  for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
+  const SyntheticData data = make_synthetic(spec, o.batch, o.steps, o.seed);
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, o.seed, init.data());
+  const int64_t cap = o.devices.memory_cap;
+
+  std::printf(
+      "\nmemory per device at its peak, by category (%s, P = %s parameters, global batch %d = %s over %d devices, "
+      "%s, %d steps%s)\n",
+      spec.name.c_str(), commas(spec.param_count).c_str(), o.batch,
+      [&] {
+        std::string s;
+        for (int v : split_batch(o.batch, n, o.split)) s += (s.empty() ? "" : "+") + std::to_string(v);
+        return s;
+      }()
+          .c_str(),
+      n, o.momentum != 0 ? "SGD with momentum" : "plain SGD", o.steps,
+      cap > 0 ? (", --device-memory " + format_bytes(cap)).c_str() : "");
+  std::vector<StrategySkew> results;
+  bool ok = true;
+  for (Sync sync : {Sync::scatter, Sync::allreduce}) {
+    StrategySkew s = measure(devices, sync, spec, o, data, init);
+    std::printf("\n%s\n", sync_name(sync));
+    if (!s.fits) {
+      std::printf("  does not fit at batch %d: %s\n", o.batch, s.oom.c_str());
+      results.push_back(s);
+      continue;
+    }
+    Table t;
+    std::vector<std::string> head{"  category"};
+    for (auto& nm : names) head.push_back(nm);
+    t.row(head);
+    for (int c = 0; c < kCategories; ++c) {
+      std::vector<std::string> r{"  " + std::string(category_name(Category(c)))};
+      for (auto& l : s.ledgers) r.push_back(format_bytes(l.at_peak[c]));
+      t.row(r);
+    }
+    std::vector<std::string> total{"  total at peak"};
+    for (auto& l : s.ledgers) total.push_back(format_bytes(l.total_peak));
+    t.row(total);
+    std::printf("%s", t.str().c_str());
+    double others = 0;
+    for (int r = 1; r < n; ++r) others += double(s.ledgers[r].total_peak);
+    std::printf("  skew = device 0's peak / mean peak of the others = %s / %s = %.3f\n",
+                format_bytes(s.ledgers[0].total_peak).c_str(), format_bytes(int64_t(others / (n - 1))).c_str(), s.skew);
+    for (auto& line : s.explanation) std::printf("  %s\n", line.c_str());
+    if (!s.adds_up) {
+      std::printf("  ERROR: the categories at the peak do not add up to the peak on some device\n");
+      ok = false;
+    }
+    results.push_back(s);
+  }
+
+  std::printf("\nchecks:\n");
+  for (const auto& s : results) {
+    if (!s.fits) continue;
+    bool pass = s.sync == Sync::scatter ? s.skew > 1.0 : std::fabs(s.skew - 1.0) < 0.02;
+    std::printf("  %-9s skew %.3f %s  categories add up to the peak on every device: %s\n", sync_name(s.sync), s.skew,
+                s.sync == Sync::scatter ? (pass ? "> 1: yes" : "> 1: NO")
+                                        : (pass ? "within 2% of 1: yes" : "within 2% of 1: NO"),
+                s.adds_up ? "yes" : "NO");
+    ok = ok && pass && s.adds_up;
+  }
+
+  nlohmann::json search_json = nullptr;
+  if (cap > 0) {
+    std::printf(
+        "\nthe largest global batch each strategy fits in %s per device (doubling, then bisecting; an engine is "
+        "built and stepped at each batch):\n",
+        format_bytes(cap).c_str());
+    std::vector<Search> found;
+    for (Sync sync : {Sync::scatter, Sync::allreduce}) found.push_back(search(devices, sync, spec, o, init));
+    for (const auto& f : found) {
+      std::printf("  %-10s %s\n", sync_name(f.sync),
+                  f.largest > 0 ? ("fits up to batch " + commas(f.largest) + ", where device 0 peaks at " +
+                                   format_bytes(f.at_largest.peak0) + " and the others at " +
+                                   format_bytes(f.at_largest.peak_others))
+                                      .c_str()
+                                : "does not fit even batch 1");
+      std::printf("  %-10s stops at %s: %s\n", "", commas(f.largest + 1).c_str(), f.past.message.c_str());
+    }
+    const Search &sc = found[0], &ar = found[1];
+    if (sc.largest < ar.largest && sc.past.device == 0)
+      std::printf(
+          "so at batch %s device 0 runs out under scatter, while allreduce still fits (up to %s): under scatter "
+          "device 0 is the one that needs the bigger device.\n",
+          commas(sc.largest + 1).c_str(), commas(ar.largest).c_str());
+    else
+      std::printf(
+          "note: with this cap scatter does not run out on device 0 before allreduce does (scatter stops at %s on "
+          "device %d, allreduce at %s)\n",
+          commas(sc.largest + 1).c_str(), sc.past.device, commas(ar.largest + 1).c_str());
+    if (!sc.at_largest.fits || !ar.at_largest.fits) {
+      std::printf(
+          "ERROR: a full step at the largest batch found ran out of memory: the search's single-sample step missed an "
+          "allocation\n");
+      ok = false;
+    }
+    search_json = {{"cap_bytes", cap}};
+    for (const auto& f : found)
+      search_json[sync_name(f.sync)] = {{"largest_batch", f.largest},
+                                        {"device0_peak_at_largest", f.at_largest.peak0},
+                                        {"others_peak_at_largest", f.at_largest.peak_others},
+                                        {"stops_at", f.largest + 1},
+                                        {"out_of_memory_device", f.past.device},
+                                        {"out_of_memory", f.past.message}};
+  }
+
+  nlohmann::json strategies = nlohmann::json::array();
+  for (const auto& s : results) {
+    nlohmann::json devs = nlohmann::json::array();
+    for (size_t r = 0; r < s.ledgers.size(); ++r) {
+      int64_t sum = 0;
+      for (int64_t v : s.ledgers[r].at_peak) sum += v;
+      devs.push_back({{"rank", r},
+                      {"name", names[r]},
+                      {"peak_bytes", s.ledgers[r].total_peak},
+                      {"at_peak", ledger_json(s.ledgers[r])},
+                      {"at_peak_sum", sum}});
+    }
+    strategies.push_back({{"strategy", sync_name(s.sync)},
+                          {"fits", s.fits},
+                          {"out_of_memory", s.oom},
+                          {"skew", s.fits ? nlohmann::json(s.skew) : nlohmann::json()},
+                          {"categories_add_up", s.adds_up},
+                          {"explanation", s.explanation},
+                          {"devices", devs}});
+  }
+  nlohmann::json j = {{"command", o.command},
+                      {"config",
+                       {{"model", spec.name},
+                        {"parameters", spec.param_count},
+                        {"batch", o.batch},
+                        {"steps", o.steps},
+                        {"momentum", o.momentum},
+                        {"split", split_name(o.split)},
+                        {"seed", o.seed},
+                        {"device_memory", cap},
+                        {"categories",
+                         [] {
+                           std::vector<std::string> c;
+                           for (int i = 0; i < kCategories; ++i) c.push_back(category_name(Category(i)));
+                           return c;
+                         }()}}},
+                      {"devices", names},
+                      {"strategies", strategies},
+                      {"search", search_json},
+                      {"ok", ok}};
+  if (!o.json.empty()) write_json(o.json, j);
+  if (!o.plot.empty()) {
+    std::filesystem::create_directories(o.plot);
+    std::string data_path = (std::filesystem::path(o.plot) / "skew.json").string();
+    write_json(data_path, j);
+    for (const auto& png : run_plot("skew", data_path, o.plot)) std::printf("plot: %s\n", png.c_str());
+  }
+  return ok ? 0 : 1;
+}
+
+}  // namespace dp::bench
