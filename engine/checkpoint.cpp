@@ -94,7 +94,9 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
 
 SafeTensors read_safetensors(const std::string& path) {
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) throw UsageError(path + ": no such checkpoint file");
+  if (!std::filesystem::exists(path, ec)) throw UsageError(path + ": no such checkpoint file");
+  if (!std::filesystem::is_regular_file(path, ec))
+    throw UsageError(path + ": not a checkpoint file (a directory or a device)");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw UsageError(path + ": cannot open: " + std::strerror(errno));
   std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
@@ -134,8 +136,9 @@ void write_safetensors(const std::string& path, const SafeTensors& st) {
   put(len, 8);
   put(header.data(), header.size());
   for (auto& name : st.order) put(st.tensors.at(name).data.data(), st.tensors.at(name).data.size());
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    int err = errno;
+  int err = ::fsync(fd) != 0 ? errno : 0;
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err != 0) {
     ::unlink(tmp.c_str());
     throw UsageError(path + ": flushing checkpoint failed: " + std::strerror(err));
   }
@@ -171,15 +174,30 @@ void save_checkpoint(const std::string& path, const ModelSpec& spec, const Check
   write_safetensors(path, st);
 }
 
-Checkpoint load_checkpoint(const std::string& path, const ModelSpec& spec) {
-  SafeTensors st = read_safetensors(path);
+Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& spec, const std::string& path) {
   auto m = st.metadata.find("model");
   if (m != st.metadata.end() && m->second != spec.name)
     throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " + m->second + ")");
+  const std::string opt_prefix = "optimizer.", opt_suffix = ".momentum_buffer";
+  auto momentum_of = [&](const std::string& name) -> const Param* {  // "optimizer.<param>.momentum_buffer"
+    if (name.size() <= opt_prefix.size() + opt_suffix.size() || name.rfind(opt_prefix, 0) != 0 ||
+        name.compare(name.size() - opt_suffix.size(), opt_suffix.size(), opt_suffix) != 0)
+      return nullptr;
+    return spec.find(name.substr(opt_prefix.size(), name.size() - opt_prefix.size() - opt_suffix.size()));
+  };
+  bool any_momentum = false;
+  for (auto& name : st.order) {
+    if (spec.find(name)) continue;
+    if (momentum_of(name)) {
+      any_momentum = true;
+      continue;
+    }
+    throw UsageError(path + ": unexpected tensor '" + name + "' for model " + spec.name);
+  }
   Checkpoint c;
   c.metadata = st.metadata;
   c.params.assign(size_t(spec.param_count), 0.0f);
-  bool any_momentum = st.tensors.count("optimizer." + spec.params[0].name + ".momentum_buffer") > 0;
+  // Momentum buffers are all there or all absent (a run with --momentum 0 has none).
   if (any_momentum) c.momentum.assign(size_t(spec.param_count), 0.0f);
   auto take = [&](const std::string& name, const Param& p, std::vector<float>& flat) {
     auto it = st.tensors.find(name);
@@ -188,17 +206,19 @@ Checkpoint load_checkpoint(const std::string& path, const ModelSpec& spec) {
     if (t.dtype != "F32") throw UsageError(path + ": tensor '" + name + "' is " + t.dtype + ", expected F32");
     if (t.shape != p.shape)
       throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", " + spec.name + " needs " + shape_str(p.shape));
+    if (t.data.size() != size_t(p.size) * sizeof(float))
+      throw UsageError(path + ": tensor '" + name + "' holds " + std::to_string(t.data.size()) + " bytes, expected " +
+                       std::to_string(p.size * int64_t(sizeof(float))));
     std::memcpy(flat.data() + p.offset, t.data.data(), t.data.size());
   };
   for (auto& p : spec.params) take(p.name, p, c.params);
   if (any_momentum)
-    for (auto& p : spec.params) take("optimizer." + p.name + ".momentum_buffer", p, c.momentum);
-  for (auto& name : st.order) {
-    bool known = spec.find(name) != nullptr;
-    if (name.rfind("optimizer.", 0) == 0 || name.rfind("state.", 0) == 0) known = true;
-    if (!known) throw UsageError(path + ": unexpected tensor '" + name + "' for model " + spec.name);
-  }
+    for (auto& p : spec.params) take(opt_prefix + p.name + opt_suffix, p, c.momentum);
   return c;
+}
+
+Checkpoint load_checkpoint(const std::string& path, const ModelSpec& spec) {
+  return checkpoint_from_safetensors(read_safetensors(path), spec, path);
 }
 
 }  // namespace dp

@@ -39,7 +39,9 @@ struct Checkpoint {
 
 void save_checkpoint(const std::string& path, const ModelSpec& spec, const Checkpoint& ckpt);
 // Checks the model ("this checkpoint is lenet5, you asked for lenet"), every parameter's name,
-// dtype and shape.
+// dtype and shape, and that no tensor is foreign to the model; throws UsageError naming the file.
 Checkpoint load_checkpoint(const std::string& path, const ModelSpec& spec);
+// The same checks on a file already parsed (the fuzzer's entry point); `name` is what errors call it.
+Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& spec, const std::string& name);
 
 }  // namespace dp

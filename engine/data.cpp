@@ -58,45 +58,76 @@ std::string resolve(const std::string& dir, const std::string& name) {
 
 }  // namespace
 
-Dataset load_idx_files(const std::string& ipath, const std::string& lpath, int64_t limit, int classes) {
-  Dataset d;
-  auto img = read_all(ipath);
-  if (img.size() < 16) throw UsageError(ipath + ": " + std::to_string(img.size()) + " bytes, too short for an IDX3 header (16 bytes)");
-  if (be32(img.data()) != 0x00000803)
-    throw UsageError(ipath + ": bad magic number 0x" + [&] { char b[16]; std::snprintf(b, sizeof b, "%08x", be32(img.data())); return std::string(b); }() +
+namespace {
+
+struct ImagesHeader {
+  uint32_t count, rows, cols;
+};
+
+ImagesHeader check_images(const unsigned char* img, size_t size, const std::string& ipath) {
+  if (size < 16)
+    throw UsageError(ipath + ": " + std::to_string(size) + " bytes, too short for an IDX3 header (16 bytes)");
+  if (be32(img) != 0x00000803) {
+    char magic[16];
+    std::snprintf(magic, sizeof magic, "%08x", be32(img));
+    throw UsageError(ipath + ": bad magic number 0x" + magic +
                      ", expected 0x00000803 (IDX3 unsigned bytes: an images file)");
-  uint32_t n = be32(img.data() + 4), rows = be32(img.data() + 8), cols = be32(img.data() + 12);
+  }
+  uint32_t n = be32(img + 4), rows = be32(img + 8), cols = be32(img + 12);
   if (rows == 0 || cols == 0 || rows > 4096 || cols > 4096)
     throw UsageError(ipath + ": impossible image size " + std::to_string(rows) + "x" + std::to_string(cols) + " (expected 1..4096 per side)");
-  uint64_t need = 16 + uint64_t(n) * rows * cols;
-  if (img.size() < need)
-    throw UsageError(ipath + ": truncated: the header promises " + std::to_string(n) + " images of " + std::to_string(rows) + "x" +
-                     std::to_string(cols) + " (" + std::to_string(need) + " bytes) but the file has " + std::to_string(img.size()));
-  if (img.size() > need)
-    throw UsageError(ipath + ": " + std::to_string(img.size() - need) + " bytes past the " + std::to_string(n) + " images the header declares");
+  uint64_t need = 16 + uint64_t(n) * rows * cols;  // at most 2^56: no overflow
+  if (size < need)
+    throw UsageError(ipath + ": truncated: the header promises " + std::to_string(n) + " images of " +
+                     std::to_string(rows) + "x" + std::to_string(cols) + " (" + std::to_string(need) +
+                     " bytes) but the file has " + std::to_string(size));
+  if (size > need)
+    throw UsageError(ipath + ": " + std::to_string(size - need) + " bytes past the " + std::to_string(n) +
+                     " images the header declares");
+  return {n, rows, cols};
+}
 
-  auto lab = read_all(lpath);
-  if (lab.size() < 8) throw UsageError(lpath + ": " + std::to_string(lab.size()) + " bytes, too short for an IDX1 header (8 bytes)");
-  if (be32(lab.data()) != 0x00000801)
+uint32_t check_labels(const unsigned char* lab, size_t size, const std::string& lpath) {
+  if (size < 8)
+    throw UsageError(lpath + ": " + std::to_string(size) + " bytes, too short for an IDX1 header (8 bytes)");
+  if (be32(lab) != 0x00000801)
     throw UsageError(lpath + ": bad magic number, expected 0x00000801 (IDX1 unsigned bytes: a labels file)");
-  uint32_t nl = be32(lab.data() + 4);
-  if (lab.size() != 8 + uint64_t(nl))
-    throw UsageError(lpath + ": the header declares " + std::to_string(nl) + " labels but the file holds " + std::to_string(lab.size() - 8));
-  if (nl != n)
-    throw UsageError(lpath + ": " + std::to_string(nl) + " labels for " + std::to_string(n) + " images in " + ipath + "; the counts must match");
+  uint32_t nl = be32(lab + 4);
+  if (size != 8 + uint64_t(nl))
+    throw UsageError(lpath + ": the header declares " + std::to_string(nl) + " labels but the file holds " +
+                     std::to_string(size - 8));
+  return nl;
+}
 
-  d.count = limit > 0 ? std::min<int64_t>(limit, n) : n;
-  d.rows = int(rows), d.cols = int(cols);
-  d.images.resize(size_t(d.count * d.image_size()));
-  for (size_t i = 0; i < d.images.size(); ++i) d.images[i] = float(img[16 + i]) / 255.0f;
+}  // namespace
+
+Dataset parse_idx(const unsigned char* img, size_t img_size, const std::string& ipath, const unsigned char* lab,
+                  size_t lab_size, const std::string& lpath, int64_t limit, int classes) {
+  const ImagesHeader h = check_images(img, img_size, ipath);
+  const uint32_t nl = check_labels(lab, lab_size, lpath);
+  if (nl != h.count)
+    throw UsageError(lpath + ": " + std::to_string(nl) + " labels for " + std::to_string(h.count) + " images in " +
+                     ipath + "; the counts must match");
+  Dataset d;
+  d.count = limit > 0 ? std::min<int64_t>(limit, h.count) : h.count;
+  d.rows = int(h.rows), d.cols = int(h.cols);
   d.labels.resize(size_t(d.count));
   for (int64_t i = 0; i < d.count; ++i) {
     int v = lab[8 + i];
     if (v >= classes)
       throw UsageError(lpath + ": label " + std::to_string(v) + " at index " + std::to_string(i) + " is out of range 0.." + std::to_string(classes - 1));
-    d.labels[i] = v;
+    d.labels[size_t(i)] = v;
   }
+  d.images.resize(size_t(d.count * d.image_size()));
+  for (size_t i = 0; i < d.images.size(); ++i) d.images[i] = float(img[16 + i]) / 255.0f;
   return d;
+}
+
+Dataset load_idx_files(const std::string& ipath, const std::string& lpath, int64_t limit, int classes) {
+  auto img = read_all(ipath);
+  check_images(img.data(), img.size(), ipath);  // a bad images file is reported before the labels are read
+  auto lab = read_all(lpath);
+  return parse_idx(img.data(), img.size(), ipath, lab.data(), lab.size(), lpath, limit, classes);
 }
 
 Dataset load_idx(const std::string& dir, const std::string& prefix, int64_t limit, int classes) {

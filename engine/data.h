@@ -23,6 +23,11 @@ struct Dataset {
 Dataset load_idx(const std::string& dir, const std::string& prefix, int64_t limit = 0, int classes = 10);
 Dataset load_idx_files(const std::string& images_path, const std::string& labels_path, int64_t limit = 0,
                        int classes = 10);
+// The same checks on bytes already in memory and decompressed (the fuzzer's entry point);
+// `images_name` and `labels_name` are what errors call the two inputs.
+Dataset parse_idx(const unsigned char* images, size_t images_size, const std::string& images_name,
+                  const unsigned char* labels, size_t labels_size, const std::string& labels_name, int64_t limit = 0,
+                  int classes = 10);
 
 // The sample order of an epoch: a permutation drawn from (seed, epoch), as DistributedSampler's
 // set_epoch does, or file order when shuffle is off. Same on every platform.

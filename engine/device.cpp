@@ -79,11 +79,19 @@ class SimDevice final : public Device {
   ~SimDevice() override { stop_workers(); }
 
   Ops& ops() override { return ops_; }
-  void upload(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
-  void download(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
-  void copy(void* dst, const void* src, size_t n) override { std::memmove(dst, src, n); }
+  // n == 0 comes with null pointers (empty shards, zero-size buffers): memcpy(dst, nullptr, 0) is
+  // undefined behaviour, so it is skipped.
+  void upload(void* dst, const void* src, size_t n) override {
+    if (n) std::memcpy(dst, src, n);
+  }
+  void download(void* dst, const void* src, size_t n) override {
+    if (n) std::memcpy(dst, src, n);
+  }
+  void copy(void* dst, const void* src, size_t n) override {
+    if (n) std::memmove(dst, src, n);
+  }
   void copy_from_peer(void* dst, const Device&, const void* src, size_t n) override {
-    std::memcpy(dst, src, n);
+    if (n) std::memcpy(dst, src, n);
   }
   void synchronize() override {}
 

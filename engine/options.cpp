@@ -130,6 +130,8 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.split = parse_split(split);
   o.shuffle = !no_shuffle;
   if (app.count("--steps") == 0) o.steps = 0;
+  else if (o.steps <= 0)
+    throw UsageError("--steps: " + std::to_string(o.steps) + " is not a step count; give at least 1");
   return true;
 }
 

@@ -1,12 +1,15 @@
 #include "engine/trainer.h"
 
+#include <fcntl.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 
@@ -50,6 +53,9 @@ struct SignalGuard {
     g_signal = 0;
     struct sigaction sa {};
     sa.sa_handler = on_signal;
+    // SA_RESTART: the handler only sets a flag, so a read or write on any thread (the signal may land
+    // on a device worker) resumes instead of failing with EINTR.
+    sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, &old_int);
     sigaction(SIGTERM, &sa, &old_term);
@@ -109,40 +115,93 @@ void check_options(const TrainOptions& o) {
   if (o.bucket_kb > 0 && o.sync != Sync::allreduce) throw UsageError("--bucket-kb: buckets are an all-reduce feature; add --sync allreduce");
   if (o.save_every < 0) throw UsageError("--save-every: must be >= 0");
   if (o.save_every > 0 && o.save.empty()) throw UsageError("--save-every: needs --save FILE to say where");
+  // Everything written at the end is checked before training: an unwritable path must not cost a run.
   for (const std::string* p : {&o.save, &o.report, &o.trace}) {
     if (p->empty()) continue;
     auto dir = std::filesystem::path(*p).parent_path();
     std::error_code ec;
     if (!dir.empty() && !std::filesystem::is_directory(dir, ec))
       throw UsageError(*p + ": the directory " + dir.string() + " does not exist");
+    if (std::filesystem::is_directory(*p, ec)) throw UsageError(*p + ": is a directory; give a file name");
+    // The files are written beside and renamed into place: probe exactly that.
+    std::string probe = *p + ".tmp." + std::to_string(::getpid());
+    int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) throw UsageError(*p + ": cannot write there: " + std::strerror(errno));
+    ::close(fd);
+    ::unlink(probe.c_str());
   }
 }
 
-std::map<std::string, std::string> position(const TrainOptions& o, int64_t epoch, int64_t step_in_epoch, int64_t global_step,
-                                            int devices) {
-  return {{"epoch", std::to_string(epoch)},
-          {"step_in_epoch", std::to_string(step_in_epoch)},
-          {"global_step", std::to_string(global_step)},
-          {"seed", std::to_string(o.seed)},
-          {"shuffle", o.shuffle ? "1" : "0"},
-          {"batch", std::to_string(o.batch)},
-          {"sync", sync_name(o.sync)},
-          {"split", split_name(o.split)},
-          {"devices", std::to_string(devices)},
-          {"lr", std::to_string(o.lr)},
-          {"momentum", std::to_string(o.momentum)},
-          {"weight_decay", std::to_string(o.weight_decay)}};
+// A float as text that reads back to the same bits (9 significant digits suffice for a float).
+std::string exact(float v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.9g", double(v));
+  return b;
+}
+
+// What a checkpoint must agree on with the run that resumes it. The sample order of every later step
+// is a function of (seed, epoch, shuffle, training set) and the position of (global step, steps per
+// epoch = ceil(samples / batch)): any of these differing makes --resume a different run, so it is
+// refused. The strategy, device count, split, buckets, backend and optimizer settings change only
+// how the same steps are computed (float summation order) or deliberately change them (lr): those
+// resume with a warning that the continuation is not bit-exact.
+struct RunIdentity {
+  std::vector<std::pair<std::string, std::string>> required, exact_only;  // checked in this order
+};
+
+RunIdentity identity(const TrainOptions& o, const Dataset& train_set, const std::string& backend, int devices) {
+  const uint32_t labels_crc = uint32_t(crc32(0L, reinterpret_cast<const Bytef*>(train_set.labels.data()),
+                                             uInt(train_set.labels.size() * sizeof(int32_t))));
+  RunIdentity id;
+  id.required = {{"seed", std::to_string(o.seed)},
+                 {"shuffle", o.shuffle ? "1" : "0"},
+                 {"batch", std::to_string(o.batch)},
+                 {"train_samples", std::to_string(train_set.count)},
+                 {"train_labels_crc32", std::to_string(labels_crc)}};
+  id.exact_only = {{"sync", sync_name(o.sync)},
+                   {"devices", std::to_string(devices)},
+                   {"split", split_name(o.split)},
+                   {"bucket_kb", std::to_string(o.bucket_kb)},
+                   {"backend", backend},
+                   {"lr", exact(o.lr)},
+                   {"momentum", exact(o.momentum)},
+                   {"weight_decay", exact(o.weight_decay)}};
+  return id;
+}
+
+std::map<std::string, std::string> position(const RunIdentity& id, const TrainOptions& o, int64_t global_step,
+                                            int64_t per_epoch) {
+  std::map<std::string, std::string> m(id.required.begin(), id.required.end());
+  m.insert(id.exact_only.begin(), id.exact_only.end());
+  m["epoch"] = std::to_string(global_step / per_epoch);
+  m["step_in_epoch"] = std::to_string(global_step % per_epoch);
+  m["global_step"] = std::to_string(global_step);
+  m["limit_train"] = std::to_string(o.limit_train);
+  return m;
 }
 
 int64_t meta_int(const Checkpoint& c, const std::string& key, const std::string& path) {
   auto it = c.metadata.find(key);
   if (it == c.metadata.end()) throw UsageError(path + ": not a resumable checkpoint (no '" + key + "' in its metadata); use --load to start from its weights");
+  size_t used = 0;
+  int64_t v = -1;
   try {
-    return std::stoll(it->second);
+    v = std::stoll(it->second, &used);
   } catch (...) {
-    throw UsageError(path + ": metadata '" + key + "' is not a number");
+    used = 0;
   }
+  if (used == 0 || used != it->second.size() || v < 0)
+    throw UsageError(path + ": metadata '" + key + "' is '" + it->second + "', not a step count");
+  return v;
 }
+
+bool all_finite(const std::vector<float>& v) {
+  for (float x : v)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+const char* backend_name(const Device& d) { return d.kind() == DeviceKind::cuda ? "cuda" : "cpu"; }
 
 }  // namespace
 
@@ -155,30 +214,59 @@ TrainResult train(const TrainOptions& opt) {
   if (train_set.rows != spec.in_h || train_set.cols != spec.in_w)
     throw UsageError(opt.data + ": images are " + std::to_string(train_set.rows) + "x" + std::to_string(train_set.cols) + ", " +
                      spec.name + " takes 28x28");
-  Checkpoint resume;
-  int64_t start_epoch = 0, start_step = 0, global_step = 0;
-  if (!opt.resume.empty()) {
-    resume = load_checkpoint(opt.resume, spec);
-    global_step = meta_int(resume, "global_step", opt.resume);
-    if (global_step < 0) throw UsageError(opt.resume + ": negative global_step in its metadata");
-    auto same = [&](const std::string& key, const std::string& now, const char* flag) {
-      auto it = resume.metadata.find(key);
-      if (it != resume.metadata.end() && it->second != now)
-        throw UsageError(opt.resume + ": saved with " + flag + " " + it->second + ", this run has " + now +
-                         "; exact resume needs the same value");
-    };
-    same("seed", std::to_string(opt.seed), "--seed");
-    same("batch", std::to_string(opt.batch), "--batch");
-    same("shuffle", opt.shuffle ? "1" : "0", "shuffle (--no-shuffle)");
-  }
+  if (train_set.count == 0)
+    throw UsageError(opt.data + ": the training set has no images (--limit-train keeps the first N of them)");
 
   DeviceSet devs = make_devices(opt.devices);
-  if (!opt.quiet) std::printf("%s\n", devs.notice.c_str());
   std::vector<Device*> ptrs;
   for (auto& d : devs.devices) ptrs.push_back(d.get());
+  const RunIdentity id = identity(opt, train_set, backend_name(*ptrs[0]), int(ptrs.size()));
+
+  Checkpoint resume;
+  int64_t global_step = 0;
+  if (!opt.resume.empty()) {
+    resume = load_checkpoint(opt.resume, spec);  // refuses another model
+    global_step = meta_int(resume, "global_step", opt.resume);
+    auto saved = [&](const std::string& key) {
+      auto it = resume.metadata.find(key);
+      return it == resume.metadata.end() ? std::string() : it->second;
+    };
+    auto describe = [](const std::string& key, const std::string& v, const std::string& limit) -> std::string {
+      if (key == "train_samples") return "a training set of " + v + " samples (--limit-train " + limit + ")";
+      if (key == "train_labels_crc32") return "training labels with CRC-32 " + v;
+      if (key == "shuffle") return v == "1" ? "shuffling" : "--no-shuffle";
+      return "--" + key + " " + v;
+    };
+    for (auto& [key, now] : id.required) {
+      std::string then = saved(key);
+      if (then.empty() || then == now) continue;  // an older checkpoint without the key: trust it
+      throw UsageError(
+          "--resume " + opt.resume + ": saved with " + describe(key, then, saved("limit_train")) +
+          ", this run (--data " + opt.data + ") has " + describe(key, now, std::to_string(opt.limit_train)) +
+          "; resuming would replay different samples, not continue the run (use --load to start afresh from its "
+          "weights)");
+    }
+    std::string differs;
+    for (auto& [key, now] : id.exact_only) {
+      std::string then = saved(key);
+      bool number = key == "lr" || key == "momentum" || key == "weight_decay";  // compared as floats: "0.1" is 0.1f
+      if (then.empty() || then == now ||
+          (number && std::strtof(then.c_str(), nullptr) == std::strtof(now.c_str(), nullptr)))
+        continue;
+      differs += (differs.empty() ? "" : ", ") + key + " " + then + " -> " + now;
+    }
+    if (!differs.empty())
+      std::fprintf(stderr, "dp_train: warning: --resume %s: %s; the continuation is not guaranteed bit-exact\n",
+                   opt.resume.c_str(), differs.c_str());
+  }
+
+  if (!opt.quiet) std::printf("%s\n", devs.notice.c_str());
   EngineConfig ec;
-  ec.sync = opt.sync, ec.split = opt.split, ec.batch = opt.batch, ec.lr = opt.lr, ec.momentum = opt.momentum;
-  ec.weight_decay = opt.weight_decay, ec.bucket_kb = opt.bucket_kb, ec.trace = !opt.trace.empty();
+  // Buffers are sized for the largest batch a step will see: never more than the training set.
+  ec.sync = opt.sync, ec.split = opt.split, ec.batch = int(std::min<int64_t>(opt.batch, train_set.count)),
+  ec.lr = opt.lr;
+  ec.momentum = opt.momentum, ec.weight_decay = opt.weight_decay, ec.bucket_kb = opt.bucket_kb,
+  ec.trace = !opt.trace.empty();
   Engine engine(ptrs, spec, ec);
   if (!opt.quiet && opt.sync == Sync::scatter && opt.batch < engine.size())
     std::printf("note: batch %d is smaller than the %d devices; under scatter the devices without samples idle\n", opt.batch, engine.size());
@@ -209,22 +297,44 @@ TrainResult train(const TrainOptions& opt) {
   }
 
   const int64_t per_epoch = (train_set.count + opt.batch - 1) / opt.batch;
-  start_epoch = global_step / per_epoch;
-  start_step = global_step % per_epoch;
+  const int64_t start_epoch = global_step / per_epoch, start_step = global_step % per_epoch;
   const int64_t total_steps = opt.steps > 0 ? opt.steps : per_epoch * opt.epochs;
   const int epochs = int((total_steps + per_epoch - 1) / per_epoch);
+  if (!opt.resume.empty() && !opt.quiet)
+    std::printf("resuming from %s at step %lld (epoch %lld, step %lld of %lld)%s\n", opt.resume.c_str(),
+                (long long)global_step, (long long)start_epoch + 1, (long long)start_step, (long long)per_epoch,
+                global_step >= total_steps ? "; that is already the last step, nothing to train" : "");
   TrainResult result;
   Progress progress(!opt.quiet);
   SignalGuard signals;
   HostBatch batch;
   double train_seconds = 0;
   int64_t train_images = 0, verify_steps = 0;
+  int64_t saved_step = -1;  // the step of the last checkpoint this run wrote
 
-  // The position is derived from the global step: epoch = step / steps per epoch.
+  // Called between steps only: Engine::step returns after every device has finished the optimizer,
+  // so the replicas agree. params() and momentum() read device 0, which is the right source under
+  // both strategies: under allreduce every replica holds the same bits (identical all-reduced
+  // gradients, the same update everywhere); under scatter only device 0 runs the optimizer and
+  // holds the weights and the momentum, the others get them by broadcast at the next step.
+  // Weights that overflowed in the update (finite gradients times a huge --lr) are never written:
+  // the previous checkpoint is kept instead. The position is the global step alone (epoch = step /
+  // steps per epoch); identity() says what else must match to resume it.
+  auto kept_checkpoint = [&]() -> std::string {
+    if (saved_step >= 0)
+      return "the last good checkpoint (step " + std::to_string(saved_step) + ") in " + opt.save + " is kept";
+    std::error_code err;
+    return std::filesystem::exists(opt.save, err) ? opt.save + " is left as it was" : "nothing was saved";
+  };
   auto save = [&] {
-    Checkpoint c{engine.params(), engine.momentum(),
-                 position(opt, global_step / per_epoch, global_step % per_epoch, global_step, engine.size())};
+    if (saved_step == global_step) return;
+    Checkpoint c{engine.params(), engine.momentum(), position(id, opt, global_step, per_epoch)};
+    if (!all_finite(c.params) || !all_finite(c.momentum))
+      throw NumericalError("step " + std::to_string(global_step) +
+                           ": the weights are no longer finite after the update; not saving them, " +
+                           kept_checkpoint() + " (try a smaller --lr)");
     save_checkpoint(opt.save, spec, c);
+    saved_step = global_step;
   };
 
   for (int64_t epoch = start_epoch; epoch < epochs && global_step < total_steps; ++epoch) {
@@ -245,14 +355,16 @@ TrainResult train(const TrainOptions& opt) {
         ++verify_steps;
       }
       ++global_step;
-      if (!std::isfinite(r.loss) || !engine.first_nonfinite_gradient().empty()) {
+      // Checked before anything is saved: a bad step never reaches a checkpoint.
+      std::string layer = engine.first_nonfinite_gradient();
+      if (!std::isfinite(r.loss) || !layer.empty()) {
         progress.clear();
-        std::string layer = engine.first_nonfinite_gradient();
-        throw NumericalError("step " + std::to_string(global_step) + " (epoch " + std::to_string(epoch + 1) + "): non-finite " +
-                             (std::isfinite(r.loss) ? std::string("gradients") : "loss (" + std::to_string(r.loss) + ")") +
-                             (layer.empty() ? std::string() : "; the first layer with a non-finite gradient is " + layer) +
-                             "; training stopped" + (opt.save.empty() ? "" : ", the last good checkpoint " + opt.save + " is kept") +
-                             " (try a smaller --lr)");
+        std::string kept = opt.save.empty() ? "" : ", " + kept_checkpoint();
+        throw NumericalError(
+            "step " + std::to_string(global_step) + " (epoch " + std::to_string(epoch + 1) + "): non-finite " +
+            (std::isfinite(r.loss) ? std::string("gradients") : "loss (" + std::to_string(r.loss) + ")") +
+            (layer.empty() ? std::string() : "; the first layer with a non-finite gradient is " + layer) +
+            "; training stopped" + kept + " (try a smaller --lr)");
       }
       loss_sum += r.loss * r.n;
       correct += r.correct;

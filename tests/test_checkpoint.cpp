@@ -113,3 +113,91 @@ TEST_CASE("a failed save leaves the previous checkpoint intact") {
   CHECK_THROWS_AS(save_checkpoint(dir / "ck", spec, c), UsageError);
   CHECK(slurp(dir / "ck") == before);
 }
+
+TEST_CASE("the model-level checks run on a parsed file: foreign tensors, partial momentum") {
+  TempDir dir;
+  ModelSpec spec = make_model("lenet");
+  Checkpoint c;
+  c.params = random_floats(size_t(spec.param_count), 5);
+  c.momentum = random_floats(size_t(spec.param_count), 6);
+  save_checkpoint(dir / "ck", spec, c);
+  const SafeTensors good = read_safetensors(dir / "ck");
+  Checkpoint back = checkpoint_from_safetensors(good, spec, "in-memory");
+  CHECK(back.params == c.params);
+  CHECK(back.momentum == c.momentum);
+
+  auto expect = [&](const SafeTensors& st, const std::string& words) {
+    try {
+      checkpoint_from_safetensors(st, spec, "in-memory");
+      FAIL("no error for " << words);
+    } catch (const UsageError& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find("in-memory") != std::string::npos);
+      CHECK(std::string(e.what()).find(words) != std::string::npos);
+    }
+  };
+  auto erase = [](SafeTensors& st, const std::string& name) {
+    st.tensors.erase(name);
+    st.order.erase(std::find(st.order.begin(), st.order.end(), name));
+  };
+  auto without = [&](const std::string& name) {
+    SafeTensors st = good;
+    erase(st, name);
+    return st;
+  };
+  auto with = [&](const std::string& name) {
+    SafeTensors st = good;
+    st.tensors[name] = Tensor{"F32", {1}, std::vector<unsigned char>(4)};
+    st.order.push_back(name);
+    return st;
+  };
+  // one momentum buffer gone (even the first one): all or none
+  expect(without("optimizer.conv1.weight.momentum_buffer"), "optimizer.conv1.weight.momentum_buffer");
+  expect(without("optimizer.fc2.bias.momentum_buffer"), "optimizer.fc2.bias.momentum_buffer");
+  expect(with("optimizer.fc9.weight.momentum_buffer"), "unexpected tensor 'optimizer.fc9.weight.momentum_buffer'");
+  expect(with("optimizer.conv1.weight"), "unexpected tensor");
+  expect(with("state.step"), "unexpected tensor 'state.step'");
+  expect(with("conv1.weight.extra"), "unexpected tensor");
+  // weights only (a --momentum 0 run, or a PyTorch state_dict): fine, no momentum
+  SafeTensors plain = good;
+  for (auto& p : spec.params) erase(plain, "optimizer." + p.name + ".momentum_buffer");
+  CHECK(checkpoint_from_safetensors(plain, spec, "in-memory").momentum.empty());
+}
+
+TEST_CASE("a save leaves no temporary file behind") {
+  TempDir dir;
+  ModelSpec spec = make_model("lenet");
+  Checkpoint c;
+  c.params = random_floats(size_t(spec.param_count), 7);
+  save_checkpoint(dir / "ck", spec, c);
+  save_checkpoint(dir / "ck", spec, c);
+  std::vector<std::string> names;
+  for (auto& e : std::filesystem::directory_iterator(dir.path)) names.push_back(e.path().filename().string());
+  CHECK(names == std::vector<std::string>{"ck"});
+}
+
+// Every seed and every crash input the fuzzer found (tests/fuzz/corpus/safetensors/crash-*) parses
+// or is refused with a UsageError: nothing else escapes, and the sanitizer builds check the rest.
+TEST_CASE("the safetensors fuzz corpus: each file loads or is refused cleanly") {
+  ModelSpec models[] = {make_model("lenet"), make_model("lenet5")};
+  int files = 0;
+  for (auto& e : std::filesystem::directory_iterator(std::string(DP_SOURCE_DIR) + "/tests/fuzz/corpus/safetensors")) {
+    CAPTURE(e.path().string());
+    std::string bytes = slurp(e.path().string());
+    ++files;
+    try {
+      SafeTensors st =
+          parse_safetensors(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), e.path().string());
+      for (auto& spec : models) {
+        try {
+          Checkpoint c = checkpoint_from_safetensors(st, spec, e.path().string());
+          CHECK(c.params.size() == size_t(spec.param_count));
+        } catch (const UsageError&) {
+        }
+      }
+    } catch (const UsageError& err) {
+      CHECK(std::string(err.what()).find(e.path().string()) != std::string::npos);
+    }
+  }
+  CHECK(files >= 10);
+}

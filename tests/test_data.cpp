@@ -109,3 +109,45 @@ TEST_CASE("epoch order: a permutation fixed by (seed, epoch), file order without
   std::sort(seen.begin(), seen.end());
   CHECK(seen == std::vector<int64_t>{0, 1, 2, 3, 4, 5});
 }
+
+TEST_CASE("IDX from memory: the same checks as the file reader") {
+  std::string img = idx_images({0, 255, 51, 102}, 1, 2, 2), lab = idx_labels({4});
+  auto u = [](const std::string& s) { return reinterpret_cast<const unsigned char*>(s.data()); };
+  Dataset d = parse_idx(u(img), img.size(), "img", u(lab), lab.size(), "lab");
+  CHECK(d.count == 1);
+  CHECK(d.images[1] == 1.0f);
+  CHECK(d.labels == std::vector<int32_t>{4});
+  // zero images is a valid, empty file
+  std::string img0 = idx_images({}, 0, 28, 28), lab0 = idx_labels({});
+  CHECK(parse_idx(u(img0), img0.size(), "img", u(lab0), lab0.size(), "lab").count == 0);
+  // a header promising 2^32-1 images of 4096x4096 is refused without allocating them
+  std::string huge = idx_images({}, 0xFFFFFFFFu, 4096, 4096);
+  CHECK_THROWS_WITH_AS(parse_idx(u(huge), huge.size(), "img", u(lab), lab.size(), "lab"),
+                       doctest::Contains("truncated"), UsageError);
+  CHECK_THROWS_WITH_AS(parse_idx(nullptr, 0, "img", u(lab), lab.size(), "lab"), doctest::Contains("too short"),
+                       UsageError);
+  CHECK_THROWS_WITH_AS(parse_idx(u(img), img.size(), "img", nullptr, 0, "lab"), doctest::Contains("lab"), UsageError);
+}
+
+// Every seed and every crash input the fuzzer found (tests/fuzz/corpus/idx/crash-*), as an images
+// file and as a labels file: a Dataset or a UsageError, nothing else.
+TEST_CASE("the IDX fuzz corpus: each file reads or is refused cleanly") {
+  TempDir dir;
+  write_file(dir / "img", idx_images({1, 2, 3}, 3, 1, 1), false);
+  write_file(dir / "lab", idx_labels({1, 2, 3}), false);
+  int files = 0;
+  for (auto& e : std::filesystem::directory_iterator(std::string(DP_SOURCE_DIR) + "/tests/fuzz/corpus/idx")) {
+    CAPTURE(e.path().string());
+    ++files;
+    for (auto [images, labels] :
+         {std::pair{e.path().string(), dir / "lab"}, std::pair{dir / "img", e.path().string()}}) {
+      try {
+        Dataset d = load_idx_files(images, labels);
+        CHECK(d.images.size() == size_t(d.count * d.image_size()));
+      } catch (const UsageError& err) {
+        CHECK(std::string(err.what()).find(e.path().string()) != std::string::npos);
+      }
+    }
+  }
+  CHECK(files >= 10);
+}
