@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -268,8 +269,17 @@ TrainResult train(const TrainOptions& opt) {
   ec.momentum = opt.momentum, ec.weight_decay = opt.weight_decay, ec.bucket_kb = opt.bucket_kb,
   ec.trace = !opt.trace.empty();
   Engine engine(ptrs, spec, ec);
-  if (!opt.quiet && opt.sync == Sync::scatter && opt.batch < engine.size())
-    std::printf("note: batch %d is smaller than the %d devices; under scatter the devices without samples idle\n", opt.batch, engine.size());
+  // A device the split leaves without samples (batch < devices, or torch.chunk's trailing devices)
+  // idles under scatter, as in nn.DataParallel; said once, for the full batch.
+  if (!opt.quiet) {
+    auto sizes = split_batch(ec.batch, engine.size(), opt.split);
+    int idle = int(std::count(sizes.begin(), sizes.end(), 0));
+    if (idle > 0)
+      std::printf("note: a batch of %d over %d devices (--split %s) leaves %d device(s) without samples; %s\n", ec.batch,
+                  engine.size(), split_name(opt.split), idle,
+                  opt.sync == Sync::scatter ? "they idle in compute (as nn.DataParallel's unused devices do)"
+                                            : "their shards are empty and they add zero gradients");
+  }
 
   std::vector<float> init(size_t(spec.param_count));
   if (!opt.resume.empty()) {
