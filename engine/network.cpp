@@ -20,22 +20,51 @@ PoolShape pool_shape(const Layer& l, int n) {
 
 }  // namespace
 
-Network::Network(const ModelSpec& spec, Device& dev, int max_batch)
+Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
     : spec_(spec), dev_(dev), max_batch_(max_batch) {
   int64_t widest = spec.input_size();
   size_t ws = 0;
-  for (auto& l : spec.layers) {
-    widest = std::max({widest, l.in_size(), l.out_size()});
-    bool view = l.kind == LayerKind::flatten;
-    acts_.push_back(view ? Buffer() : dev.alloc_floats(max_batch * l.out_size(), Category::activations));
+  while (prefix_ < int(spec.layers.size()) && spec.layers[prefix_].kind != LayerKind::flatten &&
+         spec.layers[prefix_].kind != LayerKind::linear)
+    ++prefix_;
+  if (dev.kind() == DeviceKind::simulated && chunk > 0 && max_batch > chunk) chunk_ = chunk;
+  for (int i = 0; i < prefix_; i += step_layers(i)) steps_.push_back(i);
+  int64_t prefix_params = 0;  // the largest weight + bias of a parameterised prefix layer
+  int64_t prefix_widest = 0;  // the widest input of a prefix layer (its dx)
+  for (int i = 0; i < int(spec.layers.size()); ++i) {
+    const Layer& l = spec.layers[i];
+    if (chunk_ && i < prefix_)
+      prefix_widest = std::max(prefix_widest, l.in_size());
+    else
+      widest = std::max({widest, l.in_size(), l.out_size()});
+    // A fused conv layer's output is only its step's scratch: a chunk's worth when the prefix is chunked.
+    const bool view = l.kind == LayerKind::flatten, scratch = chunk_ && l.kind == LayerKind::conv && fused(i);
+    acts_.push_back(view ? Buffer()
+                         : dev.alloc_floats((scratch ? chunk_ : max_batch) * l.out_size(), Category::activations));
     argmax_.push_back(l.kind == LayerKind::maxpool
                           ? dev.alloc(size_t(max_batch * l.out_size()) * sizeof(int32_t), Category::activations)
                           : Buffer());
-    if (l.kind == LayerKind::conv) ws = std::max(ws, dev.ops().conv2d_workspace_floats(conv_shape(l, max_batch)));
+    // A chunked conv layer sees at most kChunk samples; the workspace never depends on more.
+    if (l.kind == LayerKind::conv)
+      ws = std::max(ws, dev.ops().conv2d_workspace_floats(conv_shape(l, i < prefix_ && chunk_ ? chunk_ : max_batch)));
+    if (i < prefix_ && l.weight >= 0)
+      prefix_params = std::max(prefix_params, spec.params[l.weight].size + spec.params[l.bias].size);
   }
   grad_a_ = dev.alloc_floats(max_batch * widest, Category::activations);
   grad_b_ = dev.alloc_floats(max_batch * widest, Category::activations);
   workspace_ = dev.alloc_floats(int64_t(ws), Category::workspace);
+  if (chunk_) {
+    chunk_a_ = dev.alloc_floats(chunk_ * prefix_widest, Category::activations);
+    chunk_b_ = dev.alloc_floats(chunk_ * prefix_widest, Category::activations);
+    chunk_grads_ = dev.alloc_floats(prefix_params, Category::workspace);
+  }
+}
+
+bool Network::fused(int i) const {
+  const auto& ls = spec_.layers;
+  return i + 2 < prefix_ && ls[i].kind == LayerKind::conv &&
+         (ls[i + 1].kind == LayerKind::relu || ls[i + 1].kind == LayerKind::sigmoid) &&
+         ls[i + 2].kind == LayerKind::avgpool;
 }
 
 const float* Network::output(int i) const {
@@ -43,69 +72,158 @@ const float* Network::output(int i) const {
   return i < 0 ? input_ : acts_[i].f();
 }
 
-const float* Network::forward(const float* params, const float* x, int n) {
+void Network::forward_layer(int i, const float* params, int first, int n) {
   Ops& ops = dev_.ops();
-  input_ = x;
-  for (size_t i = 0; i < spec_.layers.size(); ++i) {
-    const Layer& l = spec_.layers[i];
-    const float* in = input(int(i));
-    float* out = acts_[i].f();
-    const int64_t count = int64_t(n) * l.out_size();
-    switch (l.kind) {
-      case LayerKind::conv:
-        ops.conv2d_forward(conv_shape(l, n), in, params + spec_.params[l.weight].offset,
-                           params + spec_.params[l.bias].offset, out, workspace_.f());
-        break;
-      case LayerKind::linear:
-        ops.linear_forward(n, int(l.in_size()), l.out_c, in, params + spec_.params[l.weight].offset,
-                           params + spec_.params[l.bias].offset, out);
-        break;
-      case LayerKind::relu: ops.activation_forward(Activation::relu, count, in, out); break;
-      case LayerKind::sigmoid: ops.activation_forward(Activation::sigmoid, count, in, out); break;
-      case LayerKind::avgpool: ops.avgpool_forward(pool_shape(l, n), in, out); break;
-      case LayerKind::maxpool: ops.maxpool_forward(pool_shape(l, n), in, out, argmax_[i].i32()); break;
-      case LayerKind::flatten: break;
-    }
-    dev_.maybe_fail("forward");
+  const Layer& l = spec_.layers[i];
+  const float* in = input(i) + int64_t(first) * l.in_size();
+  float* out = l.kind == LayerKind::flatten ? nullptr : acts_[i].f() + int64_t(first) * l.out_size();
+  const int64_t count = int64_t(n) * l.out_size();
+  switch (l.kind) {
+    case LayerKind::conv:
+      ops.conv2d_forward(conv_shape(l, n), in, params + spec_.params[l.weight].offset,
+                         params + spec_.params[l.bias].offset, out, workspace_.f());
+      break;
+    case LayerKind::linear:
+      ops.linear_forward(n, int(l.in_size()), l.out_c, in, params + spec_.params[l.weight].offset,
+                         params + spec_.params[l.bias].offset, out);
+      break;
+    case LayerKind::relu:
+      ops.activation_forward(Activation::relu, count, in, out);
+      break;
+    case LayerKind::sigmoid:
+      ops.activation_forward(Activation::sigmoid, count, in, out);
+      break;
+    case LayerKind::avgpool:
+      ops.avgpool_forward(pool_shape(l, n), in, out);
+      break;
+    case LayerKind::maxpool:
+      ops.maxpool_forward(pool_shape(l, n), in, out, argmax_[i].i32() + int64_t(first) * l.out_size());
+      break;
+    case LayerKind::flatten:
+      break;
   }
+  dev_.maybe_fail("forward");
+}
+
+void Network::forward_step(int i, const float* params, int first, int n) {
+  if (!fused(i)) return forward_layer(i, params, first, n);
+  const Layer &l = spec_.layers[i], &act = spec_.layers[i + 1], &pool = spec_.layers[i + 2];
+  dev_.ops().conv2d_act_pool_forward(
+      conv_shape(l, n), act.kind == LayerKind::relu ? Activation::relu : Activation::sigmoid, pool.kernel,
+      input(i) + int64_t(first) * l.in_size(), params + spec_.params[l.weight].offset,
+      params + spec_.params[l.bias].offset, acts_[i + 1].f() + int64_t(first) * act.out_size(),
+      acts_[i + 2].f() + int64_t(first) * pool.out_size(), workspace_.f());
+  dev_.maybe_fail("forward");
+}
+
+void Network::backward_step(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first,
+                            int n) {
+  if (!fused(i)) return backward_layer(i, params, dy, dx, dw, db, first, n);
+  const Layer &l = spec_.layers[i], &act = spec_.layers[i + 1], &pool = spec_.layers[i + 2];
+  dev_.ops().conv2d_act_pool_backward(conv_shape(l, n),
+                                      act.kind == LayerKind::relu ? Activation::relu : Activation::sigmoid, pool.kernel,
+                                      input(i) + int64_t(first) * l.in_size(), params + spec_.params[l.weight].offset,
+                                      acts_[i + 1].f() + int64_t(first) * act.out_size(), dy,
+                                      acts_[i].f() + (chunk_ ? 0 : int64_t(first) * l.out_size()),  // scratch
+                                      dx, dw, db, workspace_.f());
+  dev_.maybe_fail("backward");
+}
+
+const float* Network::forward(const float* params, const float* x, int n) {
+  input_ = x;
+  const int step = chunk_ ? chunk_ : n;
+  for (int first = 0; first < n; first += step)
+    for (int i : steps_) forward_step(i, params, first, std::min(step, n - first));
+  for (int i = prefix_; i < int(spec_.layers.size()); ++i) forward_layer(i, params, 0, n);
   return output(int(spec_.layers.size()) - 1);
+}
+
+void Network::backward_layer(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first,
+                             int n) {
+  Ops& ops = dev_.ops();
+  const Layer& l = spec_.layers[i];
+  const float* in = input(i) + int64_t(first) * l.in_size();
+  const float* out = output(i) + int64_t(first) * l.out_size();
+  const int64_t count = int64_t(n) * l.out_size();
+  switch (l.kind) {
+    case LayerKind::conv:
+      ops.conv2d_backward(conv_shape(l, n), in, params + spec_.params[l.weight].offset, dy, dx, dw, db, workspace_.f());
+      break;
+    case LayerKind::linear:
+      ops.linear_backward(n, int(l.in_size()), l.out_c, in, params + spec_.params[l.weight].offset, dy, dx, dw, db);
+      break;
+    case LayerKind::relu:
+      ops.activation_backward(Activation::relu, count, out, dy, dx);
+      break;
+    case LayerKind::sigmoid:
+      ops.activation_backward(Activation::sigmoid, count, out, dy, dx);
+      break;
+    case LayerKind::avgpool:
+      ops.avgpool_backward(pool_shape(l, n), dy, dx);
+      break;
+    case LayerKind::maxpool:
+      ops.maxpool_backward(pool_shape(l, n), dy, argmax_[i].i32() + int64_t(first) * l.out_size(), dx);
+      break;
+    case LayerKind::flatten:
+      break;
+  }
+  dev_.maybe_fail("backward");
 }
 
 void Network::backward(const float* params, float* grads, const float* dlogits, int n,
                        const std::function<void(int)>& on_ready) {
-  Ops& ops = dev_.ops();
-  const float* dy = dlogits;  // gradient w.r.t. the current layer's output
+  const float* dy = dlogits;  // gradient w.r.t. the current layer's output, (n, out_size)
   float* spare[2] = {grad_a_.f(), grad_b_.f()};
   int next = 0;
-  for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
+  auto dw_of = [&](const Layer& l) { return l.weight >= 0 ? grads + spec_.params[l.weight].offset : nullptr; };
+  auto db_of = [&](const Layer& l) { return l.bias >= 0 ? grads + spec_.params[l.bias].offset : nullptr; };
+  // The layers after the prefix, on the whole batch.
+  for (int i = int(spec_.layers.size()) - 1; i >= prefix_; --i) {
     const Layer& l = spec_.layers[i];
     if (l.kind == LayerKind::flatten) continue;
-    const bool need_dx = i > 0;
-    float* dx = need_dx ? spare[next] : nullptr;
-    const int64_t count = int64_t(n) * l.out_size();
-    switch (l.kind) {
-      case LayerKind::conv:
-        ops.conv2d_backward(conv_shape(l, n), input(i), params + spec_.params[l.weight].offset, dy, dx,
-                            grads + spec_.params[l.weight].offset, grads + spec_.params[l.bias].offset,
-                            workspace_.f());
-        break;
-      case LayerKind::linear:
-        ops.linear_backward(n, int(l.in_size()), l.out_c, input(i), params + spec_.params[l.weight].offset,
-                            dy, dx, grads + spec_.params[l.weight].offset, grads + spec_.params[l.bias].offset);
-        break;
-      case LayerKind::relu: ops.activation_backward(Activation::relu, count, output(i), dy, dx); break;
-      case LayerKind::sigmoid: ops.activation_backward(Activation::sigmoid, count, output(i), dy, dx); break;
-      case LayerKind::avgpool: ops.avgpool_backward(pool_shape(l, n), dy, dx); break;
-      case LayerKind::maxpool: ops.maxpool_backward(pool_shape(l, n), dy, argmax_[i].i32(), dx); break;
-      case LayerKind::flatten: break;
-    }
-    dev_.maybe_fail("backward");
+    float* dx = i > 0 ? spare[next] : nullptr;
+    backward_layer(i, params, dy, dx, dw_of(l), db_of(l), 0, n);
     if (l.weight >= 0 && on_ready) on_ready(i);
-    if (need_dx) {
-      dy = dx;
-      next ^= 1;
+    if (dx) dy = dx, next ^= 1;
+  }
+  if (prefix_ == 0) return;
+  if (!chunk_) {  // the prefix on the whole batch, as the layers after it
+    for (auto s = steps_.rbegin(); s != steps_.rend(); ++s) {
+      const int i = *s;
+      const Layer& l = spec_.layers[i];
+      float* dx = i > 0 ? spare[next] : nullptr;
+      backward_step(i, params, dy, dx, dw_of(l), db_of(l), 0, n);
+      if (l.weight >= 0 && on_ready) on_ready(i);
+      if (dx) dy = dx, next ^= 1;
+    }
+    return;
+  }
+  // The prefix, chunk by chunk, through its own chunk-sized ping-pong buffers. The first chunk writes
+  // each layer's weight gradients into grads, the others into chunk_grads_, added on.
+  const float* dy_prefix = dy;
+  float* chunk_spare[2] = {chunk_a_.f(), chunk_b_.f()};
+  for (int first = 0; first < n; first += chunk_) {
+    const int m = std::min(chunk_, n - first);
+    const float* dyc = dy_prefix + int64_t(first) * spec_.layers[prefix_ - 1].out_size();
+    int nextc = 0;
+    for (auto st = steps_.rbegin(); st != steps_.rend(); ++st) {
+      const int i = *st;
+      const Layer& l = spec_.layers[i];
+      float* dx = i > 0 ? chunk_spare[nextc] : nullptr;
+      float *dw = dw_of(l), *db = db_of(l);
+      const bool sum = first > 0 && dw;
+      if (sum) dw = chunk_grads_.f(), db = chunk_grads_.f() + spec_.params[l.weight].size;
+      backward_step(i, params, dyc, dx, dw, db, first, m);
+      if (sum) {
+        dev_.ops().add(spec_.params[l.weight].size, dw, dw_of(l));
+        dev_.ops().add(spec_.params[l.bias].size, db, db_of(l));
+      }
+      if (dx) dyc = dx, nextc ^= 1;
     }
   }
+  if (on_ready)
+    for (int i = prefix_ - 1; i >= 0; --i)
+      if (spec_.layers[i].weight >= 0) on_ready(i);
 }
 
 }  // namespace dp

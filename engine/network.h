@@ -1,6 +1,17 @@
 // One replica's forward and backward pass over the layer list, on one device. Owns the activation
 // buffers (sized for the largest local batch) and the convolution workspace; reads parameters from
 // and writes gradients to the replica's flat buffers.
+//
+// On a simulated (CPU) device the convolutional prefix of the model (the layers before the first
+// flatten or linear layer, which treat each sample on its own) runs chunk by chunk: every layer of the
+// prefix on kChunk samples, then the next chunk. A chunk's activations then stay in the core's cache
+// from one layer to the next instead of the whole batch streaming through memory once per layer; the
+// linear layers run on the whole batch, where the GEMMs want it. The weight gradients of the prefix
+// are summed over the chunks, and its layers report on_ready once the last chunk is through.
+//
+// A conv layer followed by an activation and average pooling (each of LeNet's and LeNet-5's) runs as
+// one op, Ops::conv2d_act_pool_forward / backward, which a backend may fuse: the conv layer's own
+// output buffer is then only the op's scratch (a chunk's worth when the prefix is chunked).
 #pragma once
 
 #include <functional>
@@ -13,7 +24,8 @@ namespace dp {
 
 class Network {
  public:
-  Network(const ModelSpec& spec, Device& device, int max_batch);
+  // chunk: samples per chunk of the prefix on a CPU device (0: the whole batch at once).
+  Network(const ModelSpec& spec, Device& device, int max_batch, int chunk = kChunk);
 
   // x (n, C, H, W) -> logits (n, classes), which live in this network's activations.
   const float* forward(const float* params /* (P) */, const float* x, int n);
@@ -23,17 +35,37 @@ class Network {
                 const std::function<void(int layer)>& on_ready = {});
   int max_batch() const { return max_batch_; }
 
+  // Samples per chunk of the convolutional prefix on a CPU device: 16 is one chunk of the AVX-512
+  // kernels, two of the AVX2 ones; a chunk of LeNet's prefix holds ~2.5 MB, about one core's L2.
+  static constexpr int kChunk = 16;
+
  private:
   const ModelSpec& spec_;
   Device& dev_;
   int max_batch_;
+  int prefix_ = 0;                // layers [0, prefix_) are the per-sample prefix
+  std::vector<int> steps_;        // the prefix as steps: first layer of each, 3 layers when fused
+  bool fused(int i) const;        // layers i, i+1, i+2 are conv, activation, average pooling
+  int chunk_ = 0;                 // samples per chunk of the prefix; 0: the whole batch at once
   std::vector<Buffer> acts_;      // per layer: its output, (max_batch, out_size); none for flatten
   std::vector<Buffer> argmax_;    // per max-pool layer: (max_batch, out_size) indices
-  Buffer grad_a_, grad_b_;        // ping-pong activation gradients, (max_batch, largest layer)
+  Buffer grad_a_, grad_b_;        // ping-pong activation gradients, (max_batch, largest layer); with
+                                  // chunks, (max_batch, largest layer after the prefix)
+  Buffer chunk_a_, chunk_b_;      // with chunks: the prefix's ping-pong, (kChunk, largest prefix layer)
   Buffer workspace_;              // conv scratch
+  Buffer chunk_grads_;            // a chunk's weight and bias gradients of one prefix layer, summed into grads
   const float* input_ = nullptr;  // the x of the last forward
   const float* output(int layer) const;
   const float* input(int layer) const { return layer == 0 ? input_ : output(layer - 1); }
+  // Layer i forward / backward on samples [first, first + n) of the batch. Backward reads dy and
+  // writes dx at those samples' rows (dx null for the first layer) and the layer's weight and bias
+  // gradients to dw, db.
+  void forward_layer(int i, const float* params, int first, int n);
+  void backward_layer(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first, int n);
+  // One step of the prefix (a layer, or a fused conv + activation + pooling) on samples [first, first + n).
+  void forward_step(int i, const float* params, int first, int n);
+  void backward_step(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first, int n);
+  int step_layers(int i) const { return fused(i) ? 3 : 1; }
 };
 
 }  // namespace dp

@@ -49,12 +49,41 @@ class Ops {
   virtual void conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy,
                                float* dx, float* dw, float* db, float* workspace) = 0;
 
+  // conv2d, then an activation, then k x k average pooling (every conv layer of LeNet and LeNet-5),
+  // as one op where a backend fuses them: the CPU backend does, so the convolution's output is
+  // activated and pooled while it is still in cache. Writes the activation's output y_act
+  // (N, K, OH, OW), which the backward reads, and y_pool (N, K, OH/k, OW/k); the convolution's own
+  // output is not kept. The default runs the three ops, with y_act holding the convolution's output
+  // first (the activation runs in place).
+  virtual void conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
+                                       const float* b, float* y_act, float* y_pool, float* workspace) {
+    conv2d_forward(s, x, w, b, y_act, workspace);
+    activation_forward(a, int64_t(s.n) * s.k * s.col_cols(), y_act, y_act);
+    avgpool_forward(conv_pool_shape(s, k), y_act, y_pool);
+  }
+  // Its backward from dy_pool (N, K, OH/k, OW/k), with dx, dw, db as conv2d_backward. scratch
+  // (N, K, OH, OW) holds the convolution's output gradient in the default (the CPU backend does not
+  // need it).
+  virtual void conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
+                                        const float* y_act, const float* dy_pool, float* scratch, float* dx, float* dw,
+                                        float* db, float* workspace) {
+    avgpool_backward(conv_pool_shape(s, k), dy_pool, scratch);
+    activation_backward(a, int64_t(s.n) * s.k * s.col_cols(), y_act, scratch, scratch);
+    conv2d_backward(s, x, w, scratch, dx, dw, db, workspace);
+  }
+  static PoolShape conv_pool_shape(const ConvShape& s, int k) {
+    PoolShape p;
+    p.n = s.n, p.c = s.k, p.h = s.out_h(), p.w = s.out_w(), p.k = k;
+    return p;
+  }
+
   virtual void avgpool_forward(const PoolShape& s, const float* x, float* y) = 0;
   virtual void avgpool_backward(const PoolShape& s, const float* dy, float* dx) = 0;
   virtual void maxpool_forward(const PoolShape& s, const float* x, float* y, int32_t* argmax) = 0;
   virtual void maxpool_backward(const PoolShape& s, const float* dy, const int32_t* argmax,
                                 float* dx) = 0;
 
+  // Elementwise: x == y (in place) is allowed, as is dy == dx below.
   virtual void activation_forward(Activation a, int64_t n, const float* x, float* y) = 0;
   // From the activation's output y (both relu and sigmoid derivatives are functions of y).
   virtual void activation_backward(Activation a, int64_t n, const float* y, const float* dy,

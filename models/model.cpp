@@ -120,18 +120,23 @@ void init_params(const ModelSpec& spec, uint64_t seed, float* params) {
 }
 
 double train_flops_per_sample(const ModelSpec& spec) {
-  double f = 0;
+  // Multiply-adds of the convolutions and linear layers only (bias, activations, pooling, the loss
+  // and the optimizer are O(activations), not counted), 2 FLOPs each: forward 1x, weight gradient
+  // 1x, data gradient 1x except for the first parameterised layer, whose input gradient nobody
+  // needs and network.cpp does not compute. bench/torch_compare.py uses the same formula.
+  double macs = 0, first = -1;
   for (auto& l : spec.layers) {
-    double macs = 0;
+    double m = 0;
     if (l.kind == LayerKind::conv)
-      macs = double(l.out_size()) * l.in_c * l.kernel * l.kernel;
+      m = double(l.out_size()) * l.in_c * l.kernel * l.kernel;  // per output: C*KH*KW
     else if (l.kind == LayerKind::linear)
-      macs = double(l.in_size()) * l.out_c;
-    // forward 1x, backward 2x (data gradient and weight gradient); the first layer needs no
-    // data gradient, but frameworks count it the same way in published figures, so do we.
-    f += 2.0 * macs * 3.0;
+      m = double(l.in_size()) * l.out_c;
+    else
+      continue;
+    if (first < 0) first = m;
+    macs += m;
   }
-  return f;
+  return first < 0 ? 0.0 : 2.0 * (3.0 * macs - first);
 }
 
 }  // namespace dp

@@ -55,7 +55,8 @@ std::vector<std::string> model_names();
 // distribution does not.
 void init_params(const ModelSpec& spec, uint64_t seed, float* params /* (P) */);
 
-// Training FLOPs of one sample (forward + backward), counted from the layer list: 2 per MAC.
+// Training FLOPs of one sample (forward + backward), counted from the layer list: 2 per multiply-add
+// of the conv and linear layers; forward, weight gradient, and data gradient but the first layer's.
 double train_flops_per_sample(const ModelSpec& spec);
 
 }  // namespace dp

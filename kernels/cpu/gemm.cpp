@@ -37,7 +37,9 @@ template void gemm<double>(bool, bool, int, int, int, double, const double*, con
 
 }  // namespace cpu
 
-CpuOps::CpuOps(int threads) : threads_(threads) {
+CpuOps::CpuOps(int threads) : CpuOps(threads, cpu::fast::detect_isa()) {}
+
+CpuOps::CpuOps(int threads, cpu::fast::Isa isa) : threads_(threads), isa_(isa) {
   // OpenBLAS's thread count is process-wide; every simulated device asks for the same number.
   openblas_set_num_threads(threads_);
 }
