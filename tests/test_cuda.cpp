@@ -15,6 +15,8 @@
 // bit for bit.
 #include <doctest/doctest.h>
 
+#include "tests/util.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -221,14 +223,7 @@ ConvAbs conv_abs(const ConvShape& s, const std::vector<float>& x, const std::vec
 // Runs one shape on both backends. `queried` is the batch the workspace is sized for (the engine's
 // largest batch); s.n may be smaller, which takes the plan path for shapes nobody asked about.
 void check_conv(Gpu& gpu, CpuOps& cpu, const ConvShape& s, int queried, std::mt19937& rng) {
-  CAPTURE(s.n);
-  CAPTURE(s.c);
-  CAPTURE(s.h);
-  CAPTURE(s.w);
-  CAPTURE(s.k);
-  CAPTURE(s.kh);
-  CAPTURE(s.kw);
-  CAPTURE(s.pad);
+  INFO(dp::test::describe(s));
   const int oh = s.out_h(), ow = s.out_w();
   auto x = random_floats(size_t(s.n) * s.c * s.h * s.w, rng);    // (N, C, H, W)
   auto w = random_floats(size_t(s.k) * s.c * s.kh * s.kw, rng);  // (K, C, KH, KW)

@@ -12,6 +12,8 @@
 // order of the value itself) exceeds it by orders of magnitude (checked below).
 #include <doctest/doctest.h>
 
+#include "tests/util.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -100,14 +102,7 @@ ConvShape conv(int n, int c, int h, int w, int k, int kh, int kw, int pad) {
 // Forward and backward of one shape on one instruction set, each output against the double reference.
 void check_conv(Isa isa, const ConvShape& s, uint64_t seed) {
   CAPTURE(std::string(cpu::fast::isa_name(isa)));
-  CAPTURE(s.n);
-  CAPTURE(s.c);
-  CAPTURE(s.h);
-  CAPTURE(s.w);
-  CAPTURE(s.k);
-  CAPTURE(s.kh);
-  CAPTURE(s.kw);
-  CAPTURE(s.pad);
+  INFO(dp::test::describe(s));
   std::mt19937_64 gen(seed);
   const int64_t in = int64_t(s.n) * s.c * s.h * s.w, out = int64_t(s.n) * s.k * s.col_cols();
   const int64_t wsize = int64_t(s.k) * s.col_rows();

@@ -4,6 +4,8 @@
 // the tolerance are derived in gradcheck.h.
 #include <doctest/doctest.h>
 
+#include "tests/util.h"
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -39,14 +41,7 @@ double dot(const Vec& a, const Vec& b) {
 // ---- layers: L = sum(y * r), so dL/dy = r is the dy fed to each backward ----------------------------
 
 void check_conv(const ConvShape& s, uint64_t seed) {
-  CAPTURE(s.n);
-  CAPTURE(s.c);
-  CAPTURE(s.h);
-  CAPTURE(s.w);
-  CAPTURE(s.k);
-  CAPTURE(s.kh);
-  CAPTURE(s.kw);
-  CAPTURE(s.pad);
+  INFO(dp::test::describe(s));
   std::mt19937_64 gen(seed);
   const int64_t in = int64_t(s.n) * s.c * s.h * s.w, out = int64_t(s.n) * s.k * s.out_h() * s.out_w();
   const int64_t wsize = int64_t(s.k) * s.c * s.kh * s.kw;

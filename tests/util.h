@@ -115,6 +115,13 @@ inline void spmd(const std::vector<Device*>& devs, const std::function<void(int)
   for (auto& f : fs) f.get();
 }
 
+// A convolution shape for test diagnostics: "n 2 c 3 h 7 w 5 k 4 kh 3 kw 2 pad 1".
+inline std::string describe(const ConvShape& s) {
+  return "n " + std::to_string(s.n) + " c " + std::to_string(s.c) + " h " + std::to_string(s.h) + " w " +
+         std::to_string(s.w) + " k " + std::to_string(s.k) + " kh " + std::to_string(s.kh) + " kw " +
+         std::to_string(s.kw) + " pad " + std::to_string(s.pad);
+}
+
 // n deterministic pseudo-random floats in [lo, hi).
 inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = 0.0f, float hi = 1.0f) {
   std::mt19937 gen(seed);
