@@ -12,29 +12,12 @@
 
 namespace dp::bench {
 
-int run_comm(const CommOptions& o) {
-  if (o.min_bytes < 4)
-    throw UsageError("--min-bytes: " + std::to_string(o.min_bytes) + " is less than one float; give at least 4");
-  if (o.max_bytes < o.min_bytes)
-    throw UsageError("--max-bytes: " + format_bytes(o.max_bytes) + " is below --min-bytes " +
-                     format_bytes(o.min_bytes));
-  if (o.iters < 1) throw UsageError("--iters: must be at least 1");
-  check_output_path(o.json, "--json");
-  if (!o.plot.empty()) check_plotting();
-  DeviceSet set = make_devices(o.devices);
-  const int n = int(set.devices.size());
-  if (n < 2)
-    throw UsageError("--gpus: comm measures collectives between devices; give at least two, e.g. --gpus 0,1,2,3");
-  std::printf("%s\n", set.notice.c_str());
-  std::vector<Device*> devices;
-  std::vector<std::string> names;
-  for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
+namespace {
 
-  CommSweep sw;
-  sw.min_bytes = o.min_bytes, sw.max_bytes = o.max_bytes, sw.max_iters = o.iters, sw.budget_seconds = o.budget_seconds;
-  const std::vector<CommPoint> points = run_comm_sweep(devices, sw);
-  const AlphaBeta ab = fit_from_sweep(points);
-
+// The sweep as a table, one row per size, and the alpha-beta fit.
+void print_comm(const std::vector<CommPoint>& points, const AlphaBeta& ab, const CommSweep& sw,
+                const std::vector<std::string>& names, const CommOptions& o) {
+  const int n = int(names.size());
   std::string list;
   for (size_t i = 0; i < names.size(); ++i) list += (i ? "," : "") + names[i];
   std::printf(
@@ -75,6 +58,34 @@ int run_comm(const CommOptions& o) {
         ab.alpha * 1e6, ab.beta / 1e9);
   else
     std::printf("\nα-β fit of all_reduce: no fit (too few sizes or times that do not grow with size)\n");
+}
+
+}  // namespace
+
+int run_comm(const CommOptions& o) {
+  if (o.min_bytes < 4)
+    throw UsageError("--min-bytes: " + std::to_string(o.min_bytes) + " is less than one float; give at least 4");
+  if (o.max_bytes < o.min_bytes)
+    throw UsageError("--max-bytes: " + format_bytes(o.max_bytes) + " is below --min-bytes " +
+                     format_bytes(o.min_bytes));
+  if (o.iters < 1) throw UsageError("--iters: must be at least 1");
+  check_output_path(o.json, "--json");
+  if (!o.plot.empty()) check_plotting();
+  DeviceSet set = make_devices(o.devices);
+  const int n = int(set.devices.size());
+  if (n < 2)
+    throw UsageError("--gpus: comm measures collectives between devices; give at least two, e.g. --gpus 0,1,2,3");
+  std::printf("%s\n", set.notice.c_str());
+  std::vector<Device*> devices;
+  std::vector<std::string> names;
+  for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
+
+  CommSweep sw;
+  sw.min_bytes = o.min_bytes, sw.max_bytes = o.max_bytes, sw.max_iters = o.iters, sw.budget_seconds = o.budget_seconds;
+  const std::vector<CommPoint> points = run_comm_sweep(devices, sw);
+  const AlphaBeta ab = fit_from_sweep(points);
+
+  print_comm(points, ab, sw, names, o);
 
   nlohmann::json pts = nlohmann::json::array();
   for (const CommPoint& p : points)

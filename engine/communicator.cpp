@@ -47,6 +47,18 @@ std::vector<int64_t> even_chunks(int64_t count, int n) {
   return c;
 }
 
+Traffic ring_all_reduce_traffic(int rank, int n, int64_t count) {
+  Traffic t;
+  if (n == 1 || count == 0) return t;
+  const std::vector<int64_t> chunk = even_chunks(count, n);
+  auto bytes = [&](int c) { return chunk[size_t((c % n + n) % n)] * int64_t(sizeof(float)); };
+  for (int s = 0; s < n - 1; ++s) {
+    t.sent += bytes(rank - s) + bytes(rank + 1 - s);  // step s of reduce-scatter, then of all-gather
+    t.received += bytes(rank - 1 - s) + bytes(rank - s);
+  }
+  return t;
+}
+
 Communicator::Communicator(std::vector<Device*> devices)
     : devices_(std::move(devices)),
       barrier_(int(devices_.size())),
@@ -185,22 +197,22 @@ void Communicator::all_reduce(int rank, float* buf, int64_t count) {
   barrier_.arrive_and_wait();
   Device& dev = *devices_[rank];
   auto bytes = [&](int c) { return chunk[c] * int64_t(sizeof(float)); };
+  const Traffic t = ring_all_reduce_traffic(rank, n, count);
+  tally(rank, Collective::all_reduce, t.sent, t.received);
   // Reduce-scatter: at step s rank r sends chunk (r - s) to r + 1 and receives chunk (r - 1 - s)
   // from r - 1, adding it into its own. Nobody writes a chunk while its neighbour reads it.
   for (int s = 0; s < n - 1; ++s) {
-    int send_c = (rank - s + n) % n, recv_c = (rank - 1 - s + 2 * n) % n;
+    const int recv_c = (rank - 1 - s + 2 * n) % n;  // sends chunk (rank - s)
     if (chunk[recv_c] > 0) dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
-    tally(rank, Collective::all_reduce, bytes(send_c), bytes(recv_c));
     sync_and_wait(rank);
     dev.ops().add(chunk[recv_c], recv, buf + offset[recv_c]);
     sync_and_wait(rank);
   }
   // All-gather: rank r now owns the sum of chunk (r + 1); pass the finished chunks around.
   for (int s = 0; s < n - 1; ++s) {
-    int send_c = (rank + 1 - s + n) % n, recv_c = (rank - s + n) % n;
+    const int recv_c = (rank - s + n) % n;  // sends chunk (rank + 1 - s)
     if (chunk[recv_c] > 0)
       dev.copy_from_peer(buf + offset[recv_c], *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
-    tally(rank, Collective::all_reduce, bytes(send_c), bytes(recv_c));
     sync_and_wait(rank);
   }
 }

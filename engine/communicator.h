@@ -46,6 +46,12 @@ class Barrier {
 // Chunk sizes that differ by at most one, larger first: 10 over 3 -> 4, 3, 3.
 std::vector<int64_t> even_chunks(int64_t count, int n);
 
+// The bytes rank `rank` of n sends and receives in a ring all-reduce of count floats: reduce-scatter,
+// then all-gather, over even_chunks(count, n), so 2 (n-1) chunks each way. Every communicator counts
+// its all-reduces by this one model (NCCL may pick another algorithm; the count stays the ring's, as
+// nccl-tests' bus bandwidth does), and dp_bench's byte model predicts with it.
+Traffic ring_all_reduce_traffic(int rank, int n, int64_t count);
+
 class Communicator {
  public:
   explicit Communicator(std::vector<Device*> devices);

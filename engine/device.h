@@ -1,6 +1,6 @@
 // A device: an id, a kind, a compute worker thread alive for the whole run, an allocator that books
 // every byte in a ledger, and its kernels. Simulated devices run on a CPU thread; CUDA devices own a
-// stream and library handles (kernels/cuda/). The engine above sees only this interface.
+// stream and library handles (engine/cuda/). The engine above sees only this interface.
 #pragma once
 
 #include <cstddef>
@@ -115,7 +115,7 @@ DeviceSet make_devices(const DeviceConfig& config);
 
 std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t memory_cap, int threads);
 
-// The CUDA backend's entry points; kernels/cuda/ defines them, or the stub when built without CUDA.
+// The CUDA backend's entry points; engine/cuda/ defines them, or engine/stub/ when built without CUDA.
 struct CudaProbe {
   int count = 0;       // usable CUDA devices
   std::string reason;  // why there are none: "built without CUDA", "no CUDA driver", ...

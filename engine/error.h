@@ -1,22 +1,13 @@
 // Errors carry what failed and where. Library code throws; only the front ends choose exit codes.
+// UsageError and DeviceError live in kernels/error.h, the leaf the kernels and models throw from.
 #pragma once
 
 #include <stdexcept>
 #include <string>
 
+#include "kernels/error.h"
+
 namespace dp {
-
-// Bad input from the user (arguments, files): front ends exit 2.
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// Anything that goes wrong on a device: the message names the device.
-struct DeviceError : std::runtime_error {
-  DeviceError(int device, const std::string& what)
-      : std::runtime_error("device " + std::to_string(device) + ": " + what), device(device) {}
-  int device;
-};
 
 // An allocation past --device-memory.
 struct OutOfMemory : DeviceError {

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <random>
 
-#include "engine/error.h"
+#include "kernels/error.h"
 
 namespace dp {
 namespace {

@@ -3,7 +3,7 @@
 # Usage: scripts/deps.sh [--bench]   (--bench adds PyTorch and matplotlib for bench/ comparisons)
 set -euo pipefail
 pkgs=(cmake g++ make pkg-config libopenblas-dev zlib1g-dev doctest-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
-      clang libclang-rt-dev)
+      clang libclang-rt-dev clang-format)
 if [ "${1:-}" = "--bench" ]; then pkgs+=(python3-torch python3-matplotlib); fi
 missing=()
 for p in "${pkgs[@]}"; do

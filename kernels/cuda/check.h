@@ -13,7 +13,7 @@
 #include <cstdio>
 #include <string>
 
-#include "engine/error.h"
+#include "kernels/error.h"
 
 namespace dp::cuda {
 

@@ -16,7 +16,6 @@
 #include <memory>
 #include <mutex>
 
-#include "engine/device.h"
 #include "kernels/cuda/raii.h"
 #include "kernels/ops.h"
 
@@ -37,8 +36,9 @@ struct ConvPlan {
 
 class CudaOps final : public Ops {
  public:
-  // The handles belong to the device and are already bound to `stream`.
-  CudaOps(Device& device, cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn);
+  // The handles belong to the device and are already bound to `stream`. flag: one int32 of device
+  // memory the caller allocated (and booked) for all_finite's answer.
+  CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, int32_t* flag);
   ~CudaOps() override;
   const char* backend() const override { return "cuda"; }
   cudaStream_t stream() const { return stream_; }
@@ -74,14 +74,13 @@ class CudaOps final : public Ops {
   ConvPlan& plan(const ConvShape& s);
   ConvPlan& make_plan(const ConvShape& s, size_t limit_bytes);
 
-  Device& device_;
   cudaStream_t stream_;
   cublasHandle_t cublas_;
   cudnnHandle_t cudnn_;
   std::mutex conv_mu_;
   std::map<ShapeKey, std::unique_ptr<ConvPlan>> plans_;
   std::map<GeometryKey, size_t> budget_floats_;
-  Buffer flag_;  // (1) int32: all_finite's answer
+  int32_t* flag_;  // (1): all_finite's answer
 };
 
 }  // namespace dp

@@ -61,11 +61,11 @@ void CudaOps::fill(int64_t n, float value, float* x) {
 
 bool CudaOps::all_finite(int64_t n, const float* x) {
   if (n == 0) return true;
-  DP_CUDA_CHECK(cudaMemsetAsync(flag_.data(), 0, sizeof(int32_t), stream_));
-  nonfinite_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, flag_.i32());
+  DP_CUDA_CHECK(cudaMemsetAsync(flag_, 0, sizeof(int32_t), stream_));
+  nonfinite_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, flag_);
   DP_CUDA_LAUNCH_CHECK("nonfinite_kernel");
   int32_t raised = 0;
-  DP_CUDA_CHECK(cudaMemcpyAsync(&raised, flag_.data(), sizeof raised, cudaMemcpyDeviceToHost, stream_));
+  DP_CUDA_CHECK(cudaMemcpyAsync(&raised, flag_, sizeof raised, cudaMemcpyDeviceToHost, stream_));
   DP_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return raised == 0;
 }

@@ -15,10 +15,10 @@
 // and keeps the engine's failure rule: a rank that failed earlier aborts the barrier and the others
 // throw instead of enqueuing an all-reduce whose peer never comes (which would hang the GPU).
 //
-// Bytes are counted as the base ring counts them (each rank sends and receives 2 (n-1) chunks of
-// even_chunks(count, n)), so reports compare across communicators. NCCL may choose another algorithm
-// (tree, NVLS on NVSwitch systems) and move a different number of bytes over different links; the
-// count is the ring model's, the bus-bandwidth convention of nccl-tests.
+// Bytes are counted by ring_all_reduce_traffic, as the base ring counts them, so reports compare across
+// communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch systems) and move a
+// different number of bytes over different links; the count is the ring model's, the bus-bandwidth
+// convention of nccl-tests.
 #include <nccl.h>
 
 #include <exception>
@@ -28,7 +28,7 @@
 #include "engine/communicator.h"
 #include "engine/error.h"
 #include "kernels/cuda/check.h"
-#include "kernels/cuda/cuda_device.h"
+#include "engine/cuda/cuda_device.h"
 
 namespace dp {
 namespace {
@@ -105,13 +105,8 @@ void NcclCommunicator::release() noexcept {
 }
 
 void NcclCommunicator::tally_ring(int rank, int64_t count) {
-  const int n = size();
-  const std::vector<int64_t> chunk = even_chunks(count, n);
-  auto bytes = [&](int c) { return chunk[c] * int64_t(sizeof(float)); };
-  for (int s = 0; s < n - 1; ++s)  // reduce-scatter
-    tally(rank, Collective::all_reduce, bytes((rank - s + n) % n), bytes((rank - 1 - s + 2 * n) % n));
-  for (int s = 0; s < n - 1; ++s)  // all-gather
-    tally(rank, Collective::all_reduce, bytes((rank + 1 - s + n) % n), bytes((rank - s + n) % n));
+  const Traffic t = ring_all_reduce_traffic(rank, size(), count);
+  tally(rank, Collective::all_reduce, t.sent, t.received);
 }
 
 void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {

@@ -1,7 +1,7 @@
 // The CUDA device (cuda_device.h) and the backend's entry points declared in engine/device.h:
-// cuda_built, probe_cuda, make_cuda_device. The stub (kernels/stub/cuda_stub.cpp) replaces this
+// cuda_built, probe_cuda, make_cuda_device. The stub (engine/stub/cuda_stub.cpp) replaces this
 // file in builds without CUDA.
-#include "kernels/cuda/cuda_device.h"
+#include "engine/cuda/cuda_device.h"
 
 #include <algorithm>
 #include <string>
@@ -68,13 +68,15 @@ void CudaDevice::open() {
   DP_CUDNN_CHECK(cudnnCreate(&dnn));
   cudnn_ = cuda::CudnnHandle(dnn);
   DP_CUDNN_CHECK(cudnnSetStream(dnn, stream_.get()));
-  ops_ = std::make_unique<CudaOps>(*this, stream_.get(), blas, dnn);
+  flag_ = alloc(sizeof(int32_t), Category::workspace);  // (1) all_finite's answer, booked like every byte
+  ops_ = std::make_unique<CudaOps>(stream_.get(), blas, dnn, flag_.i32());
 }
 
 void CudaDevice::close() noexcept {
   if (stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(stream_.get()));
   if (comm_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(comm_stream_.get()));
-  ops_.reset();  // its buffer and cuDNN descriptors first: it borrows the handles below
+  ops_.reset();  // its cuDNN descriptors first: it borrows the handles and the flag below
+  flag_.reset();
   cudnn_.reset();
   cublas_.reset();
   ready_.reset();

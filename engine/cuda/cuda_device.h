@@ -61,6 +61,7 @@ class CudaDevice final : public Device {
   cuda::Stream stream_, comm_stream_;
   cuda::CublasHandle cublas_;
   cuda::CudnnHandle cudnn_;
+  Buffer flag_;  // (1) int32, lent to ops_
   std::unique_ptr<CudaOps> ops_;
   cuda::Event ready_;  // recorded on stream_ when a peer wants to wait for this device
   mutable std::mutex ready_mu_;
