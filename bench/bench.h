@@ -1,6 +1,6 @@
 // dp_bench's shared parts: synthetic data, the byte model of a training step, the collective sweep
 // with nccl-tests' bandwidth definitions, the alpha-beta fit, the plot hand-off and table helpers.
-// Everything runs on the same dp_core library dp_train uses; nothing here computes a layer.
+// Everything runs on the same dp_engine library dp_train uses; nothing here computes a layer.
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -177,6 +177,15 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
         run.ab.alpha * 1e6, run.ab.beta / 1e9, run.ab.source.c_str());
 }
 
+// The steps this benchmark times as a training run's options, for the record's "config" (the
+// devices are --gpus; --sweep-devices adds runs over others).
+TrainOptions as_training(const CompareOptions& o) {
+  TrainOptions t;
+  t.model = o.model, t.batch = o.batch, t.lr = o.lr, t.momentum = o.momentum, t.seed = o.seed;
+  t.devices = o.devices, t.split = o.split, t.bucket_kb = o.bucket_kb;
+  return t;
+}
+
 nlohmann::json run_json(const DeviceCountRun& run) {
   nlohmann::json strategies = nlohmann::json::array();
   for (const auto& s : run.strategies) {
@@ -241,9 +250,7 @@ nlohmann::json run_json(const DeviceCountRun& run) {
           {"strategies", strategies}};
 }
 
-}  // namespace
-
-int run_compare(const CompareOptions& o) {
+void check_options(const CompareOptions& o) {
   if (o.batch <= 0)
     throw UsageError("--batch: " + std::to_string(o.batch) +
                      " is not a batch size; give a positive number of images, e.g. 256");
@@ -256,95 +263,80 @@ int run_compare(const CompareOptions& o) {
   check_output_path(o.json, "--json");
   check_output_path(o.trace, "--trace");
   if (!o.plot.empty()) check_plotting();
-  const ModelSpec spec = make_model(o.model);
+}
 
+// --gpus, or with --sweep-devices the first 1, 2, ... devices.
+std::vector<std::vector<int>> device_id_sets(const CompareOptions& o) {
+  if (o.sweep.empty()) return {o.devices.ids};
   std::vector<std::vector<int>> id_sets;
-  if (o.sweep.empty()) {
-    id_sets.push_back(o.devices.ids);
-  } else {
-    for (int count : o.sweep) {
-      std::vector<int> ids;
-      for (int i = 0; i < count; ++i) ids.push_back(i);
-      id_sets.push_back(ids);
-    }
+  for (int count : o.sweep) {
+    std::vector<int> ids;
+    for (int i = 0; i < count; ++i) ids.push_back(i);
+    id_sets.push_back(ids);
   }
-  // Both strategies see the same initial weights and the same batches in the same order.
-  const SyntheticData data = make_synthetic(spec, o.batch, std::min(o.warmup + o.steps, 8), o.seed);
-  std::vector<float> init(size_t(spec.param_count));
-  init_params(spec, o.seed, init.data());
+  return id_sets;
+}
 
-  std::vector<DeviceCountRun> runs;
-  nlohmann::json trace = nlohmann::json::array();
-  bool all_match = true;
-  for (const auto& ids : id_sets) {
-    DeviceConfig dc = o.devices;
-    dc.ids = ids;
-    DeviceSet set = make_devices(dc);
-    if (runs.empty()) std::printf("%s\n", set.notice.c_str());
-    std::vector<Device*> devices;
-    for (auto& d : set.devices) devices.push_back(d.get());
-    DeviceCountRun run;
-    run.n = int(devices.size());
-    for (Device* d : devices) {
-      // Several replicas on one device (--allow-shared-device) share its name: add the rank.
-      int same = 0;
-      for (Device* e : devices) same += e->name() == d->name();
-      run.names.push_back(same > 1 ? d->name() + "#" + std::to_string(d->rank()) : d->name());
-    }
-    run.sizes = split_batch(o.batch, run.n, o.split);
-    if (o.alpha_us >= 0) {
-      run.ab.alpha = o.alpha_us * 1e-6, run.ab.beta = o.beta_gbps * 1e9;
-      run.ab.source = "(given: --alpha-us/--beta-gbps)";
-    } else if (run.n > 1) {
-      // A quick all-reduce sweep around the model's size on these devices; `dp_bench comm` does
-      // the full range and every collective.
-      CommSweep quick;
-      quick.collectives = {Collective::all_reduce};
-      quick.min_bytes = 1 << 10, quick.max_bytes = 4 << 20, quick.max_iters = 20, quick.budget_seconds = 0.02;
-      run.ab = fit_from_sweep(run_comm_sweep(devices, quick));
-      run.ab.source = "(" + run.ab.source + " on these devices; dp_bench comm sweeps the full range)";
-    }
-    for (Sync s : kStrategies)
-      run.strategies.push_back(
-          run_strategy(devices, s, spec, o, data, init, run.ab, int(runs.size() * 2 + run.strategies.size())));
-    std::string kind = devices[0]->kind() == DeviceKind::cuda ? "CUDA" : "simulated";
-    print_run(run, spec, o, kind);
-    for (auto& s : run.strategies) {
-      all_match = all_match && s.match;
-      for (auto& e : s.trace) trace.push_back(e);
-    }
-    runs.push_back(std::move(run));
+// Several replicas on one device (--allow-shared-device) share its name: add the rank.
+std::vector<std::string> replica_names(const std::vector<Device*>& devices) {
+  std::vector<std::string> names;
+  for (Device* d : devices) {
+    int same = 0;
+    for (Device* e : devices) same += e->name() == d->name();
+    names.push_back(same > 1 ? d->name() + "#" + std::to_string(d->rank()) : d->name());
   }
+  return names;
+}
 
-  if (runs.size() > 1) {
-    std::printf("\nscaling: images/s at global batch %d (total over the measured steps)\n", o.batch);
-    Table t;
-    t.row({"devices", "scatter", "allreduce", "allreduce / scatter"});
-    for (const auto& r : runs)
-      t.row({std::to_string(r.n), commas(int64_t(r.strategies[0].images_per_second + 0.5)),
-             commas(int64_t(r.strategies[1].images_per_second + 0.5)),
-             fixed(r.strategies[1].images_per_second / r.strategies[0].images_per_second, 2)});
-    std::printf("%s", t.str().c_str());
+// Given by --alpha-us/--beta-gbps, or fitted on these devices (none for a single device).
+AlphaBeta alpha_beta(const std::vector<Device*>& devices, const CompareOptions& o) {
+  AlphaBeta ab;
+  if (o.alpha_us >= 0) {
+    ab.alpha = o.alpha_us * 1e-6, ab.beta = o.beta_gbps * 1e9;
+    ab.source = "(given: --alpha-us/--beta-gbps)";
+  } else if (devices.size() > 1) {
+    // A quick all-reduce sweep around the model's size on these devices; `dp_bench comm` does
+    // the full range and every collective.
+    CommSweep quick;
+    quick.collectives = {Collective::all_reduce};
+    quick.min_bytes = 1 << 10, quick.max_bytes = 4 << 20, quick.max_iters = 20, quick.budget_seconds = 0.02;
+    ab = fit_from_sweep(run_comm_sweep(devices, quick));
+    ab.source = "(" + ab.source + " on these devices; dp_bench comm sweeps the full range)";
   }
-  std::printf("\nbytes: %s\n",
-              all_match ? "measured == model, to the byte, on every device for both strategies"
-                        : "MISMATCH between the measured bytes and the model (see the rows marked MISMATCH)");
+  return ab;
+}
 
-  nlohmann::json j = {{"command", o.command},
-                      {"config",
-                       {{"model", spec.name},
-                        {"parameters", spec.param_count},
-                        {"batch", o.batch},
-                        {"steps", o.steps},
-                        {"warmup", o.warmup},
-                        {"bucket_kb", o.bucket_kb},
-                        {"split", split_name(o.split)},
-                        {"seed", o.seed},
-                        {"lr", o.lr},
-                        {"momentum", o.momentum},
-                        {"backend", o.devices.backend}}},
-                      {"runs", nlohmann::json::array()},
-                      {"match", all_match}};
+// Both strategies on one set of devices; their trace lanes are processes first_pid and first_pid + 1.
+DeviceCountRun run_devices(const std::vector<Device*>& devices, const ModelSpec& spec, const CompareOptions& o,
+                           const SyntheticData& data, const std::vector<float>& init, int first_pid) {
+  DeviceCountRun run;
+  run.n = int(devices.size());
+  run.names = replica_names(devices);
+  run.sizes = split_batch(o.batch, run.n, o.split);
+  run.ab = alpha_beta(devices, o);
+  for (Sync s : kStrategies)
+    run.strategies.push_back(
+        run_strategy(devices, s, spec, o, data, init, run.ab, first_pid + int(run.strategies.size())));
+  return run;
+}
+
+void print_scaling(const std::vector<DeviceCountRun>& runs, int batch) {
+  std::printf("\nscaling: images/s at global batch %d (total over the measured steps)\n", batch);
+  Table t;
+  t.row({"devices", "scatter", "allreduce", "allreduce / scatter"});
+  for (const auto& r : runs)
+    t.row({std::to_string(r.n), commas(int64_t(r.strategies[0].images_per_second + 0.5)),
+           commas(int64_t(r.strategies[1].images_per_second + 0.5)),
+           fixed(r.strategies[1].images_per_second / r.strategies[0].images_per_second, 2)});
+  std::printf("%s", t.str().c_str());
+}
+
+nlohmann::json compare_json(const CompareOptions& o, const ModelSpec& spec, const std::vector<DeviceCountRun>& runs,
+                            bool all_match) {
+  nlohmann::json config = run_config(as_training(o), spec, o.steps);
+  config["warmup"] = o.warmup;
+  nlohmann::json j = {
+      {"command", o.command}, {"config", config}, {"runs", nlohmann::json::array()}, {"match", all_match}};
   for (const auto& r : runs) j["runs"].push_back(run_json(r));
   if (runs.size() > 1) {
     nlohmann::json sc = nlohmann::json::array();
@@ -354,6 +346,43 @@ int run_compare(const CompareOptions& o) {
                     {"allreduce_images_per_second", r.strategies[1].images_per_second}});
     j["scaling"] = sc;
   }
+  return j;
+}
+
+}  // namespace
+
+int run_compare(const CompareOptions& o) {
+  check_options(o);
+  const ModelSpec spec = make_model(o.model);
+  // Both strategies see the same initial weights and the same batches in the same order.
+  const SyntheticData data = make_synthetic(spec, o.batch, std::min(o.warmup + o.steps, 8), o.seed);
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, o.seed, init.data());
+
+  std::vector<DeviceCountRun> runs;
+  nlohmann::json trace = nlohmann::json::array();
+  bool all_match = true;
+  for (const auto& ids : device_id_sets(o)) {
+    DeviceConfig dc = o.devices;
+    dc.ids = ids;
+    DeviceSet set = make_devices(dc);
+    if (runs.empty()) std::printf("%s\n", set.notice.c_str());
+    std::vector<Device*> devices;
+    for (auto& d : set.devices) devices.push_back(d.get());
+    DeviceCountRun run = run_devices(devices, spec, o, data, init, int(runs.size() * 2));
+    print_run(run, spec, o, devices[0]->kind() == DeviceKind::cuda ? "CUDA" : "simulated");
+    for (auto& s : run.strategies) {
+      all_match = all_match && s.match;
+      for (auto& e : s.trace) trace.push_back(e);
+    }
+    runs.push_back(std::move(run));
+  }
+  if (runs.size() > 1) print_scaling(runs, o.batch);
+  std::printf("\nbytes: %s\n",
+              all_match ? "measured == model, to the byte, on every device for both strategies"
+                        : "MISMATCH between the measured bytes and the model (see the rows marked MISMATCH)");
+
+  const nlohmann::json j = compare_json(o, spec, runs, all_match);
   if (!o.json.empty()) write_json(o.json, j);
   if (!o.trace.empty()) write_json(o.trace, {{"traceEvents", trace}, {"displayTimeUnit", "ms"}});
   if (!o.plot.empty()) {

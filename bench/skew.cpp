@@ -156,8 +156,8 @@ struct Search {
   Trial at_largest, past;  // a full step at the largest batch; the first batch that does not fit
 };
 
-Search search(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, const SkewOptions& o,
-              const std::vector<float>& init) {
+Search search_batches(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, const SkewOptions& o,
+                      const std::vector<float>& init) {
   Search s;
   s.sync = sync;
   constexpr int kLimit = 1 << 24;  // a cap this generous is not a demo
@@ -189,10 +189,147 @@ Search search(const std::vector<Device*>& devices, Sync sync, const ModelSpec& s
   return s;
 }
 
+// The steps this demo takes as a training run's options, for the record's "config" (the learning
+// rate and buckets are the engine's defaults, as the demo's engines use them).
+TrainOptions as_training(const SkewOptions& o) {
+  TrainOptions t;
+  t.model = o.model, t.batch = o.batch, t.momentum = o.momentum, t.seed = o.seed;
+  t.devices = o.devices, t.split = o.split;
+  return t;
+}
+
 nlohmann::json ledger_json(const LedgerSnapshot& l) {
   nlohmann::json cats = nlohmann::json::object();
   for (int c = 0; c < kCategories; ++c) cats[category_name(Category(c))] = l.at_peak[c];
   return cats;
+}
+
+void print_header(const ModelSpec& spec, const SkewOptions& o, int n) {
+  std::string sizes;
+  for (int v : split_batch(o.batch, n, o.split)) sizes += (sizes.empty() ? "" : "+") + std::to_string(v);
+  const int64_t cap = o.devices.memory_cap;
+  std::printf(
+      "\nmemory per device at its peak, by category (%s, P = %s parameters, global batch %d = %s over %d devices, "
+      "%s, %d steps%s)\n",
+      spec.name.c_str(), commas(spec.param_count).c_str(), o.batch, sizes.c_str(), n,
+      o.momentum != 0 ? "SGD with momentum" : "plain SGD", o.steps,
+      cap > 0 ? (", --device-memory " + format_bytes(cap)).c_str() : "");
+}
+
+// One strategy's ledgers, its skew and what makes it up; false when the categories do not add up.
+bool print_strategy(const StrategySkew& s, const std::vector<std::string>& names, int batch) {
+  std::printf("\n%s\n", sync_name(s.sync));
+  if (!s.fits) {
+    std::printf("  does not fit at batch %d: %s\n", batch, s.oom.c_str());
+    return true;
+  }
+  Table t;
+  std::vector<std::string> head{"  category"};
+  for (auto& nm : names) head.push_back(nm);
+  t.row(head);
+  for (int c = 0; c < kCategories; ++c) {
+    std::vector<std::string> r{"  " + std::string(category_name(Category(c)))};
+    for (auto& l : s.ledgers) r.push_back(format_bytes(l.at_peak[c]));
+    t.row(r);
+  }
+  std::vector<std::string> total{"  total at peak"};
+  for (auto& l : s.ledgers) total.push_back(format_bytes(l.total_peak));
+  t.row(total);
+  std::printf("%s", t.str().c_str());
+  const int n = int(s.ledgers.size());
+  double others = 0;
+  for (int r = 1; r < n; ++r) others += double(s.ledgers[r].total_peak);
+  std::printf("  skew = device 0's peak / mean peak of the others = %s / %s = %.3f\n",
+              format_bytes(s.ledgers[0].total_peak).c_str(), format_bytes(int64_t(others / (n - 1))).c_str(), s.skew);
+  for (auto& line : s.explanation) std::printf("  %s\n", line.c_str());
+  if (s.adds_up) return true;
+  std::printf("  ERROR: the categories at the peak do not add up to the peak on some device\n");
+  return false;
+}
+
+// Scatter's skew above 1, allreduce's within 2% of it; false when a check fails.
+bool print_checks(const std::vector<StrategySkew>& results) {
+  bool ok = true;
+  std::printf("\nchecks:\n");
+  for (const auto& s : results) {
+    if (!s.fits) continue;
+    bool pass = s.sync == Sync::scatter ? s.skew > 1.0 : std::fabs(s.skew - 1.0) < 0.02;
+    std::printf("  %-9s skew %.3f %s  categories add up to the peak on every device: %s\n", sync_name(s.sync), s.skew,
+                s.sync == Sync::scatter ? (pass ? "> 1: yes" : "> 1: NO")
+                                        : (pass ? "within 2% of 1: yes" : "within 2% of 1: NO"),
+                s.adds_up ? "yes" : "NO");
+    ok = ok && pass && s.adds_up;
+  }
+  return ok;
+}
+
+// found: scatter's search, then allreduce's. False when a full step at the largest batch found ran out.
+bool print_search(const std::vector<Search>& found) {
+  for (const auto& f : found) {
+    std::printf("  %-10s %s\n", sync_name(f.sync),
+                f.largest > 0 ? ("fits up to batch " + commas(f.largest) + ", where device 0 peaks at " +
+                                 format_bytes(f.at_largest.peak0) + " and the others at " +
+                                 format_bytes(f.at_largest.peak_others))
+                                    .c_str()
+                              : "does not fit even batch 1");
+    std::printf("  %-10s stops at %s: %s\n", "", commas(f.largest + 1).c_str(), f.past.message.c_str());
+  }
+  const Search &sc = found[0], &ar = found[1];
+  if (sc.largest < ar.largest && sc.past.device == 0)
+    std::printf(
+        "so at batch %s device 0 runs out under scatter, while allreduce still fits (up to %s): under scatter "
+        "device 0 is the one that needs the bigger device.\n",
+        commas(sc.largest + 1).c_str(), commas(ar.largest).c_str());
+  else
+    std::printf(
+        "note: with this cap scatter does not run out on device 0 before allreduce does (scatter stops at %s on "
+        "device %d, allreduce at %s)\n",
+        commas(sc.largest + 1).c_str(), sc.past.device, commas(ar.largest + 1).c_str());
+  if (sc.at_largest.fits && ar.at_largest.fits) return true;
+  std::printf(
+      "ERROR: a full step at the largest batch found ran out of memory: the search's single-sample step missed an "
+      "allocation\n");
+  return false;
+}
+
+nlohmann::json search_json(const std::vector<Search>& found, int64_t cap) {
+  nlohmann::json j = {{"cap_bytes", cap}};
+  for (const auto& f : found)
+    j[sync_name(f.sync)] = {{"largest_batch", f.largest},
+                            {"device0_peak_at_largest", f.at_largest.peak0},
+                            {"others_peak_at_largest", f.at_largest.peak_others},
+                            {"stops_at", f.largest + 1},
+                            {"out_of_memory_device", f.past.device},
+                            {"out_of_memory", f.past.message}};
+  return j;
+}
+
+nlohmann::json skew_json(const SkewOptions& o, const ModelSpec& spec, const std::vector<std::string>& names,
+                         const std::vector<StrategySkew>& results, const nlohmann::json& search, bool ok) {
+  nlohmann::json strategies = nlohmann::json::array();
+  for (const auto& s : results) {
+    nlohmann::json devs = nlohmann::json::array();
+    for (size_t r = 0; r < s.ledgers.size(); ++r) {
+      int64_t sum = 0;
+      for (int64_t v : s.ledgers[r].at_peak) sum += v;
+      devs.push_back({{"rank", r},
+                      {"name", names[r]},
+                      {"peak_bytes", s.ledgers[r].total_peak},
+                      {"at_peak", ledger_json(s.ledgers[r])},
+                      {"at_peak_sum", sum}});
+    }
+    strategies.push_back({{"strategy", sync_name(s.sync)},
+                          {"fits", s.fits},
+                          {"out_of_memory", s.oom},
+                          {"skew", s.fits ? nlohmann::json(s.skew) : nlohmann::json()},
+                          {"categories_add_up", s.adds_up},
+                          {"explanation", s.explanation},
+                          {"devices", devs}});
+  }
+  nlohmann::json config = run_config(as_training(o), spec, o.steps);
+  for (int c = 0; c < kCategories; ++c) config["categories"].push_back(category_name(Category(c)));
+  return {{"command", o.command},     {"config", config}, {"devices", names},
+          {"strategies", strategies}, {"search", search}, {"ok", ok}};
 }
 
 }  // namespace
@@ -217,148 +354,28 @@ int run_skew(const SkewOptions& o) {
   init_params(spec, o.seed, init.data());
   const int64_t cap = o.devices.memory_cap;
 
-  std::printf(
-      "\nmemory per device at its peak, by category (%s, P = %s parameters, global batch %d = %s over %d devices, "
-      "%s, %d steps%s)\n",
-      spec.name.c_str(), commas(spec.param_count).c_str(), o.batch,
-      [&] {
-        std::string s;
-        for (int v : split_batch(o.batch, n, o.split)) s += (s.empty() ? "" : "+") + std::to_string(v);
-        return s;
-      }()
-          .c_str(),
-      n, o.momentum != 0 ? "SGD with momentum" : "plain SGD", o.steps,
-      cap > 0 ? (", --device-memory " + format_bytes(cap)).c_str() : "");
+  print_header(spec, o, n);
   std::vector<StrategySkew> results;
   bool ok = true;
   for (Sync sync : {Sync::scatter, Sync::allreduce}) {
-    StrategySkew s = measure(devices, sync, spec, o, data, init);
-    std::printf("\n%s\n", sync_name(sync));
-    if (!s.fits) {
-      std::printf("  does not fit at batch %d: %s\n", o.batch, s.oom.c_str());
-      results.push_back(s);
-      continue;
-    }
-    Table t;
-    std::vector<std::string> head{"  category"};
-    for (auto& nm : names) head.push_back(nm);
-    t.row(head);
-    for (int c = 0; c < kCategories; ++c) {
-      std::vector<std::string> r{"  " + std::string(category_name(Category(c)))};
-      for (auto& l : s.ledgers) r.push_back(format_bytes(l.at_peak[c]));
-      t.row(r);
-    }
-    std::vector<std::string> total{"  total at peak"};
-    for (auto& l : s.ledgers) total.push_back(format_bytes(l.total_peak));
-    t.row(total);
-    std::printf("%s", t.str().c_str());
-    double others = 0;
-    for (int r = 1; r < n; ++r) others += double(s.ledgers[r].total_peak);
-    std::printf("  skew = device 0's peak / mean peak of the others = %s / %s = %.3f\n",
-                format_bytes(s.ledgers[0].total_peak).c_str(), format_bytes(int64_t(others / (n - 1))).c_str(), s.skew);
-    for (auto& line : s.explanation) std::printf("  %s\n", line.c_str());
-    if (!s.adds_up) {
-      std::printf("  ERROR: the categories at the peak do not add up to the peak on some device\n");
-      ok = false;
-    }
-    results.push_back(s);
+    results.push_back(measure(devices, sync, spec, o, data, init));
+    ok = print_strategy(results.back(), names, o.batch) && ok;
   }
+  ok = print_checks(results) && ok;
 
-  std::printf("\nchecks:\n");
-  for (const auto& s : results) {
-    if (!s.fits) continue;
-    bool pass = s.sync == Sync::scatter ? s.skew > 1.0 : std::fabs(s.skew - 1.0) < 0.02;
-    std::printf("  %-9s skew %.3f %s  categories add up to the peak on every device: %s\n", sync_name(s.sync), s.skew,
-                s.sync == Sync::scatter ? (pass ? "> 1: yes" : "> 1: NO")
-                                        : (pass ? "within 2% of 1: yes" : "within 2% of 1: NO"),
-                s.adds_up ? "yes" : "NO");
-    ok = ok && pass && s.adds_up;
-  }
-
-  nlohmann::json search_json = nullptr;
+  nlohmann::json search = nullptr;
   if (cap > 0) {
     std::printf(
         "\nthe largest global batch each strategy fits in %s per device (doubling, then bisecting; an engine is "
         "built and stepped at each batch):\n",
         format_bytes(cap).c_str());
     std::vector<Search> found;
-    for (Sync sync : {Sync::scatter, Sync::allreduce}) found.push_back(search(devices, sync, spec, o, init));
-    for (const auto& f : found) {
-      std::printf("  %-10s %s\n", sync_name(f.sync),
-                  f.largest > 0 ? ("fits up to batch " + commas(f.largest) + ", where device 0 peaks at " +
-                                   format_bytes(f.at_largest.peak0) + " and the others at " +
-                                   format_bytes(f.at_largest.peak_others))
-                                      .c_str()
-                                : "does not fit even batch 1");
-      std::printf("  %-10s stops at %s: %s\n", "", commas(f.largest + 1).c_str(), f.past.message.c_str());
-    }
-    const Search &sc = found[0], &ar = found[1];
-    if (sc.largest < ar.largest && sc.past.device == 0)
-      std::printf(
-          "so at batch %s device 0 runs out under scatter, while allreduce still fits (up to %s): under scatter "
-          "device 0 is the one that needs the bigger device.\n",
-          commas(sc.largest + 1).c_str(), commas(ar.largest).c_str());
-    else
-      std::printf(
-          "note: with this cap scatter does not run out on device 0 before allreduce does (scatter stops at %s on "
-          "device %d, allreduce at %s)\n",
-          commas(sc.largest + 1).c_str(), sc.past.device, commas(ar.largest + 1).c_str());
-    if (!sc.at_largest.fits || !ar.at_largest.fits) {
-      std::printf(
-          "ERROR: a full step at the largest batch found ran out of memory: the search's single-sample step missed an "
-          "allocation\n");
-      ok = false;
-    }
-    search_json = {{"cap_bytes", cap}};
-    for (const auto& f : found)
-      search_json[sync_name(f.sync)] = {{"largest_batch", f.largest},
-                                        {"device0_peak_at_largest", f.at_largest.peak0},
-                                        {"others_peak_at_largest", f.at_largest.peak_others},
-                                        {"stops_at", f.largest + 1},
-                                        {"out_of_memory_device", f.past.device},
-                                        {"out_of_memory", f.past.message}};
+    for (Sync sync : {Sync::scatter, Sync::allreduce}) found.push_back(search_batches(devices, sync, spec, o, init));
+    ok = print_search(found) && ok;
+    search = search_json(found, cap);
   }
 
-  nlohmann::json strategies = nlohmann::json::array();
-  for (const auto& s : results) {
-    nlohmann::json devs = nlohmann::json::array();
-    for (size_t r = 0; r < s.ledgers.size(); ++r) {
-      int64_t sum = 0;
-      for (int64_t v : s.ledgers[r].at_peak) sum += v;
-      devs.push_back({{"rank", r},
-                      {"name", names[r]},
-                      {"peak_bytes", s.ledgers[r].total_peak},
-                      {"at_peak", ledger_json(s.ledgers[r])},
-                      {"at_peak_sum", sum}});
-    }
-    strategies.push_back({{"strategy", sync_name(s.sync)},
-                          {"fits", s.fits},
-                          {"out_of_memory", s.oom},
-                          {"skew", s.fits ? nlohmann::json(s.skew) : nlohmann::json()},
-                          {"categories_add_up", s.adds_up},
-                          {"explanation", s.explanation},
-                          {"devices", devs}});
-  }
-  nlohmann::json j = {{"command", o.command},
-                      {"config",
-                       {{"model", spec.name},
-                        {"parameters", spec.param_count},
-                        {"batch", o.batch},
-                        {"steps", o.steps},
-                        {"momentum", o.momentum},
-                        {"split", split_name(o.split)},
-                        {"seed", o.seed},
-                        {"device_memory", cap},
-                        {"categories",
-                         [] {
-                           std::vector<std::string> c;
-                           for (int i = 0; i < kCategories; ++i) c.push_back(category_name(Category(i)));
-                           return c;
-                         }()}}},
-                      {"devices", names},
-                      {"strategies", strategies},
-                      {"search", search_json},
-                      {"ok", ok}};
+  const nlohmann::json j = skew_json(o, spec, names, results, search, ok);
   if (!o.json.empty()) write_json(o.json, j);
   if (!o.plot.empty()) {
     std::filesystem::create_directories(o.plot);

@@ -11,14 +11,14 @@ namespace dp {
 struct Dataset {
   int64_t count = 0;
   int rows = 0, cols = 0;
-  std::vector<float> images;   // (count, 1, rows, cols), pixels scaled to [0, 1]
-  std::vector<int32_t> labels; // (count)
+  std::vector<float> images;    // (count, 1, rows, cols), pixels scaled to [0, 1]
+  std::vector<int32_t> labels;  // (count)
   int64_t image_size() const { return int64_t(rows) * cols; }
 };
 
 // Reads <dir>/<prefix>-images-idx3-ubyte[.gz] and <prefix>-labels-idx1-ubyte[.gz] (prefix "train" or
 // "t10k"). limit > 0 keeps the first `limit` samples. Every malformed input (missing file, wrong
-// magic, impossible dimensions, truncated data, label >= classes, count mismatch) throws DataError
+// magic, impossible dimensions, truncated data, label >= classes, count mismatch) throws UsageError
 // naming the file.
 Dataset load_idx(const std::string& dir, const std::string& prefix, int64_t limit = 0, int classes = 10);
 Dataset load_idx_files(const std::string& images_path, const std::string& labels_path, int64_t limit = 0,
@@ -32,7 +32,5 @@ Dataset parse_idx(const unsigned char* images, size_t images_size, const std::st
 // The sample order of an epoch: a permutation drawn from (seed, epoch), as DistributedSampler's
 // set_epoch does, or file order when shuffle is off. Same on every platform.
 std::vector<int64_t> epoch_order(int64_t count, uint64_t seed, int64_t epoch, bool shuffle);
-
-inline const char* kDefaultDataDir = "/usr/share/datasets/fashion-mnist";
 
 }  // namespace dp

@@ -8,6 +8,58 @@
 
 namespace dp {
 
+nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t steps) {
+  return {{"model", spec.name},
+          {"parameters", spec.param_count},
+          {"batch", o.batch},
+          {"steps", steps},
+          {"lr", o.lr},
+          {"momentum", o.momentum},
+          {"weight_decay", o.weight_decay},
+          {"seed", o.seed},
+          {"split", split_name(o.split)},
+          {"bucket_kb", o.bucket_kb},
+          {"backend", o.devices.backend},
+          {"device_memory", o.devices.memory_cap}};
+}
+
+nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int epochs, int64_t steps,
+                            int threads_per_device, const TrainResult& result, Engine& engine) {
+  nlohmann::json config = run_config(o, spec, steps);
+  config.update({{"epochs", epochs},
+                 {"shuffle", o.shuffle},
+                 {"data", o.data},
+                 {"limit_train", o.limit_train},
+                 {"limit_test", o.limit_test},
+                 {"gpus", o.devices.ids},
+                 {"threads_per_device", threads_per_device},
+                 {"strategy", sync_name(o.sync)}});
+  nlohmann::json epochs_json = nlohmann::json::array();
+  for (auto& e : result.epochs)
+    epochs_json.push_back({{"epoch", e.epoch},
+                           {"steps", e.steps},
+                           {"images", e.images},
+                           {"train_loss", e.train_loss},
+                           {"train_accuracy", e.train_accuracy},
+                           {"test_loss", e.test_loss},
+                           {"test_accuracy", e.test_accuracy},
+                           {"seconds", e.seconds},
+                           {"images_per_second", e.images_per_second}});
+  nlohmann::json j = {{"config", config},
+                      {"strategy", sync_name(o.sync)},
+                      {"split", split_name(o.split)},
+                      {"bucket_kb", o.bucket_kb},
+                      {"epochs", epochs_json},
+                      {"train_loss", result.train_loss},
+                      {"test_accuracy", result.test_accuracy},
+                      {"images_per_second", result.images_per_second},
+                      {"devices", device_report(engine)}};
+  if (o.verify)
+    j["verify"] = {
+        {"max_abs_diff", result.verify_max_diff}, {"tolerance", result.verify_tolerance}, {"ok", result.verify_ok}};
+  return j;
+}
+
 nlohmann::json device_report(Engine& e) {
   nlohmann::json out = nlohmann::json::array();
   for (int r = 0; r < e.size(); ++r) {
@@ -19,7 +71,6 @@ nlohmann::json device_report(Engine& e) {
       peaks[category_name(Category(c))] = s.peak[c];
     }
     Traffic t = e.step_traffic(r);
-    nlohmann::json by_collective = nlohmann::json::object();
     out.push_back({{"rank", r},
                    {"id", d.id()},
                    {"name", d.name()},
@@ -35,8 +86,8 @@ nlohmann::json device_report(Engine& e) {
 std::string device_table(Engine& e) {
   std::string out;
   char line[512];
-  std::snprintf(line, sizeof line, "%-8s %12s %12s %12s %12s %12s %12s %12s %14s %14s\n", "device", "peak", "parameters",
-                "gradients", "optimizer", "activations", "inputs", "comm", "sent/step", "received/step");
+  std::snprintf(line, sizeof line, "%-8s %12s %12s %12s %12s %12s %12s %12s %14s %14s\n", "device", "peak",
+                "parameters", "gradients", "optimizer", "activations", "inputs", "comm", "sent/step", "received/step");
   out += line;
   for (int r = 0; r < e.size(); ++r) {
     Device& d = e.device(r);
@@ -55,9 +106,13 @@ std::string device_table(Engine& e) {
 
 nlohmann::json trace_json(Engine& e) {
   nlohmann::json events = nlohmann::json::array();
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 0}, {"args", {{"name", std::string("dp ") + sync_name(e.config().sync)}}}});
+  events.push_back({{"name", "process_name"},
+                    {"ph", "M"},
+                    {"pid", 0},
+                    {"args", {{"name", std::string("dp ") + sync_name(e.config().sync)}}}});
   for (int r = 0; r < e.size(); ++r) {
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r}, {"args", {{"name", e.device(r).name()}}}});
+    events.push_back(
+        {{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r}, {"args", {{"name", e.device(r).name()}}}});
     for (const Span& s : e.spans()[r])
       events.push_back({{"name", phase_name(s.phase, e.config().sync)},
                         {"cat", "phase"},

@@ -1,5 +1,6 @@
 // The training loop behind dp_train: data, devices, engine, per-epoch evaluation, checkpoints,
-// the report and the trace.
+// the report and the trace. The loop is trainer.cpp; resuming and saving are resume.h, --verify is
+// verify.h, the progress line and signals progress.h, the report report.h.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 
 #include "engine/device.h"
 #include "engine/engine.h"
+#include "engine/verify.h"  // summation_tolerance, the bound --verify holds a run to
 
 namespace dp {
 
@@ -44,10 +46,6 @@ struct TrainResult {
   double verify_max_diff = -1, verify_tolerance = 0;  // -1: not verified
   bool verify_ok = true;
 };
-
-// The bound on the largest weight difference between two runs that differ only in the order
-// gradients are summed (see trainer.cpp for the derivation).
-double summation_tolerance(int64_t steps, int batch, float lr, float momentum);
 
 // Throws UsageError for bad input, DeviceError / NumericalError for failures during training.
 TrainResult train(const TrainOptions& opt);

@@ -1,0 +1,60 @@
+#include "engine/verify.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+namespace dp {
+
+// Where two runs differ only in the order a gradient element's B per-sample contributions c_j are
+// summed (one device vs several, ring vs reduce-to-root), each ordering's rounding error is at most
+// (B - 1) u sum_j |c_j| (u = 2^-24, Higham's bound for recursive summation). With the mean loss,
+// c_j = per-sample gradient / B and LeNet's per-sample gradients are O(1) (inputs in [0, 1],
+// |dlogits| <= 1), so sum_j |c_j| <= 1 and a gradient element differs by at most 2 B u between two
+// orders. Momentum carries the step-k error into every later step with weight
+// 1 + mu + ... + mu^(j-k); the weight change is lr times that. Summed over K steps, doubled for the
+// dynamics (the gradient depends on weights that already differ), that is the bound below.
+double summation_tolerance(int64_t steps, int batch, float lr, float momentum) {
+  const double u = std::ldexp(1.0, -24);
+  double carried = 0;
+  for (int64_t k = 0; k < steps; ++k) {
+    double geometric = 0, p = 1;
+    for (int64_t j = 0; j <= k; ++j, p *= momentum) geometric += p;
+    carried += geometric;
+  }
+  return 2.0 * (2.0 * batch * u) * lr * carried;
+}
+
+namespace {
+
+EngineConfig one_device(EngineConfig c) {
+  c.sync = Sync::allreduce, c.bucket_kb = 0, c.trace = false;
+  return c;
+}
+
+}  // namespace
+
+Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run,
+                   const std::vector<float>& params, const std::vector<float>& momentum) {
+  DeviceConfig first = devices;
+  first.ids = {devices.ids.at(0)};
+  devices_ = make_devices(first);
+  engine_ = std::make_unique<Engine>(std::vector<Device*>{devices_.devices[0].get()}, spec, one_device(run));
+  engine_->set_params(params);
+  if (!momentum.empty()) engine_->set_momentum(momentum);
+}
+
+VerifyResult Verifier::compare(Engine& run, int batch) {
+  auto a = run.params(), b = engine_->params();
+  VerifyResult v;
+  v.steps = engine_->steps();
+  for (size_t i = 0; i < a.size(); ++i) v.max_diff = std::max(v.max_diff, double(std::fabs(a[i] - b[i])));
+  const EngineConfig& c = engine_->config();
+  v.tolerance = summation_tolerance(v.steps, batch, c.lr, c.momentum);
+  v.ok = v.max_diff <= v.tolerance;
+  std::printf("verify: largest weight difference from 1 device after %lld steps: %.3g (tolerance %.3g) %s\n",
+              (long long)v.steps, v.max_diff, v.tolerance, v.ok ? "ok" : "FAILED");
+  return v;
+}
+
+}  // namespace dp

@@ -1,0 +1,43 @@
+// --verify: the same steps on one device with the full batch, run alongside the data-parallel run;
+// at the end the largest weight difference between the two is held against the bound that float
+// summation order allows.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/device.h"
+#include "engine/engine.h"
+
+namespace dp {
+
+// The bound on the largest weight difference between two runs that differ only in the order
+// gradients are summed (see verify.cpp for the derivation).
+double summation_tolerance(int64_t steps, int batch, float lr, float momentum);
+
+struct VerifyResult {
+  int64_t steps = 0;
+  double max_diff = 0, tolerance = 0;
+  bool ok = true;
+};
+
+class Verifier {
+ public:
+  // The reference: the first device of `devices` alone, with the run's settings (`run`) less the
+  // strategy's (one replica, no buckets, no trace), starting from the same weights and momentum
+  // (empty: none).
+  Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run,
+           const std::vector<float>& params, const std::vector<float>& momentum);
+  // The step the run just took, on the same batch x (n, C, H, W), labels y (n).
+  void step(const float* x, const int32_t* y, int n) { engine_->step(x, y, n); }
+  // The run's weights against the reference's after the same steps, `batch` the global --batch;
+  // prints the verify line.
+  VerifyResult compare(Engine& run, int batch);
+
+ private:
+  DeviceSet devices_;  // declared before engine_: outlives it
+  std::unique_ptr<Engine> engine_;
+};
+
+}  // namespace dp
