@@ -6,17 +6,10 @@ namespace dp {
 namespace {
 
 ConvShape conv_shape(const Layer& l, int n) {
-  ConvShape s;
-  s.n = n, s.c = l.in_c, s.h = l.in_h, s.w = l.in_w;
-  s.k = l.out_c, s.kh = s.kw = l.kernel, s.pad = l.pad;
-  return s;
+  return {.n = n, .c = l.in_c, .h = l.in_h, .w = l.in_w, .k = l.out_c, .kh = l.kernel, .kw = l.kernel, .pad = l.pad};
 }
 
-PoolShape pool_shape(const Layer& l, int n) {
-  PoolShape s;
-  s.n = n, s.c = l.in_c, s.h = l.in_h, s.w = l.in_w, s.k = l.kernel;
-  return s;
-}
+PoolShape pool_shape(const Layer& l, int n) { return {.n = n, .c = l.in_c, .h = l.in_h, .w = l.in_w, .k = l.kernel}; }
 
 }  // namespace
 
@@ -27,7 +20,8 @@ Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
   while (prefix_ < int(spec.layers.size()) && spec.layers[prefix_].kind != LayerKind::flatten &&
          spec.layers[prefix_].kind != LayerKind::linear)
     ++prefix_;
-  if (dev.kind() == DeviceKind::simulated && chunk > 0 && max_batch > chunk) chunk_ = chunk;
+  if (chunk < 0) chunk = dev.ops().preferred_chunk();
+  if (chunk > 0 && max_batch > chunk) chunk_ = chunk;
   for (int i = 0; i < prefix_; i += step_layers(i)) steps_.push_back(i);
   int64_t prefix_params = 0;  // the largest weight + bias of a parameterised prefix layer
   int64_t prefix_widest = 0;  // the widest input of a prefix layer (its dx)
@@ -44,7 +38,7 @@ Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
     argmax_.push_back(l.kind == LayerKind::maxpool
                           ? dev.alloc(size_t(max_batch * l.out_size()) * sizeof(int32_t), Category::activations)
                           : Buffer());
-    // A chunked conv layer sees at most kChunk samples; the workspace never depends on more.
+    // A chunked conv layer sees at most chunk_ samples; the workspace never depends on more.
     if (l.kind == LayerKind::conv)
       ws = std::max(ws, dev.ops().conv2d_workspace_floats(conv_shape(l, i < prefix_ && chunk_ ? chunk_ : max_batch)));
     if (i < prefix_ && l.weight >= 0)
@@ -187,29 +181,19 @@ void Network::backward(const float* params, float* grads, const float* dlogits, 
     if (dx) dy = dx, next ^= 1;
   }
   if (prefix_ == 0) return;
-  if (!chunk_) {  // the prefix on the whole batch, as the layers after it
-    for (auto s = steps_.rbegin(); s != steps_.rend(); ++s) {
-      const int i = *s;
-      const Layer& l = spec_.layers[i];
-      float* dx = i > 0 ? spare[next] : nullptr;
-      backward_step(i, params, dy, dx, dw_of(l), db_of(l), 0, n);
-      if (l.weight >= 0 && on_ready) on_ready(i);
-      if (dx) dy = dx, next ^= 1;
-    }
-    return;
-  }
-  // The prefix, chunk by chunk, through its own chunk-sized ping-pong buffers. The first chunk writes
-  // each layer's weight gradients into grads, the others into chunk_grads_, added on.
-  const float* dy_prefix = dy;
-  float* chunk_spare[2] = {chunk_a_.f(), chunk_b_.f()};
-  for (int first = 0; first < n; first += chunk_) {
-    const int m = std::min(chunk_, n - first);
-    const float* dyc = dy_prefix + int64_t(first) * spec_.layers[prefix_ - 1].out_size();
+  // The prefix, chunk by chunk (unchunked: the whole batch as one chunk, through the same ping-pong
+  // as the layers after it). The first chunk writes each layer's weight gradients into grads, the
+  // others into chunk_grads_, added on.
+  const int step = chunk_ ? chunk_ : n;
+  float* prefix_spare[2] = {chunk_ ? chunk_a_.f() : spare[next], chunk_ ? chunk_b_.f() : spare[next ^ 1]};
+  for (int first = 0; first < n; first += step) {
+    const int m = std::min(step, n - first);
+    const float* dyc = dy + int64_t(first) * spec_.layers[prefix_ - 1].out_size();
     int nextc = 0;
     for (auto st = steps_.rbegin(); st != steps_.rend(); ++st) {
       const int i = *st;
       const Layer& l = spec_.layers[i];
-      float* dx = i > 0 ? chunk_spare[nextc] : nullptr;
+      float* dx = i > 0 ? prefix_spare[nextc] : nullptr;
       float *dw = dw_of(l), *db = db_of(l);
       const bool sum = first > 0 && dw;
       if (sum) dw = chunk_grads_.f(), db = chunk_grads_.f() + spec_.params[l.weight].size;
@@ -218,12 +202,10 @@ void Network::backward(const float* params, float* grads, const float* dlogits, 
         dev_.ops().add(spec_.params[l.weight].size, dw, dw_of(l));
         dev_.ops().add(spec_.params[l.bias].size, db, db_of(l));
       }
+      if (l.weight >= 0 && on_ready && first + m == n) on_ready(i);  // its last chunk
       if (dx) dyc = dx, nextc ^= 1;
     }
   }
-  if (on_ready)
-    for (int i = prefix_ - 1; i >= 0; --i)
-      if (spec_.layers[i].weight >= 0) on_ready(i);
 }
 
 }  // namespace dp

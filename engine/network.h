@@ -2,12 +2,13 @@
 // buffers (sized for the largest local batch) and the convolution workspace; reads parameters from
 // and writes gradients to the replica's flat buffers.
 //
-// On a simulated (CPU) device the convolutional prefix of the model (the layers before the first
-// flatten or linear layer, which treat each sample on its own) runs chunk by chunk: every layer of the
-// prefix on kChunk samples, then the next chunk. A chunk's activations then stay in the core's cache
-// from one layer to the next instead of the whole batch streaming through memory once per layer; the
-// linear layers run on the whole batch, where the GEMMs want it. The weight gradients of the prefix
-// are summed over the chunks, and its layers report on_ready once the last chunk is through.
+// Where the device's Ops ask for it (Ops::preferred_chunk, the CPU backends), the convolutional
+// prefix of the model (the layers before the first flatten or linear layer, which treat each sample
+// on its own) runs chunk by chunk: every layer of the prefix on a chunk of samples, then the next
+// chunk. A chunk's activations then stay in the core's cache from one layer to the next instead of
+// the whole batch streaming through memory once per layer; the linear layers run on the whole batch,
+// where the GEMMs want it. The weight gradients of the prefix are summed over the chunks, and each
+// prefix layer reports on_ready once the last chunk is through it.
 //
 // A conv layer followed by an activation and average pooling (each of LeNet's and LeNet-5's) runs as
 // one op, Ops::conv2d_act_pool_forward / backward, which a backend may fuse: the conv layer's own
@@ -24,8 +25,8 @@ namespace dp {
 
 class Network {
  public:
-  // chunk: samples per chunk of the prefix on a CPU device (0: the whole batch at once).
-  Network(const ModelSpec& spec, Device& device, int max_batch, int chunk = kChunk);
+  // chunk: samples per chunk of the prefix; 0: the whole batch at once; -1: what the device's Ops prefer.
+  Network(const ModelSpec& spec, Device& device, int max_batch, int chunk = -1);
 
   // x (n, C, H, W) -> logits (n, classes), which live in this network's activations.
   const float* forward(const float* params /* (P) */, const float* x, int n);
@@ -34,10 +35,6 @@ class Network {
   void backward(const float* params, float* grads, const float* dlogits, int n,
                 const std::function<void(int layer)>& on_ready = {});
   int max_batch() const { return max_batch_; }
-
-  // Samples per chunk of the convolutional prefix on a CPU device: 16 is one chunk of the AVX-512
-  // kernels, two of the AVX2 ones; a chunk of LeNet's prefix holds ~2.5 MB, about one core's L2.
-  static constexpr int kChunk = 16;
 
  private:
   const ModelSpec& spec_;
@@ -51,7 +48,7 @@ class Network {
   std::vector<Buffer> argmax_;    // per max-pool layer: (max_batch, out_size) indices
   Buffer grad_a_, grad_b_;        // ping-pong activation gradients, (max_batch, largest layer); with
                                   // chunks, (max_batch, largest layer after the prefix)
-  Buffer chunk_a_, chunk_b_;      // with chunks: the prefix's ping-pong, (kChunk, largest prefix layer)
+  Buffer chunk_a_, chunk_b_;      // with chunks: the prefix's ping-pong, (chunk_, largest prefix layer)
   Buffer workspace_;              // conv scratch
   Buffer chunk_grads_;            // a chunk's weight and bias gradients of one prefix layer, summed into grads
   const float* input_ = nullptr;  // the x of the last forward

@@ -18,8 +18,8 @@ struct ConvShape {
   int pad = 0;              // symmetric zero padding; stride is 1 throughout LeNet
   int out_h() const { return h + 2 * pad - kh + 1; }
   int out_w() const { return w + 2 * pad - kw + 1; }
-  int64_t col_rows() const { return int64_t(c) * kh * kw; }          // im2col rows
-  int64_t col_cols() const { return int64_t(out_h()) * out_w(); }    // im2col columns per image
+  int64_t col_rows() const { return int64_t(c) * kh * kw; }        // im2col rows
+  int64_t col_cols() const { return int64_t(out_h()) * out_w(); }  // im2col columns per image
 };
 
 struct PoolShape {
@@ -33,10 +33,15 @@ class Ops {
  public:
   virtual ~Ops() = default;
   virtual const char* backend() const = 0;
+  // Which implementation of the backend: the CPU's instruction set ("reference", "avx2", "avx512").
+  virtual const char* variant() const { return backend(); }
+  // Samples per chunk in which a network should run its per-sample layers so that a chunk's
+  // activations stay in cache from one layer to the next (engine/network.h); 0: the whole batch.
+  virtual int preferred_chunk() const { return 0; }
 
   // Row-major C(m,n) = alpha * op(A) * op(B) + beta * C, op(A) is (m,k), op(B) is (k,n).
-  virtual void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a,
-                    const float* b, float beta, float* c) = 0;
+  virtual void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, const float* b,
+                    float beta, float* c) = 0;
 
   // Scratch floats conv needs (im2col buffers on the CPU, algorithm workspace on cuDNN).
   virtual size_t conv2d_workspace_floats(const ConvShape& s) = 0;
@@ -46,8 +51,8 @@ class Ops {
                               float* y,                            // (N, K, OH, OW)
                               float* workspace) = 0;
   // dx may be null (first layer). dw and db are overwritten, not accumulated.
-  virtual void conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy,
-                               float* dx, float* dw, float* db, float* workspace) = 0;
+  virtual void conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx,
+                               float* dw, float* db, float* workspace) = 0;
 
   // conv2d, then an activation, then k x k average pooling (every conv layer of LeNet and LeNet-5),
   // as one op where a backend fuses them: the CPU backend does, so the convolution's output is
@@ -72,34 +77,29 @@ class Ops {
     conv2d_backward(s, x, w, scratch, dx, dw, db, workspace);
   }
   static PoolShape conv_pool_shape(const ConvShape& s, int k) {
-    PoolShape p;
-    p.n = s.n, p.c = s.k, p.h = s.out_h(), p.w = s.out_w(), p.k = k;
-    return p;
+    return {.n = s.n, .c = s.k, .h = s.out_h(), .w = s.out_w(), .k = k};
   }
 
   virtual void avgpool_forward(const PoolShape& s, const float* x, float* y) = 0;
   virtual void avgpool_backward(const PoolShape& s, const float* dy, float* dx) = 0;
   virtual void maxpool_forward(const PoolShape& s, const float* x, float* y, int32_t* argmax) = 0;
-  virtual void maxpool_backward(const PoolShape& s, const float* dy, const int32_t* argmax,
-                                float* dx) = 0;
+  virtual void maxpool_backward(const PoolShape& s, const float* dy, const int32_t* argmax, float* dx) = 0;
 
   // Elementwise: x == y (in place) is allowed, as is dy == dx below.
   virtual void activation_forward(Activation a, int64_t n, const float* x, float* y) = 0;
   // From the activation's output y (both relu and sigmoid derivatives are functions of y).
-  virtual void activation_backward(Activation a, int64_t n, const float* y, const float* dy,
-                                   float* dx) = 0;
+  virtual void activation_backward(Activation a, int64_t n, const float* y, const float* dy, float* dx) = 0;
 
   // y(n,out) = x(n,in) * W(out,in)^T + b(out); PyTorch's nn.Linear layout.
-  virtual void linear_forward(int n, int in, int out, const float* x, const float* w,
-                              const float* b, float* y) = 0;
+  virtual void linear_forward(int n, int in, int out, const float* x, const float* w, const float* b, float* y) = 0;
   // dx may be null. dw, db overwritten.
-  virtual void linear_backward(int n, int in, int out, const float* x, const float* w,
-                               const float* dy, float* dx, float* dw, float* db) = 0;
+  virtual void linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx,
+                               float* dw, float* db) = 0;
 
   // Softmax cross-entropy over n rows. dlogits = (softmax - onehot) * scale; stats[0] += sum of
   // per-row losses * scale, stats[1] += number of rows whose argmax is the label (device memory).
-  virtual void softmax_xent(int n, int classes, const float* logits, const int32_t* labels,
-                            float scale, float* dlogits, float* stats) = 0;
+  virtual void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
+                            float* stats) = 0;
 
   // One SGD step over a flat buffer (PyTorch's rule, see math::sgd_update).
   virtual void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum,

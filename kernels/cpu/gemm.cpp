@@ -1,11 +1,9 @@
 // Row-major GEMM on OpenBLAS; the same signature as the cuBLAS wrapper in kernels/cuda/gemm.cu.
 #include <cblas.h>
 
-#include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/kernels.h"
 
-namespace dp {
-namespace cpu {
+namespace dp::cpu {
 namespace {
 
 // cblas_?gemm by scalar type; row-major, so the leading dimensions are the stored row lengths.
@@ -35,13 +33,4 @@ void gemm(bool ta, bool tb, int m, int n, int k, T alpha, const T* a, const T* b
 template void gemm<float>(bool, bool, int, int, int, float, const float*, const float*, float, float*);
 template void gemm<double>(bool, bool, int, int, int, double, const double*, const double*, double, double*);
 
-}  // namespace cpu
-
-CpuOps::CpuOps(int threads) : CpuOps(threads, cpu::fast::detect_isa()) {}
-
-CpuOps::CpuOps(int threads, cpu::fast::Isa isa) : threads_(threads), isa_(isa) {
-  // OpenBLAS's thread count is process-wide; every simulated device asks for the same number.
-  openblas_set_num_threads(threads_);
-}
-
-}  // namespace dp
+}  // namespace dp::cpu

@@ -1,0 +1,100 @@
+// The AVX2+FMA vector type of the fast CPU kernels (kernels/cpu/fast.h): 8 float lanes in a ymm
+// register, the operations the kernels are written in, and the register-tile shapes. Only
+// kernels/cpu/fast_avx2.cpp includes it, compiled with -mavx2 -mfma.
+#pragma once
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "kernels/cpu/fast_simd_avx2.h needs -mavx2 -mfma (kernels/cpu/fast_avx2.cpp only)"
+#endif
+
+#include <immintrin.h>
+
+#include <array>
+
+namespace dp::cpu::avx2 {
+
+struct Simd {
+  static constexpr const char* kName = "avx2";  // isa_name(Isa::avx2)
+  static constexpr int L = 8;
+  using V = __m256;
+  using Mask = __m256;  // all ones or all zeros per lane
+
+  // Register tiles (see kernels/cpu/fast_simd_avx512.h), of the 16 ymm registers: 4x2+2+1 = 11,
+  // 3x3+3+1 = 13, 2x4+4+1 = 13, 1x7+7+1 = 15; direct: 3x2+2+1 = 9, 2x4+4+1 = 13, 1x4+4+1 = 9.
+  static constexpr std::array<int, 4> kRows{4, 3, 2, 1}, kCols{2, 3, 4, 7};
+  static constexpr std::array<int, 4> kDirectRows{3, 2, 1, 1}, kDirectCols{2, 4, 4, 4};
+  static constexpr std::array<int, 4> kWgradRows{4, 3, 2, 1}, kWgradCols{2, 3, 4, 7};
+
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m256i first(int m) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  // The first m lanes; the others read as zero and are never touched in memory.
+  static V load_n(const float* p, int m) { return _mm256_maskload_ps(p, first(m)); }
+  static void store_n(float* p, V v, int m) { _mm256_maskstore_ps(p, first(m), v); }
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b, one rounding
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V abs(V a) { return _mm256_andnot_ps(set1(-0.0f), a); }
+  static V round(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static Mask negative(V a) { return _mm256_cmp_ps(a, zero(), _CMP_LT_OQ); }
+  static Mask unordered(V a) { return _mm256_cmp_ps(a, a, _CMP_UNORD_Q); }
+  static V select(Mask m, V if_set, V if_clear) { return _mm256_blendv_ps(if_clear, if_set, m); }
+  static V relu(V x) { return _mm256_max_ps(x, zero()); }
+  static V relu_grad(V y, V dy) { return _mm256_and_ps(_mm256_cmp_ps(y, zero(), _CMP_GT_OQ), dy); }
+
+  // For the sigmoid (kernels/cpu/fast_eltwise.h): p 2^n with 2^n built from the exponent bits, so n
+  // must stay >= -126: e^-|x| is flushed to 0 for a = |x| > 87.5, where it is below 2^-126 and expf
+  // would return a subnormal.
+  static constexpr float kExpFloor = -87.5f;
+  static V scale_pow2(V p, V n, V a) {
+    const V scale =
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+    return _mm256_andnot_ps(_mm256_cmp_ps(a, set1(-kExpFloor), _CMP_GT_OQ), _mm256_mul_ps(p, scale));
+  }
+
+  static void deinterleave(V a, V b, V& even, V& odd) {
+    // within 128-bit lanes (a0 a2 b0 b2 | a4 a6 b4 b6), then the 64-bit pairs reordered 0 2 1 3
+    even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+  }
+  static void duplicate(V v, V& lo, V& hi) {
+    const V l = _mm256_unpacklo_ps(v, v), h = _mm256_unpackhi_ps(v, v);  // (v0 v0 v1 v1 | v4 v4 v5 v5), ...
+    lo = _mm256_permute2f128_ps(l, h, 0x20);
+    hi = _mm256_permute2f128_ps(l, h, 0x31);
+  }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+
+  // r[i][j] <-> r[j][i], 8 x 8.
+  static void transpose(V* r) {
+    V t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+      u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+      u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+      u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+      r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+      r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+  }
+};
+
+}  // namespace dp::cpu::avx2

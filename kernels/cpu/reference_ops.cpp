@@ -1,0 +1,73 @@
+// The reference CPU backend (kernels/cpu/reference_ops.h): each op forwards to its kernel.
+#include "kernels/cpu/reference_ops.h"
+
+#include <cblas.h>
+
+#include "kernels/cpu/kernels.h"
+
+namespace dp::cpu {
+
+ReferenceOps::ReferenceOps(int threads) { openblas_set_num_threads(threads); }
+ReferenceOps::~ReferenceOps() = default;
+const char* ReferenceOps::backend() const { return "cpu"; }
+const char* ReferenceOps::variant() const { return "reference"; }
+int ReferenceOps::preferred_chunk() const { return 16; }
+
+void ReferenceOps::gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, const float* b,
+                        float beta, float* c) {
+  cpu::gemm(trans_a, trans_b, m, n, k, alpha, a, b, beta, c);
+}
+size_t ReferenceOps::conv2d_workspace_floats(const ConvShape& s) { return size_t(cpu::conv2d_workspace_size(s)); }
+void ReferenceOps::conv2d_forward(const ConvShape& s, const float* x, const float* w, const float* b, float* y,
+                                  float* workspace) {
+  cpu::conv2d_forward(s, x, w, b, y, workspace);
+}
+void ReferenceOps::conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx,
+                                   float* dw, float* db, float* workspace) {
+  cpu::conv2d_backward(s, x, w, dy, dx, dw, db, workspace);
+}
+void ReferenceOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
+                                           const float* b, float* y_act, float* y_pool, float* workspace) {
+  Ops::conv2d_act_pool_forward(s, a, k, x, w, b, y_act, y_pool, workspace);
+}
+void ReferenceOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
+                                            const float* y_act, const float* dy_pool, float* scratch, float* dx,
+                                            float* dw, float* db, float* workspace) {
+  Ops::conv2d_act_pool_backward(s, a, k, x, w, y_act, dy_pool, scratch, dx, dw, db, workspace);
+}
+void ReferenceOps::avgpool_forward(const PoolShape& s, const float* x, float* y) { cpu::avgpool_forward(s, x, y); }
+void ReferenceOps::avgpool_backward(const PoolShape& s, const float* dy, float* dx) {
+  cpu::avgpool_backward(s, dy, dx);
+}
+void ReferenceOps::maxpool_forward(const PoolShape& s, const float* x, float* y, int32_t* argmax) {
+  cpu::maxpool_forward(s, x, y, argmax);
+}
+void ReferenceOps::maxpool_backward(const PoolShape& s, const float* dy, const int32_t* argmax, float* dx) {
+  cpu::maxpool_backward(s, dy, argmax, dx);
+}
+void ReferenceOps::activation_forward(Activation a, int64_t n, const float* x, float* y) {
+  cpu::activation_forward(a, n, x, y);
+}
+void ReferenceOps::activation_backward(Activation a, int64_t n, const float* y, const float* dy, float* dx) {
+  cpu::activation_backward(a, n, y, dy, dx);
+}
+void ReferenceOps::linear_forward(int n, int in, int out, const float* x, const float* w, const float* b, float* y) {
+  cpu::linear_forward(n, in, out, x, w, b, y);
+}
+void ReferenceOps::linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx,
+                                   float* dw, float* db) {
+  cpu::linear_backward(n, in, out, x, w, dy, dx, dw, db);
+}
+void ReferenceOps::softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale,
+                                float* dlogits, float* stats) {
+  cpu::softmax_xent(n, classes, logits, labels, scale, dlogits, stats);
+}
+void ReferenceOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum,
+                            float weight_decay) {
+  cpu::sgd_step(n, w, g, v, lr, momentum, weight_decay);
+}
+void ReferenceOps::add(int64_t n, const float* x, float* y) { cpu::add(n, x, y); }
+void ReferenceOps::fill(int64_t n, float value, float* x) { cpu::fill(n, value, x); }
+bool ReferenceOps::all_finite(int64_t n, const float* x) { return cpu::all_finite(n, x); }
+
+}  // namespace dp::cpu

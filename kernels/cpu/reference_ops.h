@@ -1,0 +1,56 @@
+// The reference CPU backend: every op of the Ops interface as the float instantiation of its
+// reference kernel in kernels/cpu/kernels.h (plain loops over shape-commented buffers, GEMM on
+// OpenBLAS), the oracle the fast kernels and the CUDA twins are tested against. The fast backends
+// (kernels/cpu/fast_ops.h) derive from it and override the ops they speed up. Made through
+// make_cpu_ops (kernels/cpu/cpu_ops.h).
+#pragma once
+
+#include "kernels/ops.h"
+
+namespace dp::cpu {
+
+// Every member is defined in reference_ops.cpp, compiled without instruction-set flags, so that no
+// copy of one (nor of Ops's inline defaults, which the destructor and the fused ops below would pull
+// in) is compiled into a fast unit, whose copy the linker might keep for every caller.
+class ReferenceOps : public Ops {
+ public:
+  // Sets OpenBLAS's thread count, which is process-wide: every simulated device asks for the same number.
+  explicit ReferenceOps(int threads);
+  ~ReferenceOps() override;
+  const char* backend() const override;
+  const char* variant() const override;
+  // A chunk of LeNet's per-sample layers at 16 samples holds ~2.5 MB of activations, about one
+  // core's L2 (and one chunk of the AVX-512 kernels, two of the AVX2 ones).
+  int preferred_chunk() const override;
+
+  void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, const float* b, float beta,
+            float* c) override;
+  size_t conv2d_workspace_floats(const ConvShape& s) override;
+  void conv2d_forward(const ConvShape& s, const float* x, const float* w, const float* b, float* y,
+                      float* workspace) override;
+  void conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,
+                       float* db, float* workspace) override;
+  // Ops's defaults: the three ops one after another.
+  void conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, const float* x, const float* w, const float* b,
+                               float* y_act, float* y_pool, float* workspace) override;
+  void conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
+                                const float* y_act, const float* dy_pool, float* scratch, float* dx, float* dw,
+                                float* db, float* workspace) override;
+  void avgpool_forward(const PoolShape& s, const float* x, float* y) override;
+  void avgpool_backward(const PoolShape& s, const float* dy, float* dx) override;
+  void maxpool_forward(const PoolShape& s, const float* x, float* y, int32_t* argmax) override;
+  void maxpool_backward(const PoolShape& s, const float* dy, const int32_t* argmax, float* dx) override;
+  void activation_forward(Activation a, int64_t n, const float* x, float* y) override;
+  void activation_backward(Activation a, int64_t n, const float* y, const float* dy, float* dx) override;
+  void linear_forward(int n, int in, int out, const float* x, const float* w, const float* b, float* y) override;
+  void linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx, float* dw,
+                       float* db) override;
+  void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
+                    float* stats) override;
+  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay) override;
+  void add(int64_t n, const float* x, float* y) override;
+  void fill(int64_t n, float value, float* x) override;
+  bool all_finite(int64_t n, const float* x) override;
+};
+
+}  // namespace dp::cpu
