@@ -1,5 +1,6 @@
-// The backends a test body runs over. CUDA cases are skipped, visibly, when no CUDA device is usable:
-//   TEST_CASE("..." * doctest::skip(!dp::test::cuda_available())) or DP_FOR_EACH_BACKEND below.
+// The device backends a test body runs over. CUDA cases are skipped, visibly, when no CUDA device is
+// usable: TEST_CASE("cuda: ..." * doctest::skip(!dp::test::cuda_available())), or a loop over
+// backends() below; single ops run over the op matrix instead (tests/ops_matrix.h).
 #pragma once
 
 #include <doctest/doctest.h>
@@ -24,15 +25,19 @@ inline bool cuda_available() {
   return yes;
 }
 
-inline std::string cuda_skip_reason() { return cuda_available() ? "" : "skipped: no CUDA device (" + probe_cuda().reason + ")"; }
+inline std::string cuda_skip_reason() {
+  return cuda_available() ? "" : "skipped: no CUDA device (" + probe_cuda().reason + ")";
+}
 
 // Devices of one kind for a test: ranks 0..n-1. `kind` is "cpu" or "cuda"; CUDA devices wrap
 // around the GPUs present (several replicas per GPU when there are fewer GPUs than n).
 inline std::vector<std::unique_ptr<Device>> make_test_devices(const std::string& kind, int n, int64_t cap = 0) {
   std::vector<std::unique_ptr<Device>> out;
   for (int r = 0; r < n; ++r) {
-    if (kind == "cuda") out.push_back(make_cuda_device(r, r % probe_cuda().count, cap));
-    else out.push_back(make_simulated_device(r, r, cap, 1));
+    if (kind == "cuda")
+      out.push_back(make_cuda_device(r, r % probe_cuda().count, cap));
+    else
+      out.push_back(make_simulated_device(r, r, cap, 1));
   }
   return out;
 }

@@ -13,7 +13,7 @@
 //   rounding    eps_L / h    ~ 1e-10 |L|
 // so with |L| and |L'''| below ~100 for the objectives in these tests the error is below ~1e-8 on the
 // scale max(|a|, |n|, 1). kTolerance = 1e-6 leaves a factor 100 of margin for those estimates and still
-// catches a 1% error in any gradient component of magnitude above 1e-4 (test_gradcheck.cpp asserts that
+// catches a 1% error in any gradient component of magnitude above 1e-4 (test_gradcheck_model.cpp asserts that
 // a gradient scaled by 1.01 fails). Measured (OpenBLAS, x86-64): at most 2e-9 over the layer checks
 // (conv, the largest sums), 4e-11 over the whole-model checks.
 #pragma once
@@ -24,11 +24,21 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 namespace dp::test {
+
+// n doubles drawn uniformly from [lo, hi), and n zeros: the checks' data.
+inline std::vector<double> uniform(int64_t n, double lo, double hi, std::mt19937_64& gen) {
+  std::uniform_real_distribution<double> d(lo, hi);
+  std::vector<double> v(size_t(n), 0.0);
+  for (auto& x : v) x = d(gen);
+  return v;
+}
+inline std::vector<double> zeros(int64_t n) { return std::vector<double>(size_t(n), 0.0); }
 
 inline constexpr double kStep = 1e-5;
 inline constexpr double kTolerance = 1e-6;

@@ -10,9 +10,11 @@
 #include "engine/engine.h"
 #include "engine/network.h"
 #include "tests/backends.h"
+#include "tests/tolerance.h"
 #include "tests/util.h"
 
 using namespace dp;
+using dp::test::kU;
 using dp::test::raw;
 
 namespace {
@@ -39,14 +41,13 @@ std::vector<float> flat(const SafeTensors& st, const ModelSpec& spec, const std:
 // for cancellation, so each tensor is compared with |a - b| <= 2 K u max|ref| * 4 + 1e-7 (the
 // absolute floor covers tensors that are almost zero). Measured differences are ~100x smaller.
 constexpr double kReduction = 5408;
-const double u = std::ldexp(1.0, -24);
 
 void compare(const std::vector<float>& got, const std::vector<float>& want, const std::string& what, int64_t offset = 0,
              int64_t size = -1) {
   if (size < 0) size = int64_t(want.size());
   double scale = 0;
   for (int64_t i = offset; i < offset + size; ++i) scale = std::max(scale, double(std::fabs(want[i])));
-  const double tol = 2 * kReduction * u * scale * 4 + 1e-7;
+  const double tol = 2 * kReduction * kU * scale * 4 + 1e-7;
   double worst = 0;
   int64_t at = -1;
   for (int64_t i = offset; i < offset + size; ++i) {
@@ -103,7 +104,8 @@ TEST_CASE("loss, logits and every gradient match PyTorch, and 3 SGD steps follow
     // Three SGD steps with momentum and weight decay, on 1 device and data-parallel on 3.
     const std::vector<float> want3 = flat(g, spec, "step3.");
     const std::vector<float> loss3 = floats(g.tensors.at("loss3"));
-    for (auto [n, sync] : std::vector<std::pair<int, Sync>>{{1, Sync::allreduce}, {3, Sync::scatter}, {3, Sync::allreduce}}) {
+    for (auto [n, sync] :
+         std::vector<std::pair<int, Sync>>{{1, Sync::allreduce}, {3, Sync::scatter}, {3, Sync::allreduce}}) {
       CAPTURE(n);
       CAPTURE(sync_name(sync));
       auto ds = dp::test::make_test_devices("cpu", n);
@@ -113,7 +115,7 @@ TEST_CASE("loss, logits and every gradient match PyTorch, and 3 SGD steps follow
       e.set_params(init);
       for (int s = 0; s < 3; ++s) {
         StepResult r = e.step(x.data(), y.data(), N);
-        CHECK(std::fabs(r.loss - loss3[s]) <= 2 * kReduction * u * 4 * std::fabs(loss3[s]));
+        CHECK(std::fabs(r.loss - loss3[s]) <= 2 * kReduction * kU * 4 * std::fabs(loss3[s]));
       }
       const std::vector<float> got = e.params();
       for (auto& p : spec.params) compare(got, want3, "after 3 steps: " + p.name, p.offset, p.size);
@@ -131,5 +133,5 @@ TEST_CASE("the golden comparison is sharp: a wrong gradient is caught") {
     scale = std::max(scale, double(std::fabs(want[i])));
     worst = std::max(worst, double(std::fabs(wrong[i] - want[i])));
   }
-  CHECK(worst > 2 * kReduction * u * scale * 4 + 1e-7);
+  CHECK(worst > 2 * kReduction * kU * scale * 4 + 1e-7);
 }

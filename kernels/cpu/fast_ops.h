@@ -2,7 +2,7 @@
 // average pooling), activations and 2x2 average pooling replaced by the vector kernels of this
 // directory, for the vector type S (kernels/cpu/fast_simd_avx2.h, fast_simd_avx512.h). Instantiated
 // once, in that instruction set's translation unit (fast_avx2.cpp, fast_avx512.cpp); the same
-// contracts as the reference, checked against it by tests/test_fast_kernels.cpp.
+// contracts as the reference, checked against it by the op matrix (tests/test_ops_*.cpp).
 #pragma once
 
 #include "kernels/cpu/fast_conv.h"

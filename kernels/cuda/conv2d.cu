@@ -11,7 +11,7 @@
 // taken that
 //   - is deterministic (the same bits every run: the golden trajectories depend on it),
 //   - is a GEMM-like summation (not FFT or Winograd), so every output is a plain sum of products
-//     whose error the tests bound element by element (tests/test_cuda.cpp),
+//     whose error the tests bound element by element (tests/test_ops_conv.cpp),
 //   - runs in FP32 FMA math, never TF32 tensor cores (CUDNN_FMA_MATH on the descriptor), which
 //     would round the inputs to 10 mantissa bits,
 //   - needs no more workspace than allowed.

@@ -1,7 +1,7 @@
 // Softmax cross-entropy fused with its gradient, one warp per row, numerically stable (shifted by
 // the row maximum). Twin of kernels/cpu/softmax_xent.cpp, through the same kernels/math.h formulas.
 //
-// Differences from the CPU, all within the tolerances of tests/test_cuda.cpp: the row's sum of
+// Differences from the CPU, all within the tolerances of the op matrix (tests/test_ops_*.cpp): the row's sum of
 // exponentials is added in a warp tree instead of left to right, device expf/logf are within 2 ulp
 // of the host's, and the loss statistic is summed per block in a fixed order, then added to stats
 // with one atomicAdd per block (blocks land in any order: the loss's last bits may differ from run

@@ -1,0 +1,178 @@
+// The optimizer step and the flat-buffer ops over the op matrix (tests/ops_matrix.h): SGD against
+// PyTorch's rule worked out by hand and against the reference in double on a large buffer; add, fill
+// and all_finite; and every op's empty edge (n = 0, null pointers) touching nothing.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels/cpu/kernels.h"
+#include "tests/ops_matrix.h"
+#include "tests/tolerance.h"
+#include "tests/util.h"
+
+namespace dp::test {
+namespace {
+
+using Vec = std::vector<float>;
+
+DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
+  // torch.optim.SGD(lr=0.1, momentum=0.9, weight_decay=0.01), w0 = 1, grads 0.5 then -0.2:
+  //   step 1: d = 0.5 + 0.01 * 1 = 0.51;            buf = d = 0.51;                 w = 1 - 0.051 = 0.949
+  //   step 2: d = -0.2 + 0.01 * 0.949 = -0.19051;   buf = 0.9 * 0.51 + d = 0.26849;  w = 0.949 - 0.026849 = 0.922151
+  // A second element, w0 = 0 and grads 1 then 1, where weight decay first acts on step 2:
+  //   step 1: d = 1;                          buf = 1;                    w = -0.1
+  //   step 2: d = 1 + 0.01 * -0.1 = 0.999;    buf = 0.9 + 0.999 = 1.899;  w = -0.1 - 0.1899 = -0.2899
+  SUBCASE("with momentum and weight decay") {
+    Mem w = be.put(Vec{1.0f, 0.0f}), v = be.put(Vec{0.0f, 0.0f});  // dp's buffers start at zero
+    Mem g1 = be.put(Vec{0.5f, 1.0f}), g2 = be.put(Vec{-0.2f, 1.0f});
+    be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g1.f(), v.f(), 0.1f, 0.9f, 0.01f); });
+    CHECK(be.get(v)[0] == doctest::Approx(0.51).epsilon(1e-6));
+    CHECK(be.get(w)[0] == doctest::Approx(0.949).epsilon(1e-6));
+    be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g2.f(), v.f(), 0.1f, 0.9f, 0.01f); });
+    const Vec v2 = be.get(v), w2 = be.get(w);
+    CHECK(v2[0] == doctest::Approx(0.26849).epsilon(1e-6));
+    CHECK(w2[0] == doctest::Approx(0.922151).epsilon(1e-6));
+    CHECK(v2[1] == doctest::Approx(1.899).epsilon(1e-6));
+    CHECK(w2[1] == doctest::Approx(-0.2899).epsilon(1e-6));
+  }
+  SUBCASE("momentum 0 without a buffer (v == nullptr): plain w -= lr (g + wd w)") {
+    //   step 1: w = 1 - 0.1 * (0.5 + 0.01)          = 0.949
+    //   step 2: w = 0.949 - 0.1 * (-0.2 + 0.00949)  = 0.968051
+    Mem w = be.put(Vec{1.0f}), g1 = be.put(Vec{0.5f}), g2 = be.put(Vec{-0.2f});
+    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g1.f(), nullptr, 0.1f, 0.0f, 0.01f); });
+    CHECK(be.get(w)[0] == doctest::Approx(0.949).epsilon(1e-6));
+    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g2.f(), nullptr, 0.1f, 0.0f, 0.01f); });
+    CHECK(be.get(w)[0] == doctest::Approx(0.968051).epsilon(1e-6));
+  }
+  SUBCASE("momentum 0 with a buffer leaves the buffer alone") {
+    Mem w = be.put(Vec{1.0f}), g = be.put(Vec{0.5f}), v = be.put(Vec{7.0f});
+    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g.f(), v.f(), 0.1f, 0.0f, 0.0f); });
+    CHECK(be.get(w)[0] == doctest::Approx(0.95).epsilon(1e-6));
+    CHECK(be.get(v)[0] == 7.0f);
+  }
+}
+
+DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
+  const int64_t n = 100'003;  // past a vector width and a CUDA block, not a multiple of either
+  const Vec w = random_floats(size_t(n), 71, -1, 1), g = random_floats(size_t(n), 72, -1, 1),
+            v = random_floats(size_t(n), 73, -1, 1);
+  SUBCASE("with momentum and weight decay") {
+    // d = g + wd w, v = mom v + d, w = w - lr v, each operation rounding once (or a multiply-add
+    // once, where a backend fuses it): with sv = |mom v| + |g| + |wd w|, which bounds |d| and the new
+    // |v|, v is within 3u sv of exact and w within u |w| + 5u lr sv (lr times v's error, the
+    // product's and the subtraction's roundings); one u more on each for the second-order terms.
+    const float lr = 0.05f, mom = 0.9f, wd = 1e-3f;
+    std::vector<double> wd_ref = dbl(w), vd_ref = dbl(v), tw(w.size()), tv(w.size());
+    const std::vector<double> gd = dbl(g);
+    cpu::sgd_step<double>(n, wd_ref.data(), gd.data(), vd_ref.data(), lr, mom, wd);
+    for (size_t i = 0; i < tw.size(); ++i) {
+      const double sv = std::fabs(mom * v[i]) + std::fabs(g[i]) + std::fabs(wd * w[i]);
+      tv[i] = 4 * kU * sv;
+      tw[i] = 2 * kU * std::fabs(w[i]) + 6 * kU * lr * sv;
+    }
+    Mem gw = be.put(w), gg = be.put(g), gv = be.put(v);
+    be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), gv.f(), lr, mom, wd); });
+    check_close("sgd v", be.get(gv), vd_ref, tv);
+    check_close("sgd w", be.get(gw), wd_ref, tw);
+  }
+  SUBCASE("without momentum (no buffer)") {
+    // w - lr g: the product and the subtraction round once each: u |w| + 2u lr |g|, plus one u.
+    std::vector<double> wd_ref = dbl(w), tw(w.size());
+    const std::vector<double> gd = dbl(g);
+    cpu::sgd_step<double>(n, wd_ref.data(), gd.data(), nullptr, 0.1, 0.0, 0.0);
+    for (size_t i = 0; i < tw.size(); ++i) tw[i] = 2 * kU * std::fabs(w[i]) + 3 * kU * 0.1 * std::fabs(g[i]);
+    Mem gw = be.put(w), gg = be.put(g);
+    be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), nullptr, 0.1f, 0.0f, 0.0f); });
+    check_close("sgd w (no momentum)", be.get(gw), wd_ref, tw);
+  }
+}
+
+DP_OPS_TEST("add, fill and all_finite") {
+  SUBCASE("by hand; all_finite reads only the first n") {
+    Mem x = be.put(Vec{1, 2, 3}), y = be.put(Vec{10, 20, 30});
+    be.run([&](Ops& ops) { ops.add(3, x.f(), y.f()); });
+    CHECK(be.get(y) == Vec{11, 22, 33});
+    be.run([&](Ops& ops) { ops.fill(2, -1.5f, y.f()); });
+    CHECK(be.get(y) == Vec{-1.5f, -1.5f, 33});
+    bool finite = false;
+    be.run([&](Ops& ops) { finite = ops.all_finite(3, y.f()); });
+    CHECK(finite);
+    for (float last : {kNaN, -std::numeric_limits<float>::infinity()}) {
+      CAPTURE(last);
+      Mem z = be.put(Vec{-1.5f, -1.5f, last});
+      bool all = true, first_two = false;
+      be.run([&](Ops& ops) { all = ops.all_finite(3, z.f()), first_two = ops.all_finite(2, z.f()); });
+      CHECK_FALSE(all);
+      CHECK(first_two);
+    }
+  }
+  SUBCASE("a large buffer: add equals the reference (one rounding each), fill, n = 0 does nothing") {
+    const int64_t n = 100'003;
+    const Vec w = random_floats(size_t(n), 74, -1, 1), g = random_floats(size_t(n), 75, -1, 1);
+    Vec y = w;
+    cpu::add(n, g.data(), y.data());
+    Mem gy = be.put(w), gg = be.put(g), gf = be.out(size_t(n));
+    be.run([&](Ops& ops) {
+      ops.add(n, gg.f(), gy.f());
+      ops.add(0, gg.f(), gy.f());
+      ops.fill(n, 1.5f, gf.f());
+      ops.fill(0, 2.5f, gf.f());
+    });
+    check_same_bits("add", be.get(gy), y);
+    check_equal("fill", be.get(gf), Vec(size_t(n), 1.5f));
+  }
+  SUBCASE("all_finite over a large buffer: an infinity or a NaN anywhere, and the empty buffer") {
+    const int64_t n = 100'003;
+    const Vec w = random_floats(size_t(n), 76, -1, 1);
+    Vec bad = w, nan = w;
+    bad[size_t(n) - 7] = std::numeric_limits<float>::infinity();
+    nan[12345] = kNaN;
+    Mem gw = be.put(w), gbad = be.put(bad), gnan = be.put(nan);
+    bool a = false, b = true, c = true, empty = false;
+    be.run([&](Ops& ops) {
+      a = ops.all_finite(n, gw.f());
+      b = ops.all_finite(n, gbad.f());
+      c = ops.all_finite(n, gnan.f());
+      empty = ops.all_finite(0, gnan.f());
+    });
+    CHECK(a);
+    CHECK_FALSE(b);
+    CHECK_FALSE(c);
+    CHECK(empty);
+  }
+}
+
+DP_OPS_TEST("zero-size edges: n = 0 with null pointers touches nothing") {
+  SUBCASE("linear over an empty batch zeroes dw and db") {
+    Mem w = be.put(Vec(12, 1.0f)), b = be.put(Vec(3, 1.0f)), dw = be.out(12), db = be.out(3);
+    be.run([&](Ops& ops) {
+      ops.linear_forward(0, 4, 3, nullptr, w.f(), b.f(), nullptr);
+      ops.linear_backward(0, 4, 3, nullptr, w.f(), nullptr, nullptr, dw.f(), db.f());
+    });
+    CHECK(be.get(dw) == Vec(12, 0.0f));
+    CHECK(be.get(db) == Vec(3, 0.0f));
+  }
+  SUBCASE("pools, activations, loss and SGD") {
+    const PoolShape s{.n = 0, .c = 2, .h = 4, .w = 4, .k = 2};
+    Mem stats = be.put(Vec{1.5f, 2.0f});
+    bool finite = false;
+    be.run([&](Ops& ops) {
+      ops.avgpool_forward(s, nullptr, nullptr);
+      ops.avgpool_backward(s, nullptr, nullptr);
+      ops.maxpool_forward(s, nullptr, nullptr, nullptr);
+      ops.maxpool_backward(s, nullptr, nullptr, nullptr);
+      ops.activation_forward(Activation::sigmoid, 0, nullptr, nullptr);
+      ops.activation_backward(Activation::relu, 0, nullptr, nullptr, nullptr);
+      ops.softmax_xent(0, 10, nullptr, nullptr, 1.0f, nullptr, stats.f());
+      ops.sgd_step(0, nullptr, nullptr, nullptr, 0.1f, 0.9f, 0.0f);
+      finite = ops.all_finite(0, nullptr);
+    });
+    CHECK(be.get(stats) == Vec{1.5f, 2.0f});
+    CHECK(finite);
+  }
+}
+
+}  // namespace
+}  // namespace dp::test
