@@ -1,8 +1,5 @@
 #include "engine/checkpoint.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -10,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/error.h"
+#include "engine/paths.h"
 
 namespace dp {
 namespace {
@@ -35,7 +33,9 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
   if (size < 8) throw fail("only " + std::to_string(size) + " bytes; the 8-byte header length is missing");
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; --i) hlen = hlen << 8 | bytes[i];
-  if (hlen > size - 8) throw fail("header length " + std::to_string(hlen) + " runs past the end of the file (" + std::to_string(size) + " bytes)");
+  if (hlen > size - 8)
+    throw fail("header length " + std::to_string(hlen) + " runs past the end of the file (" + std::to_string(size) +
+               " bytes)");
   if (hlen > (uint64_t(100) << 20)) throw fail("header length " + std::to_string(hlen) + " exceeds 100 MB");
   nlohmann::json h;
   try {
@@ -67,7 +67,8 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
     for (auto& d : v["shape"]) {
       if (!d.is_number_unsigned()) throw fail("tensor '" + name + "' has a negative or non-integer dimension");
       uint64_t dim = d.get<uint64_t>();
-      if (dim > (uint64_t(1) << 40) || (dim && numel > (uint64_t(1) << 40) / dim)) throw fail("tensor '" + name + "' is impossibly large");
+      if (dim > (uint64_t(1) << 40) || (dim && numel > (uint64_t(1) << 40) / dim))
+        throw fail("tensor '" + name + "' is impossibly large");
       numel *= dim;
       t.shape.push_back(int64_t(dim));
     }
@@ -76,11 +77,11 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
       throw fail("tensor '" + name + "' data_offsets is not [begin, end]");
     uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
     if (b > e || e > data_size)
-      throw fail("tensor '" + name + "' data_offsets [" + std::to_string(b) + ", " + std::to_string(e) + "] lie outside the " +
-                 std::to_string(data_size) + "-byte data section");
+      throw fail("tensor '" + name + "' data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
+                 "] lie outside the " + std::to_string(data_size) + "-byte data section");
     if (e - b != numel * uint64_t(dtype_size(t.dtype)))
-      throw fail("tensor '" + name + "' holds " + std::to_string(e - b) + " bytes, its shape " + shape_str(t.shape) + " of " + t.dtype +
-                 " needs " + std::to_string(numel * dtype_size(t.dtype)));
+      throw fail("tensor '" + name + "' holds " + std::to_string(e - b) + " bytes, its shape " + shape_str(t.shape) +
+                 " of " + t.dtype + " needs " + std::to_string(numel * dtype_size(t.dtype)));
     t.data.assign(data + b, data + e);
     ranges.push_back({b, e});
     st.order.push_back(name);
@@ -114,46 +115,14 @@ void write_safetensors(const std::string& path, const SafeTensors& st) {
   }
   std::string header = h.dump();
   header.append((8 - header.size() % 8) % 8, ' ');  // keeps the data section 8-byte aligned
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw UsageError(path + ": cannot write checkpoint: " + std::strerror(errno));
-  auto put = [&](const void* p, size_t n) {
-    const char* c = static_cast<const char*>(p);
-    while (n > 0) {
-      ssize_t w = ::write(fd, c, n);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        int err = errno;
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        throw UsageError(path + ": writing checkpoint failed: " + std::strerror(err));
-      }
-      c += w, n -= size_t(w);
-    }
-  };
   unsigned char len[8];
   for (int i = 0; i < 8; ++i) len[i] = (uint64_t(header.size()) >> (8 * i)) & 0xff;
-  put(len, 8);
-  put(header.data(), header.size());
-  for (auto& name : st.order) put(st.tensors.at(name).data.data(), st.tensors.at(name).data.size());
-  int err = ::fsync(fd) != 0 ? errno : 0;
-  if (::close(fd) != 0 && err == 0) err = errno;
-  if (err != 0) {
-    ::unlink(tmp.c_str());
-    throw UsageError(path + ": flushing checkpoint failed: " + std::strerror(err));
+  std::vector<std::string_view> parts{{reinterpret_cast<const char*>(len), 8}, header};
+  for (auto& name : st.order) {
+    const auto& data = st.tensors.at(name).data;
+    parts.emplace_back(reinterpret_cast<const char*>(data.data()), data.size());
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    throw UsageError(path + ": cannot move the new checkpoint into place: " + std::strerror(err));
-  }
-  // Make the rename itself durable.
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  write_file_atomically(path, parts);
 }
 
 void save_checkpoint(const std::string& path, const ModelSpec& spec, const Checkpoint& ckpt) {
@@ -177,7 +146,8 @@ void save_checkpoint(const std::string& path, const ModelSpec& spec, const Check
 Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& spec, const std::string& path) {
   auto m = st.metadata.find("model");
   if (m != st.metadata.end() && m->second != spec.name)
-    throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " + m->second + ")");
+    throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " +
+                     m->second + ")");
   const std::string opt_prefix = "optimizer.", opt_suffix = ".momentum_buffer";
   auto momentum_of = [&](const std::string& name) -> const Param* {  // "optimizer.<param>.momentum_buffer"
     if (name.size() <= opt_prefix.size() + opt_suffix.size() || name.rfind(opt_prefix, 0) != 0 ||
@@ -201,11 +171,13 @@ Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& s
   if (any_momentum) c.momentum.assign(size_t(spec.param_count), 0.0f);
   auto take = [&](const std::string& name, const Param& p, std::vector<float>& flat) {
     auto it = st.tensors.find(name);
-    if (it == st.tensors.end()) throw UsageError(path + ": tensor '" + name + "' is missing; a " + spec.name + " checkpoint has it");
+    if (it == st.tensors.end())
+      throw UsageError(path + ": tensor '" + name + "' is missing; a " + spec.name + " checkpoint has it");
     const Tensor& t = it->second;
     if (t.dtype != "F32") throw UsageError(path + ": tensor '" + name + "' is " + t.dtype + ", expected F32");
     if (t.shape != p.shape)
-      throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", " + spec.name + " needs " + shape_str(p.shape));
+      throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", " + spec.name + " needs " +
+                       shape_str(p.shape));
     if (t.data.size() != size_t(p.size) * sizeof(float))
       throw UsageError(path + ": tensor '" + name + "' holds " + std::to_string(t.data.size()) + " bytes, expected " +
                        std::to_string(p.size * int64_t(sizeof(float))));

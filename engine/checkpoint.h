@@ -28,7 +28,8 @@ struct SafeTensors {
 // inside the file, matches its shape and overlaps no other; throws UsageError naming the file.
 SafeTensors read_safetensors(const std::string& path);
 SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std::string& name);
-// Writes beside the target, fsyncs, renames over it: a crash leaves the old file or the new one.
+// Writes beside the target, fsyncs, renames over it (write_file_atomically): a crash leaves the old
+// file or the new one. Throws IoError where the system refuses the write.
 void write_safetensors(const std::string& path, const SafeTensors& st);
 
 struct Checkpoint {

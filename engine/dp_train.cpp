@@ -1,5 +1,6 @@
 // dp_train: the command-line front end. Exit codes: 0 done, 1 --verify failed or a device failed,
-// 2 bad input, 3 non-finite loss or gradients, 130/143 interrupted by SIGINT/SIGTERM.
+// 2 bad input, 3 non-finite loss or gradients, 130/143 interrupted by SIGINT/SIGTERM; 1 also when the
+// system refuses a write (disk full, permission): the command line was fine, the OS's reason is printed.
 #include <cstdio>
 #include <exception>
 
@@ -19,6 +20,9 @@ int main(int argc, char** argv) {
   } catch (const dp::NumericalError& e) {
     std::fprintf(stderr, "dp_train: %s\n", e.what());
     return 3;
+  } catch (const dp::IoError& e) {
+    std::fprintf(stderr, "dp_train: error: %s\n", e.what());
+    return 1;
   } catch (const dp::Interrupted& e) {
     std::fprintf(stderr, "dp_train: %s\n", e.what());
     return 128 + e.signal;

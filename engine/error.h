@@ -24,6 +24,12 @@ struct NumericalError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The system refused a read or write of a file (disk full, permission, I/O error): front ends exit 1
+// with the OS's reason, not 2, since the command line was fine.
+struct IoError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // SIGINT / SIGTERM during training, after the step finished and any checkpoint was saved; front
 // ends exit 128 + signal (130, 143).
 struct Interrupted : std::runtime_error {

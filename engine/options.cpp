@@ -1,12 +1,49 @@
 #include "engine/options.h"
 
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <cstdio>
 #include <sstream>
 
 #include "engine/error.h"
 
 namespace dp {
+namespace {
+
+// A float default as the shortest text that reads back as it ("0.1", not "0.100000001").
+std::string fmt_float(float v) {
+  char buf[32];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
+}
+
+// CLI11 reads integers with strtoll in base 0, which saturates at 2^63-1 (a --steps of 2^63 trained
+// 2^63-1 steps unsaid) and takes "010" as octal 8. This check reads the text as a decimal T, refuses
+// what does not fit, and hands CLI11 back the decimal it read.
+template <typename T>
+CLI::Validator exact_integer() {
+  return CLI::Validator(
+      [](std::string& t) {
+        T v = 0;
+        const char *first = t.data(), *last = first + t.size();
+        auto [end, ec] = std::from_chars(first, last, v);
+        if (ec == std::errc::result_out_of_range)
+          return "'" + t + "' is out of range (" + std::to_string(std::numeric_limits<T>::min()) + " to " +
+                 std::to_string(std::numeric_limits<T>::max()) + ")";
+        if (ec != std::errc() || end != last) return "'" + t + "' is not a whole number";
+        t = std::to_string(v);
+        return std::string();
+      },
+      "", "integer");
+}
+
+}  // namespace
 
 int64_t parse_bytes(const std::string& text, const std::string& flag) {
   auto bad = [&] {
@@ -34,6 +71,38 @@ int64_t parse_bytes(const std::string& text, const std::string& flag) {
   return int64_t(v * scale);
 }
 
+uint64_t parse_seed(const std::string& text, const std::string& flag) {
+  uint64_t v = 0;
+  const char *first = text.data(), *last = first + text.size();
+  // Digits only: from_chars takes no sign, no space, no exponent, and says when the value is past 2^64-1
+  // (strtoull, which CLI11 uses, wraps "-1" to 2^64-1 and saturates larger values there).
+  auto [end, ec] = std::from_chars(first, last, v);
+  bool digits = !text.empty() && std::all_of(first, last, [](char c) { return c >= '0' && c <= '9'; });
+  if (!digits || ec != std::errc() || end != last)
+    throw UsageError(flag + ": '" + text + "' is not a seed; give a whole number from 0 to " +
+                     std::to_string(UINT64_MAX) + (digits ? " (it is larger)" : ""));
+  return v;
+}
+
+float parse_float(const std::string& text, const std::string& flag) {
+  auto bad = [&](const std::string& why) { return UsageError(flag + ": '" + text + "' " + why); };
+  const char* first = text.c_str();
+  char* end = nullptr;
+  errno = 0;
+  long double v = std::strtold(first, &end);
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || end != first + text.size())
+    throw bad("is not a number");
+  const bool range = errno == ERANGE;
+  const float f = float(v);
+  // A value float cannot hold is refused rather than rounded to 0 or infinity, where the checks after
+  // parsing would call it "not positive" or "not finite" when it is neither.
+  if ((range && std::fabs(v) < 1) || (v != 0 && f == 0))
+    throw bad("is too small for a float (it would round to 0; the smallest positive float is 1.4e-45)");
+  if ((range && std::fabs(v) >= 1) || (std::isfinite(v) && !std::isfinite(f)))
+    throw bad("is too large for a float (at most 3.4e38)");
+  return f;
+}
+
 std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
   std::vector<int> ids;
   std::stringstream ss(text);
@@ -55,10 +124,14 @@ std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
 }
 
 void DeviceFlags::add(CLI::App& app) {
-  app.add_option("--gpus", gpus, "Device ids, comma-separated (simulated devices where there is no GPU)")->capture_default_str();
-  app.add_option("--devices", devices, "Shorthand for --gpus 0,1,...,N-1")->excludes("--gpus");
+  app.add_option("--gpus", gpus, "Device ids, comma-separated (simulated devices where there is no GPU)")
+      ->capture_default_str();
+  app.add_option("--devices", devices, "Shorthand for --gpus 0,1,...,N-1")
+      ->excludes("--gpus")
+      ->transform(exact_integer<int>());
   app.add_option("--backend", backend, "auto | cpu | cuda")->capture_default_str();
-  app.add_option("--threads", threads, "Compute threads per simulated device (default: cores / devices)");
+  app.add_option("--threads", threads, "Compute threads per simulated device (default: cores / devices)")
+      ->transform(exact_integer<int>());
   app.add_option("--device-memory", memory, "Memory cap per device: bytes or 512M, 2G, ...");
   app.add_flag("--allow-shared-device", allow_shared, "Allow a repeated id: several replicas on one device");
 }
@@ -101,30 +174,52 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   dev.add(app);
   std::string sync = "scatter", split = "even";
   app.add_option("--model", o.model, "lenet | lenet5")->capture_default_str();
-  app.add_option("--batch", o.batch, "Global batch size")->capture_default_str();
-  auto* epochs = app.add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str();
-  app.add_option("--steps", o.steps, "Train this many steps instead of whole epochs")->excludes(epochs);
-  app.add_option("--lr", o.lr, "Learning rate")->capture_default_str();
-  app.add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
-  app.add_option("--weight-decay", o.weight_decay, "L2 weight decay (PyTorch SGD's)")->capture_default_str();
-  app.add_option("--seed", o.seed, "Seed for initialisation and shuffling")->capture_default_str();
+  app.add_option("--batch", o.batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
+  auto* epochs =
+      app.add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str()->transform(exact_integer<int>());
+  app.add_option("--steps", o.steps, "Train this many steps instead of whole epochs")
+      ->excludes(epochs)
+      ->transform(exact_integer<int64_t>());
+  // Numbers CLI11 would wrap or round silently are taken as text and parsed exactly below.
+  std::string lr = fmt_float(o.lr), momentum = fmt_float(o.momentum), weight_decay = fmt_float(o.weight_decay);
+  std::string seed = std::to_string(o.seed);
+  app.add_option("--lr", lr, "Learning rate")->capture_default_str()->type_name("FLOAT");
+  app.add_option("--momentum", momentum, "SGD momentum")->capture_default_str()->type_name("FLOAT");
+  app.add_option("--weight-decay", weight_decay, "L2 weight decay (PyTorch SGD's)")
+      ->capture_default_str()
+      ->type_name("FLOAT");
+  app.add_option("--seed", seed, "Seed for initialisation and shuffling (0 to 2^64-1)")
+      ->capture_default_str()
+      ->type_name("UINT");
   bool no_shuffle = false;
   app.add_flag("--no-shuffle", no_shuffle, "Keep the file order");
   app.add_option("--data", o.data, "Directory of IDX files (gzip'd or raw)")->capture_default_str();
-  app.add_option("--limit-train", o.limit_train, "Use only the first N training images (0: all)");
-  app.add_option("--limit-test", o.limit_test, "Use only the first N test images (0: all)");
+  app.add_option("--limit-train", o.limit_train, "Use only the first N training images (0: all)")
+      ->transform(exact_integer<int64_t>());
+  app.add_option("--limit-test", o.limit_test, "Use only the first N test images (0: all)")
+      ->transform(exact_integer<int64_t>());
   app.add_option("--sync", sync, "scatter (nn.DataParallel) | allreduce (DDP)")->capture_default_str();
   app.add_option("--split", split, "even | chunk (torch.chunk)")->capture_default_str();
-  app.add_option("--bucket-kb", o.bucket_kb, "allreduce: gradient bucket size in KiB, overlapped with backward (0: off)");
-  app.add_option("--load", o.load, "Initialise the weights from a safetensors checkpoint");
-  app.add_option("--save", o.save, "Write a safetensors checkpoint at the end (and with --save-every)");
-  app.add_option("--save-every", o.save_every, "Also save every N steps");
-  app.add_option("--resume", o.resume, "Continue exactly from a checkpoint written by --save");
-  app.add_option("--report", o.report, "Write a JSON report of the run");
-  app.add_option("--trace", o.trace, "Write a Chrome trace (one lane per device, a span per phase)");
+  app.add_option("--bucket-kb", o.bucket_kb,
+                 "allreduce: gradient bucket size in KiB, overlapped with backward (0: off)")
+      ->transform(exact_integer<int64_t>());
+  // An empty path given explicitly ("--save ''", an unset shell variable) is refused, not taken as "not given".
+  const CLI::Validator path(
+      [](std::string& p) { return p.empty() ? std::string("an empty path; give a file name") : std::string(); }, "",
+      "non-empty path");
+  app.add_option("--load", o.load, "Initialise the weights from a safetensors checkpoint")->check(path);
+  app.add_option("--save", o.save, "Write a safetensors checkpoint at the end (and with --save-every)")->check(path);
+  app.add_option("--save-every", o.save_every, "Also save every N steps")->transform(exact_integer<int64_t>());
+  app.add_option("--resume", o.resume, "Continue exactly from a checkpoint written by --save")->check(path);
+  app.add_option("--report", o.report, "Write a JSON report of the run")->check(path);
+  app.add_option("--trace", o.trace, "Write a Chrome trace (one lane per device, a span per phase)")->check(path);
   app.add_flag("--verify", o.verify, "Also run the steps on one device and compare the weights at the end");
   app.add_flag("--quiet", o.quiet, "Print only errors");
   if (!run_parser(app, argc, argv)) return false;
+  o.lr = parse_float(lr, "--lr");
+  o.momentum = parse_float(momentum, "--momentum");
+  o.weight_decay = parse_float(weight_decay, "--weight-decay");
+  o.seed = parse_seed(seed, "--seed");
   o.devices = dev.finish(app);
   o.sync = parse_sync(sync);
   o.split = parse_split(split);

@@ -13,6 +13,13 @@ namespace dp {
 
 // "512M", "2G", "1.5GiB", "4096" -> bytes. Throws UsageError naming the flag.
 int64_t parse_bytes(const std::string& text, const std::string& flag);
+// "12345" -> 12345: a seed, exactly 0..2^64-1; a sign, a fraction, an exponent or a larger value
+// throws UsageError naming the flag (nothing wraps).
+uint64_t parse_seed(const std::string& text, const std::string& flag);
+// "0.1", "1e-3" -> the float; a value float cannot hold (underflows to 0, overflows to infinity) or
+// text that is not a number throws UsageError naming the flag. NaN, infinity and negative values
+// pass: the range checks after parsing name those.
+float parse_float(const std::string& text, const std::string& flag);
 // "0,1,2" -> {0, 1, 2}. Throws UsageError naming the flag.
 std::vector<int> parse_ids(const std::string& text, const std::string& flag);
 

@@ -1,10 +1,9 @@
 #include "engine/report.h"
 
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 
 #include "engine/error.h"
+#include "engine/paths.h"
 
 namespace dp {
 
@@ -127,16 +126,8 @@ nlohmann::json trace_json(Engine& e) {
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    if (!f) throw UsageError(path + ": cannot write (is the directory there and writable?)");
-    f << j.dump(2) << "\n";
-    if (!f) throw UsageError(path + ": write failed");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) throw UsageError(path + ": cannot move into place: " + ec.message());
+  std::string text = j.dump(2) + "\n";
+  write_file_atomically(path, {text});
 }
 
 }  // namespace dp

@@ -29,7 +29,7 @@ nlohmann::json device_report(Engine& engine);
 std::string device_table(Engine& engine);
 // Chrome trace-event JSON: one process, one lane (tid) per device, one complete event per phase.
 nlohmann::json trace_json(Engine& engine);
-// Writes beside the target then renames, so a reader never sees half a file.
+// Writes beside the target then renames (write_file_atomically), so a reader never sees half a file.
 void write_json(const std::string& path, const nlohmann::json& j);
 
 }  // namespace dp

@@ -12,10 +12,12 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <optional>
 
 #include "engine/data.h"
 #include "engine/error.h"
+#include "engine/paths.h"
 #include "engine/progress.h"
 #include "engine/report.h"
 #include "engine/resume.h"
@@ -40,38 +42,11 @@ void check_options(const TrainOptions& o) {
     throw UsageError("--bucket-kb: buckets are an all-reduce feature; add --sync allreduce");
   if (o.save_every < 0) throw UsageError("--save-every: must be >= 0");
   if (o.save_every > 0 && o.save.empty()) throw UsageError("--save-every: needs --save FILE to say where");
-  // Everything written at the end is checked before training: an unwritable path must not cost a run.
-  for (const std::string* p : {&o.save, &o.report, &o.trace}) {
-    if (p->empty()) continue;
-    auto dir = std::filesystem::path(*p).parent_path();
-    std::error_code ec;
-    if (!dir.empty() && !std::filesystem::is_directory(dir, ec))
-      throw UsageError(*p + ": the directory " + dir.string() + " does not exist");
-    if (std::filesystem::is_directory(*p, ec)) throw UsageError(*p + ": is a directory; give a file name");
-    // The files are written beside and renamed into place: probe exactly that.
-    std::string probe = *p + ".tmp." + std::to_string(::getpid());
-    int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) throw UsageError(*p + ": cannot write there: " + std::strerror(errno));
-    ::close(fd);
-    ::unlink(probe.c_str());
-  }
+  // Everything written at the end is checked before training: an unwritable path must not cost a run,
+  // and no output may destroy another output or an input.
+  check_output_paths(o);
   if (!o.load.empty() && !o.resume.empty())
     throw UsageError("--load and --resume: give one (--resume also restores the optimizer and position)");
-}
-
-struct DataSets {
-  Dataset train, test;
-};
-
-DataSets load_data(const TrainOptions& o, const ModelSpec& spec) {
-  DataSets d{load_idx(o.data, "train", o.limit_train, spec.classes),
-             load_idx(o.data, "t10k", o.limit_test, spec.classes)};
-  if (d.train.rows != spec.in_h || d.train.cols != spec.in_w)
-    throw UsageError(o.data + ": images are " + std::to_string(d.train.rows) + "x" + std::to_string(d.train.cols) +
-                     ", " + spec.name + " takes 28x28");
-  if (d.train.count == 0)
-    throw UsageError(o.data + ": the training set has no images (--limit-train keeps the first N of them)");
-  return d;
 }
 
 // Where the run starts and ends, in steps. The position is the global step alone.
@@ -80,13 +55,36 @@ struct Schedule {
   int epochs = 0;
 };
 
+// No product or sum here can overflow: per_epoch <= train_count < 2^32 and epochs < 2^31, so
+// per_epoch * epochs < 2^63; the epoch count is a quotient, checked against the int the epoch
+// records and the report count in.
 Schedule schedule(const TrainOptions& o, int64_t train_count, int64_t global_step) {
   Schedule s;
-  s.per_epoch = (train_count + o.batch - 1) / o.batch;
+  s.per_epoch = train_count / o.batch + (train_count % o.batch != 0);
   s.start_epoch = global_step / s.per_epoch, s.start_step = global_step % s.per_epoch;
   s.total_steps = o.steps > 0 ? o.steps : s.per_epoch * o.epochs;
-  s.epochs = int((s.total_steps + s.per_epoch - 1) / s.per_epoch);
+  const int64_t epochs = s.total_steps / s.per_epoch + (s.total_steps % s.per_epoch != 0);
+  if (epochs > std::numeric_limits<int>::max())
+    throw UsageError("--steps: " + std::to_string(s.total_steps) + " steps of " + std::to_string(s.per_epoch) +
+                     " per epoch are " + std::to_string(epochs) + " epochs, more than the " +
+                     std::to_string(std::numeric_limits<int>::max()) + " a run can count; give fewer steps");
+  s.epochs = int(epochs);
   return s;
+}
+
+struct DataSets {
+  Dataset train, test;
+};
+
+DataSets load_data(const TrainOptions& o, const ModelSpec& spec) {
+  // The test set is held to the training set's checks: the model's image size and label range.
+  const ImageShape shape{spec.in_h, spec.in_w, spec.name};
+  DataSets d{load_idx(o.data, "train", o.limit_train, spec.classes, shape),
+             load_idx(o.data, "t10k", o.limit_test, spec.classes, shape)};
+  if (d.train.count == 0)
+    throw UsageError(o.data + ": the training set has no images (--limit-train keeps the first N of them)");
+  schedule(o, d.train.count, 0);  // a step count that cannot be scheduled is refused before any device starts
+  return d;
 }
 
 EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
@@ -280,7 +278,7 @@ TrainResult train(const TrainOptions& opt) {
   summarize(result);
 
   if (verify) {
-    VerifyResult v = verify->compare(engine, opt.batch);
+    VerifyResult v = verify->compare(engine, ec.batch);  // the batch trained, not --batch
     result.verify_max_diff = v.max_diff, result.verify_tolerance = v.tolerance, result.verify_ok = v.ok;
   }
   if (!opt.quiet) std::printf("%s", device_table(engine).c_str());

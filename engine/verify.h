@@ -31,8 +31,9 @@ class Verifier {
            const std::vector<float>& params, const std::vector<float>& momentum);
   // The step the run just took, on the same batch x (n, C, H, W), labels y (n).
   void step(const float* x, const int32_t* y, int n) { engine_->step(x, y, n); }
-  // The run's weights against the reference's after the same steps, `batch` the global --batch;
-  // prints the verify line.
+  // The run's weights against the reference's after the same steps, `batch` the batch each step
+  // trained (--batch, or the training set where that is smaller: the bound grows with it); prints
+  // the verify line.
   VerifyResult compare(Engine& run, int batch);
 
  private:

@@ -1,5 +1,9 @@
 // safetensors checkpoints: round trip, PyTorch names and layouts, validation of what is loaded.
 #include <doctest/doctest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <fstream>
@@ -107,11 +111,30 @@ TEST_CASE("a failed save leaves the previous checkpoint intact") {
   c.params = random_floats(size_t(spec.param_count), 4);
   save_checkpoint(dir / "ck", spec, c);
   std::string before = slurp(dir / "ck");
-  // a directory squatting on the temporary file name makes the write fail before the rename
-  std::filesystem::create_directory(dir / ("ck.tmp." + std::to_string(::getpid())));
+  // In a child limited to 4 KiB files (SIGXFSZ ignored), the write fails with EFBIG before the rename,
+  // as on a full disk: an IoError, and no temporary file left.
   c.params[0] += 1;
-  CHECK_THROWS_AS(save_checkpoint(dir / "ck", spec, c), UsageError);
+  pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{4096, 4096};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    try {
+      save_checkpoint(dir / "ck", spec, c);
+    } catch (const IoError&) {
+      _exit(0);
+    } catch (...) {
+    }
+    _exit(1);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
   CHECK(slurp(dir / "ck") == before);
+  std::vector<std::string> names;
+  for (auto& e : std::filesystem::directory_iterator(dir.path)) names.push_back(e.path().filename().string());
+  CHECK(names == std::vector<std::string>{"ck"});
 }
 
 TEST_CASE("the model-level checks run on a parsed file: foreign tensors, partial momentum") {

@@ -1,0 +1,29 @@
+// Where dp writes: the up-front check of dp_train's output paths, and the one atomic file writer
+// that checkpoints, reports and traces share. Outputs are regular files only: a device, FIFO,
+// socket or directory at an output path is refused, a symlink is followed to its target (the link
+// stays a link), and an existing file keeps its mode.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace dp {
+
+struct TrainOptions;
+
+// Refuses, with a UsageError naming the flags, before anything is trained or written: an output
+// (--save, --report, --trace) that exists and is not a regular file, whose directory is missing or
+// not writable, two outputs that are the same file, and an output that is an input (--load,
+// --resume, a file of the --data directory). --save may name the --resume checkpoint: continuing
+// a run in place is what --resume is for.
+void check_output_paths(const TrainOptions& o);
+
+// Writes `parts`, concatenated, to `path`: into a short hidden temporary file beside the target,
+// fsynced, then renamed over it, so a crash leaves the old file or the new one. A symlink is followed
+// to its final target; an existing target keeps its mode and owner; a failed write removes the
+// temporary file. Throws UsageError where the path is not a regular file, IoError where the system
+// refuses (disk full, permission), naming the path and the OS's reason.
+void write_file_atomically(const std::string& path, const std::vector<std::string_view>& parts);
+
+}  // namespace dp
