@@ -203,7 +203,8 @@ void Communicator::all_reduce(int rank, float* buf, int64_t count) {
   // from r - 1, adding it into its own. Nobody writes a chunk while its neighbour reads it.
   for (int s = 0; s < n - 1; ++s) {
     const int recv_c = (rank - 1 - s + 2 * n) % n;  // sends chunk (rank - s)
-    if (chunk[recv_c] > 0) dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
+    if (chunk[recv_c] > 0)
+      dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
     sync_and_wait(rank);
     dev.ops().add(chunk[recv_c], recv, buf + offset[recv_c]);
     sync_and_wait(rank);

@@ -71,7 +71,8 @@ DeviceSet make_devices(const DeviceConfig& cfg) {
   for (int id : cfg.ids)
     if (id < 0) throw UsageError("--gpus: device id " + std::to_string(id) + " is negative; ids are 0, 1, ...");
   if (std::set<int>(cfg.ids.begin(), cfg.ids.end()).size() != cfg.ids.size() && !cfg.allow_shared_device)
-    throw UsageError("--gpus: a device id is repeated; pass --allow-shared-device to run several replicas on one device");
+    throw UsageError(
+        "--gpus: a device id is repeated; pass --allow-shared-device to run several replicas on one device");
   if (cfg.backend != "auto" && cfg.backend != "cpu" && cfg.backend != "cuda")
     throw UsageError("--backend: '" + cfg.backend + "' is not a backend; use auto, cpu or cuda");
 

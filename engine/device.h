@@ -99,8 +99,8 @@ class Device {
 struct DeviceConfig {
   std::string backend = "auto";  // auto | cpu | cuda
   std::vector<int> ids{0};
-  int threads = 0;               // compute threads per simulated device; 0 = cores / devices
-  int64_t memory_cap = 0;        // bytes per simulated device; 0 = unlimited
+  int threads = 0;         // compute threads per simulated device; 0 = cores / devices
+  int64_t memory_cap = 0;  // bytes per simulated device; 0 = unlimited
   bool allow_shared_device = false;
 };
 

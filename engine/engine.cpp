@@ -48,14 +48,14 @@ std::vector<int> split_batch(int b, int n, Split split) {
 // Everything one device holds for its replica. Shapes use B (global batch), b (largest local
 // batch), P (parameters), D (input size), C (classes).
 struct Engine::Replica {
-  Buffer params;      // (P)
-  Buffer grads;       // (P)
-  Buffer momentum;    // (P) scatter: device 0 only; allreduce: every device; none at momentum 0
+  Buffer params;    // (P)
+  Buffer grads;     // (P)
+  Buffer momentum;  // (P) scatter: device 0 only; allreduce: every device; none at momentum 0
   std::unique_ptr<Network> net;
-  Buffer input;       // (b, D) this device's chunk (not on device 0 under scatter: a view)
-  Buffer labels;      // (b) allreduce only: the loss is local
-  Buffer dlogits;     // (b, C) this device's logit gradients (not on device 0 under scatter)
-  Buffer stats;       // (2) loss sum, correct count
+  Buffer input;    // (b, D) this device's chunk (not on device 0 under scatter: a view)
+  Buffer labels;   // (b) allreduce only: the loss is local
+  Buffer dlogits;  // (b, C) this device's logit gradients (not on device 0 under scatter)
+  Buffer stats;    // (2) loss sum, correct count
   // scatter, device 0 only: the whole batch, the gathered logits and their gradients
   Buffer full_input;     // (B, D)
   Buffer full_labels;    // (B)
@@ -98,8 +98,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     } else {
       rep->input = dev.alloc_floats(int64_t(eval_b) * D, Category::inputs);
       rep->dlogits = dev.alloc_floats(int64_t(eval_b) * C, Category::outputs);
-      if (cfg_.sync == Sync::allreduce)
-        rep->labels = dev.alloc(size_t(eval_b) * sizeof(int32_t), Category::inputs);
+      if (cfg_.sync == Sync::allreduce) rep->labels = dev.alloc(size_t(eval_b) * sizeof(int32_t), Category::inputs);
     }
     dev.synchronize();
     replicas_[r] = std::move(rep);
@@ -186,13 +185,16 @@ void Engine::reset_timing() {
 
 StepResult Engine::step(const float* x, const int32_t* y, int n) {
   if (n <= 0 || n > cfg_.batch)
-    throw UsageError("step: batch of " + std::to_string(n) + " samples; this engine takes 1.." + std::to_string(cfg_.batch));
+    throw UsageError("step: batch of " + std::to_string(n) + " samples; this engine takes 1.." +
+                     std::to_string(cfg_.batch));
   const std::vector<int> sizes = split_batch(n, size(), cfg_.split);
   std::vector<Traffic> before(size());
   for (int r = 0; r < size(); ++r) before[r] = comm_->total(r);
   run_all([&](int r) {
-    if (cfg_.sync == Sync::scatter) step_scatter(r, x, y, sizes);
-    else step_allreduce(r, x, y, sizes);
+    if (cfg_.sync == Sync::scatter)
+      step_scatter(r, x, y, sizes);
+    else
+      step_allreduce(r, x, y, sizes);
   });
   StepResult res;
   res.n = n;
@@ -229,9 +231,8 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
     dev.upload(rep.full_input.f(), x, size_t(B * D) * sizeof(float));
     dev.upload(rep.full_labels.i32(), y, size_t(B) * sizeof(int32_t));
   });
-  timed(r, Phase::scatter, [&] {
-    comm_->scatter(r, r == 0 ? rep.full_input.f() : nullptr, rep.input.f(), in_counts, 0);
-  });
+  timed(r, Phase::scatter,
+        [&] { comm_->scatter(r, r == 0 ? rep.full_input.f() : nullptr, rep.input.f(), in_counts, 0); });
   timed(r, Phase::broadcast, [&] { comm_->broadcast(r, rep.params.f(), P, 0); });
   const float* logits = nullptr;
   timed(r, Phase::forward, [&] {
@@ -241,19 +242,22 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
     comm_->gather(r, logits, rep.gathered.f(), out_counts, 0);
     if (r == 0) {
       ops.fill(2, 0.0f, rep.stats.f());
-      ops.softmax_xent(B, int(C), rep.gathered.f(), rep.full_labels.i32(), 1.0f / float(B),
-                       rep.gathered_grad.f(), rep.stats.f());
+      ops.softmax_xent(B, int(C), rep.gathered.f(), rep.full_labels.i32(), 1.0f / float(B), rep.gathered_grad.f(),
+                       rep.stats.f());
     }
     comm_->scatter(r, r == 0 ? rep.gathered_grad.f() : nullptr, rep.dlogits.f(), out_counts, 0);
   });
   timed(r, Phase::backward, [&] {
     // A device without samples (batch smaller than the device count) contributes zeros.
-    if (mine > 0) rep.net->backward(rep.params.f(), rep.grads.f(), r == 0 ? rep.gathered_grad.f() : rep.dlogits.f(), mine);
-    else ops.fill(P, 0.0f, rep.grads.f());
+    if (mine > 0)
+      rep.net->backward(rep.params.f(), rep.grads.f(), r == 0 ? rep.gathered_grad.f() : rep.dlogits.f(), mine);
+    else
+      ops.fill(P, 0.0f, rep.grads.f());
   });
   timed(r, Phase::reduce, [&] { comm_->reduce(r, rep.grads.f(), P, 0); });
   timed(r, Phase::optimizer, [&] {
-    if (r == 0) ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
+    if (r == 0)
+      ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
   });
 }
 
@@ -280,17 +284,20 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
   // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly.
   timed(r, Phase::gather_loss, [&] {
     ops.fill(2, 0.0f, rep.stats.f());
-    if (mine > 0) ops.softmax_xent(mine, int(C), logits, rep.labels.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
+    if (mine > 0)
+      ops.softmax_xent(mine, int(C), logits, rep.labels.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
   });
   std::vector<int> remaining;
   for (auto& b : buckets_) remaining.push_back(b.layers);
   auto on_ready = [&](int layer) {
     int b = layer_bucket_[layer];
-    if (b >= 0 && --remaining[b] == 0) comm_->all_reduce_async(r, rep.grads.f() + buckets_[b].offset, buckets_[b].count);
+    if (b >= 0 && --remaining[b] == 0)
+      comm_->all_reduce_async(r, rep.grads.f() + buckets_[b].offset, buckets_[b].count);
   };
   timed(r, Phase::backward, [&] {
     if (mine > 0) {
-      rep.net->backward(rep.params.f(), rep.grads.f(), rep.dlogits.f(), mine, buckets_.empty() ? std::function<void(int)>() : on_ready);
+      rep.net->backward(rep.params.f(), rep.grads.f(), rep.dlogits.f(), mine,
+                        buckets_.empty() ? std::function<void(int)>() : on_ready);
     } else {
       ops.fill(P, 0.0f, rep.grads.f());
       dev.synchronize();
@@ -299,8 +306,10 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
     }
   });
   timed(r, Phase::reduce, [&] {
-    if (buckets_.empty()) comm_->all_reduce(r, rep.grads.f(), P);
-    else comm_->wait(r);
+    if (buckets_.empty())
+      comm_->all_reduce(r, rep.grads.f(), P);
+    else
+      comm_->wait(r);
   });
   timed(r, Phase::optimizer, [&] {
     ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
@@ -309,7 +318,8 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
 
 StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
   const int64_t D = spec_.input_size(), C = spec_.classes;
-  if (cfg_.sync == Sync::scatter) run_all([&](int r) { comm_->broadcast(r, replicas_[r]->params.f(), spec_.param_count, 0); });
+  if (cfg_.sync == Sync::scatter)
+    run_all([&](int r) { comm_->broadcast(r, replicas_[r]->params.f(), spec_.param_count, 0); });
   const std::vector<int> sizes = split_batch(n, size(), Split::even);
   std::vector<double> loss(size(), 0.0);
   std::vector<int64_t> correct(size(), 0);
@@ -351,13 +361,16 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
 
 std::vector<float> Engine::params(int rank) {
   std::vector<float> host(size_t(spec_.param_count));
-  devices_[rank]->run([&] { devices_[rank]->download(host.data(), replicas_[rank]->params.f(), host.size() * sizeof(float)); }).get();
+  devices_[rank]
+      ->run([&] { devices_[rank]->download(host.data(), replicas_[rank]->params.f(), host.size() * sizeof(float)); })
+      .get();
   return host;
 }
 
 void Engine::set_params(const std::vector<float>& host) {
   if (int64_t(host.size()) != spec_.param_count)
-    throw std::invalid_argument("set_params: " + std::to_string(host.size()) + " values for a model of " + std::to_string(spec_.param_count));
+    throw std::invalid_argument("set_params: " + std::to_string(host.size()) + " values for a model of " +
+                                std::to_string(spec_.param_count));
   run_all([&](int r) {
     if (r == 0) devices_[0]->upload(replicas_[0]->params.f(), host.data(), host.size() * sizeof(float));
     devices_[r]->synchronize();
@@ -368,7 +381,9 @@ void Engine::set_params(const std::vector<float>& host) {
 std::vector<float> Engine::momentum() {
   if (!replicas_[0]->momentum) return {};
   std::vector<float> host(size_t(spec_.param_count));
-  devices_[0]->run([&] { devices_[0]->download(host.data(), replicas_[0]->momentum.f(), host.size() * sizeof(float)); }).get();
+  devices_[0]
+      ->run([&] { devices_[0]->download(host.data(), replicas_[0]->momentum.f(), host.size() * sizeof(float)); })
+      .get();
   return host;
 }
 
@@ -384,17 +399,19 @@ void Engine::set_momentum(const std::vector<float>& host) {
 
 std::string Engine::first_nonfinite_gradient() {
   std::string bad;
-  devices_[0]->run([&] {
-    Replica& rep = *replicas_[0];
-    // One pass over the flat buffer each step (one host sync on CUDA); per tensor only on failure.
-    if (devices_[0]->ops().all_finite(spec_.param_count, rep.grads.f())) return;
-    // In backward order: the layer where the non-finite values entered, not where they ended up.
-    for (auto p = spec_.params.rbegin(); p != spec_.params.rend(); ++p)
-      if (!devices_[0]->ops().all_finite(p->size, rep.grads.f() + p->offset)) {
-        bad = p->name;
-        return;
-      }
-  }).get();
+  devices_[0]
+      ->run([&] {
+        Replica& rep = *replicas_[0];
+        // One pass over the flat buffer each step (one host sync on CUDA); per tensor only on failure.
+        if (devices_[0]->ops().all_finite(spec_.param_count, rep.grads.f())) return;
+        // In backward order: the layer where the non-finite values entered, not where they ended up.
+        for (auto p = spec_.params.rbegin(); p != spec_.params.rend(); ++p)
+          if (!devices_[0]->ops().all_finite(p->size, rep.grads.f() + p->offset)) {
+            bad = p->name;
+            return;
+          }
+      })
+      .get();
   return bad;
 }
 

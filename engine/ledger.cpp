@@ -15,10 +15,14 @@ const char* category_name(Category c) {
 std::string format_bytes(int64_t bytes) {
   char buf[32];
   double b = double(bytes);
-  if (b < 1024) std::snprintf(buf, sizeof buf, "%lld B", (long long)bytes);
-  else if (b < 1024.0 * 1024) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024);
-  else if (b < 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1024.0 * 1024));
-  else std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  if (b < 1024)
+    std::snprintf(buf, sizeof buf, "%lld B", (long long)bytes);
+  else if (b < 1024.0 * 1024)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024);
+  else if (b < 1024.0 * 1024 * 1024)
+    std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1024.0 * 1024));
+  else
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
   return buf;
 }
 
@@ -34,10 +38,9 @@ std::string LedgerSnapshot::describe() const {
 void Ledger::book(Category c, int64_t bytes) {
   std::lock_guard lock(mu_);
   if (cap_ > 0 && s_.total + bytes > cap_) {
-    throw OutOfMemory(device_, "out of memory: allocating " + format_bytes(bytes) + " of " +
-                                   category_name(c) + " would exceed the device's " +
-                                   format_bytes(cap_) + " (--device-memory); in use: " +
-                                   s_.describe());
+    throw OutOfMemory(device_, "out of memory: allocating " + format_bytes(bytes) + " of " + category_name(c) +
+                                   " would exceed the device's " + format_bytes(cap_) +
+                                   " (--device-memory); in use: " + s_.describe());
   }
   int i = int(c);
   s_.current[i] += bytes;

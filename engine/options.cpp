@@ -6,9 +6,9 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
-#include <cstdio>
 #include <sstream>
 
 #include "engine/error.h"
@@ -47,7 +47,8 @@ CLI::Validator exact_integer() {
 
 int64_t parse_bytes(const std::string& text, const std::string& flag) {
   auto bad = [&] {
-    return UsageError(flag + ": '" + text + "' is not a size; give bytes with an optional suffix K, M, G (powers of 1024), e.g. 512M or 2G");
+    return UsageError(flag + ": '" + text +
+                      "' is not a size; give bytes with an optional suffix K, M, G (powers of 1024), e.g. 512M or 2G");
   };
   size_t used = 0;
   double v;
@@ -61,12 +62,18 @@ int64_t parse_bytes(const std::string& text, const std::string& flag) {
   if (suffix.size() > 1 && suffix.back() == 'B') suffix.pop_back();
   if (suffix.size() == 2 && suffix[1] == 'I') suffix.pop_back();
   double scale = 1;
-  if (suffix.empty() || suffix == "B") scale = 1;
-  else if (suffix == "K") scale = 1024.0;
-  else if (suffix == "M") scale = 1024.0 * 1024;
-  else if (suffix == "G") scale = 1024.0 * 1024 * 1024;
-  else if (suffix == "T") scale = 1024.0 * 1024 * 1024 * 1024;
-  else throw bad();
+  if (suffix.empty() || suffix == "B")
+    scale = 1;
+  else if (suffix == "K")
+    scale = 1024.0;
+  else if (suffix == "M")
+    scale = 1024.0 * 1024;
+  else if (suffix == "G")
+    scale = 1024.0 * 1024 * 1024;
+  else if (suffix == "T")
+    scale = 1024.0 * 1024 * 1024 * 1024;
+  else
+    throw bad();
   if (!std::isfinite(v) || v <= 0 || v * scale > 9e18) throw bad();
   return int64_t(v * scale);
 }
@@ -116,7 +123,8 @@ std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
       used = 0;
     }
     if (used == 0 || used != item.size() || v < 0)
-      throw UsageError(flag + ": '" + item + "' in '" + text + "' is not a device id; give comma-separated ids >= 0, e.g. 0,1");
+      throw UsageError(flag + ": '" + item + "' in '" + text +
+                       "' is not a device id; give comma-separated ids >= 0, e.g. 0,1");
     ids.push_back(v);
   }
   if (ids.empty()) throw UsageError(flag + ": the device list is empty; give at least one id, e.g. --gpus 0");
@@ -140,7 +148,8 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
   DeviceConfig c;
   c.backend = backend;
   if (app.count("--devices")) {
-    if (devices <= 0) throw UsageError("--devices: " + std::to_string(devices) + " is not a device count; give at least 1");
+    if (devices <= 0)
+      throw UsageError("--devices: " + std::to_string(devices) + " is not a device count; give at least 1");
     c.ids.clear();
     for (int i = 0; i < devices; ++i) c.ids.push_back(i);
   } else {
@@ -224,7 +233,8 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.sync = parse_sync(sync);
   o.split = parse_split(split);
   o.shuffle = !no_shuffle;
-  if (app.count("--steps") == 0) o.steps = 0;
+  if (app.count("--steps") == 0)
+    o.steps = 0;
   else if (o.steps <= 0)
     throw UsageError("--steps: " + std::to_string(o.steps) + " is not a step count; give at least 1");
   return true;

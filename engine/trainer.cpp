@@ -3,15 +3,10 @@
 // --verify in verify.cpp, the progress line and signals in progress.cpp, the record in report.cpp.
 #include "engine/trainer.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
-#include <filesystem>
 #include <limits>
 #include <optional>
 

@@ -72,29 +72,29 @@ std::vector<std::string> model_names() { return {"lenet", "lenet5"}; }
 ModelSpec make_model(const std::string& name) {
   Builder b(name);
   if (name == "lenet") {
-    b.conv("conv1", 20, 3);                      // (N, 20, 26, 26)
+    b.conv("conv1", 20, 3);  // (N, 20, 26, 26)
     b.act(LayerKind::relu);
-    b.pool(LayerKind::avgpool, 2);               // (N, 20, 13, 13)
-    b.conv("conv2", 50, 5);                      // (N, 50, 9, 9)
+    b.pool(LayerKind::avgpool, 2);  // (N, 20, 13, 13)
+    b.conv("conv2", 50, 5);         // (N, 50, 9, 9)
     b.act(LayerKind::relu);
-    b.pool(LayerKind::avgpool, 2);               // (N, 50, 4, 4)
-    b.flatten();                                 // (N, 800)
+    b.pool(LayerKind::avgpool, 2);  // (N, 50, 4, 4)
+    b.flatten();                    // (N, 800)
     b.linear("fc1", 128);
     b.act(LayerKind::relu);
-    b.linear("fc2", 10);                         // (N, 10)
+    b.linear("fc2", 10);  // (N, 10)
   } else if (name == "lenet5") {
-    b.conv("conv1", 6, 5, 2);                    // (N, 6, 28, 28)
+    b.conv("conv1", 6, 5, 2);  // (N, 6, 28, 28)
     b.act(LayerKind::sigmoid);
-    b.pool(LayerKind::avgpool, 2);               // (N, 6, 14, 14)
-    b.conv("conv2", 16, 5);                      // (N, 16, 10, 10)
+    b.pool(LayerKind::avgpool, 2);  // (N, 6, 14, 14)
+    b.conv("conv2", 16, 5);         // (N, 16, 10, 10)
     b.act(LayerKind::sigmoid);
-    b.pool(LayerKind::avgpool, 2);               // (N, 16, 5, 5)
-    b.flatten();                                 // (N, 400)
+    b.pool(LayerKind::avgpool, 2);  // (N, 16, 5, 5)
+    b.flatten();                    // (N, 400)
     b.linear("fc1", 120);
     b.act(LayerKind::sigmoid);
     b.linear("fc2", 84);
     b.act(LayerKind::sigmoid);
-    b.linear("fc3", 10);                         // (N, 10)
+    b.linear("fc3", 10);  // (N, 10)
   } else {
     throw UsageError("--model: unknown model '" + name + "'; accepted: lenet, lenet5");
   }

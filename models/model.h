@@ -19,7 +19,7 @@ struct Layer {
   // Shapes of one sample: input (c, h, w) and output (c, h, w); linear layers use c only.
   int in_c = 0, in_h = 1, in_w = 1;
   int out_c = 0, out_h = 1, out_w = 1;
-  int kernel = 0, pad = 0;  // conv kernel / pool window
+  int kernel = 0, pad = 0;     // conv kernel / pool window
   int weight = -1, bias = -1;  // indices into ModelSpec::params
   int64_t in_size() const { return int64_t(in_c) * in_h * in_w; }
   int64_t out_size() const { return int64_t(out_c) * out_h * out_w; }
@@ -31,7 +31,7 @@ struct Param {
   int64_t offset = 0;          // into the flat buffer, in floats
   int64_t size = 0;
   int layer = -1;
-  int64_t fan_in = 0;          // for PyTorch's default initialisation
+  int64_t fan_in = 0;  // for PyTorch's default initialisation
 };
 
 struct ModelSpec {

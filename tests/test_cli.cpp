@@ -67,8 +67,8 @@ TEST_CASE("dp_train: a short run learns, saves, reloads, reports and traces") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 1024, 256);
   const std::string base = kTrain + " --data " + dir.path.string() + " --batch 64 --lr 0.05 --threads 1";
-  CommandResult r = run_command(base + " --epochs 3 --devices 2 --sync allreduce --save " + dir / "ck.safetensors" + " --report " +
-                                dir / "r.json" + " --trace " + dir / "t.json");
+  CommandResult r = run_command(base + " --epochs 3 --devices 2 --sync allreduce --save " + dir / "ck.safetensors" +
+                                " --report " + dir / "r.json" + " --trace " + dir / "t.json");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   CHECK(r.output.find("backend: simulated CPU devices") != std::string::npos);
@@ -90,7 +90,8 @@ TEST_CASE("dp_train: a short run learns, saves, reloads, reports and traces") {
   CHECK(trace["traceEvents"].size() > 10);
 
   // --load starts from the saved weights: the first epoch's loss is already low
-  CommandResult again = run_command(base + " --epochs 1 --load " + dir / "ck.safetensors" + " --report " + dir / "r2.json");
+  CommandResult again =
+      run_command(base + " --epochs 1 --load " + dir / "ck.safetensors" + " --report " + dir / "r2.json");
   REQUIRE(again.exit_code == 0);
   CHECK(read_json(dir / "r2.json")["epochs"][0]["train_loss"].get<double>() <
         rep["epochs"][0]["train_loss"].get<double>());
@@ -100,8 +101,8 @@ TEST_CASE("dp_train --verify compares with one device and passes for both strate
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 64);
   for (std::string sync : {"scatter", "allreduce"}) {
-    CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --steps 8 --devices 3 --threads 1 --sync " +
-                                  sync + " --verify");
+    CommandResult r = run_command(kTrain + " --data " + dir.path.string() +
+                                  " --batch 32 --steps 8 --devices 3 --threads 1 --sync " + sync + " --verify");
     INFO(r.output);
     CHECK(r.exit_code == 0);
     CHECK(r.output.find("verify: largest weight difference") != std::string::npos);
@@ -112,7 +113,8 @@ TEST_CASE("dp_train --verify compares with one device and passes for both strate
 TEST_CASE("dp_train: a non-finite loss stops with exit 3 naming the step and the layer") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 64);
-  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --epochs 1 --threads 1 --lr 1e6 --quiet");
+  CommandResult r =
+      run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --epochs 1 --threads 1 --lr 1e6 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 3);
   CHECK(r.output.find("step ") != std::string::npos);

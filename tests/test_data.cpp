@@ -13,7 +13,8 @@ using namespace dp::test;
 namespace {
 
 // Expects load_idx_files to throw a UsageError whose message names `file` and contains `words`.
-void expect_error(const std::string& images, const std::string& labels, const std::string& file, const std::string& words) {
+void expect_error(const std::string& images, const std::string& labels, const std::string& file,
+                  const std::string& words) {
   try {
     load_idx_files(images, labels);
     FAIL("no error for " << file);

@@ -26,9 +26,9 @@
 #include <utility>
 
 #include "engine/communicator.h"
+#include "engine/cuda/cuda_device.h"
 #include "engine/error.h"
 #include "kernels/cuda/check.h"
-#include "engine/cuda/cuda_device.h"
 
 namespace dp {
 namespace {

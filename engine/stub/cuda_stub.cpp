@@ -10,7 +10,8 @@ bool cuda_built() { return false; }
 CudaProbe probe_cuda() { return {0, "this build of dp has no CUDA backend (DP_CUDA=OFF)"}; }
 
 std::unique_ptr<Device> make_cuda_device(int, int id, int64_t) {
-  throw UsageError("device " + std::to_string(id) + ": this build of dp has no CUDA backend; rebuild with -DDP_CUDA=ON");
+  throw UsageError("device " + std::to_string(id) +
+                   ": this build of dp has no CUDA backend; rebuild with -DDP_CUDA=ON");
 }
 
 std::unique_ptr<Communicator> make_communicator(std::vector<Device*> devices) {
