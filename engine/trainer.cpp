@@ -44,19 +44,19 @@ void check_options(const TrainOptions& o) {
     throw UsageError("--load and --resume: give one (--resume also restores the optimizer and position)");
 }
 
-// Where the run starts and ends, in steps. The position is the global step alone.
+// How long the run is, in steps. The position is the global step alone: epoch global_step / per_epoch,
+// step global_step % per_epoch within it.
 struct Schedule {
-  int64_t per_epoch = 0, total_steps = 0, start_epoch = 0, start_step = 0;
+  int64_t per_epoch = 0, total_steps = 0;
   int epochs = 0;
 };
 
 // No product or sum here can overflow: per_epoch <= train_count < 2^32 and epochs < 2^31, so
 // per_epoch * epochs < 2^63; the epoch count is a quotient, checked against the int the epoch
 // records and the report count in.
-Schedule schedule(const TrainOptions& o, int64_t train_count, int64_t global_step) {
+Schedule schedule(const TrainOptions& o, int64_t train_count) {
   Schedule s;
   s.per_epoch = train_count / o.batch + (train_count % o.batch != 0);
-  s.start_epoch = global_step / s.per_epoch, s.start_step = global_step % s.per_epoch;
   s.total_steps = o.steps > 0 ? o.steps : s.per_epoch * o.epochs;
   const int64_t epochs = s.total_steps / s.per_epoch + (s.total_steps % s.per_epoch != 0);
   if (epochs > std::numeric_limits<int>::max())
@@ -78,7 +78,6 @@ DataSets load_data(const TrainOptions& o, const ModelSpec& spec) {
              load_idx(o.data, "t10k", o.limit_test, spec.classes, shape)};
   if (d.train.count == 0)
     throw UsageError(o.data + ": the training set has no images (--limit-train keeps the first N of them)");
-  schedule(o, d.train.count, 0);  // a step count that cannot be scheduled is refused before any device starts
   return d;
 }
 
@@ -121,7 +120,8 @@ std::vector<float> initial_params(const TrainOptions& o, const ModelSpec& spec, 
 
 void print_resuming(const TrainOptions& o, const Schedule& s, int64_t global_step) {
   std::printf("resuming from %s at step %lld (epoch %lld, step %lld of %lld)%s\n", o.resume.c_str(),
-              (long long)global_step, (long long)s.start_epoch + 1, (long long)s.start_step, (long long)s.per_epoch,
+              (long long)global_step, (long long)(global_step / s.per_epoch) + 1,
+              (long long)(global_step % s.per_epoch), (long long)s.per_epoch,
               global_step >= s.total_steps ? "; that is already the last step, nothing to train" : "");
 }
 
@@ -216,6 +216,8 @@ TrainResult train(const TrainOptions& opt) {
   check_options(opt);
   const ModelSpec spec = make_model(opt.model);
   const DataSets data = load_data(opt, spec);
+  // Refuses a step count it cannot run before any device starts.
+  const Schedule plan = schedule(opt, data.train.count);
   DeviceSet devs = make_devices(opt.devices);
   const RunIdentity id = run_identity(opt, data.train, backend_name(*devs.devices[0]), int(devs.devices.size()));
   const Resumed resumed = resume_checkpoint(opt, spec, id);  // step 0 and no weights without --resume
@@ -232,7 +234,6 @@ TrainResult train(const TrainOptions& opt) {
   if (opt.verify) verify.emplace(opt.devices, spec, ec, init, momentum);
 
   int64_t global_step = resumed.global_step;
-  const Schedule plan = schedule(opt, data.train.count, global_step);
   if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, plan, global_step);
   CheckpointSaver saver(opt, spec, id, plan.per_epoch);
   Progress progress(!opt.quiet);
@@ -240,11 +241,11 @@ TrainResult train(const TrainOptions& opt) {
   HostBatch batch;
   TrainResult result;
 
-  for (int64_t epoch = plan.start_epoch; epoch < plan.epochs && global_step < plan.total_steps; ++epoch) {
+  for (int64_t epoch = global_step / plan.per_epoch; epoch < plan.epochs && global_step < plan.total_steps; ++epoch) {
     const std::vector<int64_t> order = epoch_order(data.train.count, opt.seed, epoch, opt.shuffle);
     EpochMeter meter(int(epoch) + 1);
-    const int64_t first_step = epoch == plan.start_epoch ? plan.start_step : 0;
-    for (int64_t s = first_step; s < plan.per_epoch && global_step < plan.total_steps; ++s) {
+    // A resumed run starts mid-epoch; every later epoch starts at a multiple of per_epoch, at step 0.
+    for (int64_t s = global_step % plan.per_epoch; s < plan.per_epoch && global_step < plan.total_steps; ++s) {
       batch.fill(data.train, order, s * opt.batch, opt.batch);
       StepResult r = engine.step(batch.x.data(), batch.y.data(), batch.n);
       if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);
