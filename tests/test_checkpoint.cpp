@@ -17,11 +17,6 @@ using namespace dp::test;
 
 namespace {
 
-std::string slurp(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 void expect_load_error(const std::string& path, const ModelSpec& spec, const std::string& words) {
   try {
     load_checkpoint(path, spec);

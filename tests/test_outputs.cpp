@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
-#include <sstream>
 
 #include "engine/checkpoint.h"
 #include "engine/error.h"
@@ -26,13 +25,6 @@ using namespace dp::test;
 namespace {
 
 const std::string kTrain = DP_TRAIN_BIN;
-
-std::string slurp(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
 
 // A refusal is immediate; a 2-step run on 64 images takes well under a second. 60 s only bounds a bug.
 CommandResult train(const TempDir& dir, const std::string& args) {

@@ -26,11 +26,6 @@ namespace {
 
 const std::string kTrain = DP_TRAIN_BIN;
 
-std::string slurp(const std::string& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 // Every tensor (weights and momentum) bit for bit, and the metadata.
 void check_same_checkpoint(const std::string& got_path, const std::string& want_path) {
   INFO("got " << got_path << ", want " << want_path);

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <functional>
 #include <future>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -36,6 +37,12 @@ struct TempDir {
 
 inline void put_be32(std::string& s, uint32_t v) {
   for (int i = 3; i >= 0; --i) s.push_back(char((v >> (8 * i)) & 0xff));
+}
+
+// The whole file, byte for byte ("" when it cannot be read).
+inline std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
 inline void write_file(const std::string& path, const std::string& bytes, bool gz) {
