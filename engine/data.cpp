@@ -248,6 +248,18 @@ Dataset load_idx_files(const std::string& ipath, const std::string& lpath, int64
   return read_idx(images, labels, limit, classes, shape);
 }
 
+std::vector<std::string> idx_files(const std::string& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const char* prefix : {"train", "t10k"})
+    for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
+      for (const char* ext : {"", ".gz"}) {
+        std::string f = dir + "/" + prefix + kind + ext;
+        if (std::filesystem::exists(f, ec)) out.push_back(f);
+      }
+  return out;
+}
+
 Dataset load_idx(const std::string& dir, const std::string& prefix, int64_t limit, int classes,
                  const ImageShape& shape) {
   std::error_code ec;

@@ -32,6 +32,9 @@ struct ImageShape {
 // or after at most the bytes its header declares (itself capped at 16 GiB of pixels).
 Dataset load_idx(const std::string& dir, const std::string& prefix, int64_t limit = 0, int classes = 10,
                  const ImageShape& shape = {});
+// The data files of a --data directory that exist, each of the four names plain and .gz: the files a
+// run reads, which no output may overwrite.
+std::vector<std::string> idx_files(const std::string& dir);
 Dataset load_idx_files(const std::string& images_path, const std::string& labels_path, int64_t limit = 0,
                        int classes = 10, const ImageShape& shape = {});
 // The same checks on bytes already in memory and decompressed (the fuzzer's entry point);

@@ -10,6 +10,7 @@
 #include <random>
 #include <utility>
 
+#include "engine/data.h"
 #include "engine/error.h"
 #include "engine/trainer.h"
 
@@ -104,13 +105,7 @@ void check_output_paths(const TrainOptions& o) {
     if (!p->empty()) outputs.push_back({flag, *p, final_target(*p)});
   for (auto [flag, p] : {std::pair{"--load", &o.load}, {"--resume", &o.resume}})
     if (!p->empty()) inputs.push_back({flag, *p, *p});
-  std::error_code ec;
-  for (const char* prefix : {"train", "t10k"})
-    for (const char* kind : {"-images-idx3-ubyte", "-labels-idx1-ubyte"})
-      for (const char* ext : {"", ".gz"}) {
-        fs::path f = fs::path(o.data) / (std::string(prefix) + kind + ext);
-        if (fs::exists(f, ec)) inputs.push_back({"--data", o.data, f});
-      }
+  for (const std::string& f : idx_files(o.data)) inputs.push_back({"--data", o.data, f});
 
   for (auto& out : outputs) check_output(out);
   for (size_t i = 0; i < outputs.size(); ++i)
