@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -57,8 +58,13 @@ void Device::maybe_fail(const char* where) {
 }
 
 void Device::start_workers(std::function<void()> init) {
-  compute_ = std::make_unique<Worker>(init);
-  comm_ = std::make_unique<Worker>(init);
+  try {
+    compute_ = std::make_unique<Worker>(init);
+    comm_ = std::make_unique<Worker>(init);
+  } catch (const std::system_error& e) {  // std::thread's EAGAIN: no thread or no stack to give it
+    throw DeviceError(id_, std::string("cannot start a worker thread: ") + e.what() +
+                               " (the process is short of threads or address space; see ulimit -u and ulimit -v)");
+  }
 }
 
 void Device::stop_workers() {
@@ -99,13 +105,9 @@ DeviceSet make_devices(const DeviceConfig& cfg) {
   int n = int(cfg.ids.size());
   if (use_cuda) {
     for (int r = 0; r < n; ++r) set.devices.push_back(make_cuda_device(r, cfg.ids[r], cfg.memory_cap));
-    set.threads_per_device = 1;
     return set;
   }
-  int cores = std::max(1u, std::thread::hardware_concurrency());
-  int threads = cfg.threads > 0 ? cfg.threads : std::max(1, cores / n);
-  set.threads_per_device = threads;
-  for (int r = 0; r < n; ++r) set.devices.push_back(make_simulated_device(r, cfg.ids[r], cfg.memory_cap, threads));
+  for (int r = 0; r < n; ++r) set.devices.push_back(make_simulated_device(r, cfg.ids[r], cfg.memory_cap));
   return set;
 }
 

@@ -99,7 +99,6 @@ class Device {
 struct DeviceConfig {
   std::string backend = "auto";  // auto | cpu | cuda
   std::vector<int> ids{0};
-  int threads = 0;         // compute threads per simulated device; 0 = cores / devices
   int64_t memory_cap = 0;  // bytes per simulated device; 0 = unlimited
   bool allow_shared_device = false;
 };
@@ -107,13 +106,12 @@ struct DeviceConfig {
 struct DeviceSet {
   std::vector<std::unique_ptr<Device>> devices;
   std::string notice;  // one line: which backend was chosen and why
-  int threads_per_device = 1;
 };
 
 // Throws UsageError for an empty list, repeated ids without allow_shared_device, a bad backend.
 DeviceSet make_devices(const DeviceConfig& config);
 
-std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t memory_cap, int threads);
+std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t memory_cap);
 
 // The CUDA backend's entry points; engine/cuda/ defines them, or engine/stub/ when built without CUDA.
 struct CudaProbe {

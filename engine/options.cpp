@@ -138,8 +138,6 @@ void DeviceFlags::add(CLI::App& app) {
       ->excludes("--gpus")
       ->transform(exact_integer<int>());
   app.add_option("--backend", backend, "auto | cpu | cuda")->capture_default_str();
-  app.add_option("--threads", threads, "Compute threads per simulated device (default: cores / devices)")
-      ->transform(exact_integer<int>());
   app.add_option("--device-memory", memory, "Memory cap per device: bytes or 512M, 2G, ...");
   app.add_flag("--allow-shared-device", allow_shared, "Allow a repeated id: several replicas on one device");
 }
@@ -155,8 +153,6 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
   } else {
     c.ids = parse_ids(gpus, "--gpus");
   }
-  if (threads < 0) throw UsageError("--threads: must be >= 1 (or 0 for cores / devices)");
-  c.threads = threads;
   if (!memory.empty()) c.memory_cap = parse_bytes(memory, "--device-memory");
   c.allow_shared_device = allow_shared;
   return c;

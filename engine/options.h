@@ -23,11 +23,11 @@ float parse_float(const std::string& text, const std::string& flag);
 // "0,1,2" -> {0, 1, 2}. Throws UsageError naming the flag.
 std::vector<int> parse_ids(const std::string& text, const std::string& flag);
 
-// The device flags every front end shares: --gpus, --devices, --backend, --threads,
+// The device flags every front end shares: --gpus, --devices, --backend,
 // --device-memory, --allow-shared-device. finish() turns their text into a DeviceConfig.
 struct DeviceFlags {
   std::string gpus = "0", backend = "auto", memory;
-  int devices = 0, threads = 0;
+  int devices = 0;
   bool allow_shared = false;
   void add(CLI::App& app);
   DeviceConfig finish(const CLI::App& app) const;

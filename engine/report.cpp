@@ -23,7 +23,7 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
 }
 
 nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int epochs, int64_t steps,
-                            int threads_per_device, const TrainResult& result, Engine& engine) {
+                            const TrainResult& result, Engine& engine) {
   nlohmann::json config = run_config(o, spec, steps);
   config.update({{"epochs", epochs},
                  {"shuffle", o.shuffle},
@@ -31,7 +31,6 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                  {"limit_train", o.limit_train},
                  {"limit_test", o.limit_test},
                  {"gpus", o.devices.ids},
-                 {"threads_per_device", threads_per_device},
                  {"strategy", sync_name(o.sync)}});
   nlohmann::json epochs_json = nlohmann::json::array();
   for (auto& e : result.epochs)

@@ -21,7 +21,7 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
 // dp_train's --report: the config (run_config plus epochs, data, devices and strategy), the epochs,
 // the final figures, every device's memory and traffic, and the --verify result.
 nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int epochs, int64_t steps,
-                            int threads_per_device, const TrainResult& result, Engine& engine);
+                            const TrainResult& result, Engine& engine);
 
 // Per device: id, kind, peak_bytes, peak_by_category, bytes_sent_per_step, bytes_received_per_step.
 nlohmann::json device_report(Engine& engine);

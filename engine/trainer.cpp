@@ -284,7 +284,7 @@ TrainResult train(const TrainOptions& opt) {
   }
   if (!opt.report.empty())
     write_json(opt.report,
-               train_report(opt, spec, plan.epochs, plan.total_steps, devs.threads_per_device, result, engine));
+               train_report(opt, spec, plan.epochs, plan.total_steps, result, engine));
   if (!opt.trace.empty()) write_json(opt.trace, trace_json(engine));
   return result;
 }

@@ -2,7 +2,7 @@
 # Installs the Debian packages dp needs to build, train and test, if any is missing.
 # Usage: scripts/deps.sh [--bench]   (--bench adds PyTorch and matplotlib for bench/ comparisons)
 set -euo pipefail
-pkgs=(cmake g++ make pkg-config libopenblas-dev zlib1g-dev doctest-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
+pkgs=(cmake g++ make pkg-config libblis-serial-dev zlib1g-dev doctest-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
       clang libclang-rt-dev clang-format)
 if [ "${1:-}" = "--bench" ]; then pkgs+=(python3-torch python3-matplotlib); fi
 missing=()

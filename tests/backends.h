@@ -37,7 +37,7 @@ inline std::vector<std::unique_ptr<Device>> make_test_devices(const std::string&
     if (kind == "cuda")
       out.push_back(make_cuda_device(r, r % probe_cuda().count, cap));
     else
-      out.push_back(make_simulated_device(r, r, cap, 1));
+      out.push_back(make_simulated_device(r, r, cap));
   }
   return out;
 }

@@ -14,7 +14,7 @@
 // so with |L| and |L'''| below ~100 for the objectives in these tests the error is below ~1e-8 on the
 // scale max(|a|, |n|, 1). kTolerance = 1e-6 leaves a factor 100 of margin for those estimates and still
 // catches a 1% error in any gradient component of magnitude above 1e-4 (test_gradcheck_model.cpp asserts that
-// a gradient scaled by 1.01 fails). Measured (OpenBLAS, x86-64): at most 2e-9 over the layer checks
+// a gradient scaled by 1.01 fails). Measured (with OpenBLAS, before BLIS; x86-64): at most 2e-9 over the layer checks
 // (conv, the largest sums), 4e-11 over the whole-model checks.
 #pragma once
 

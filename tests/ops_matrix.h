@@ -1,8 +1,8 @@
 // The op matrix: one test body runs over every backend this machine has and is compared with the
 // reference kernels (kernels/cpu/kernels.h, the oracle: the float templates where a claim is bit for
 // bit, the double ones where it is a derived tolerance, tests/tolerance.h). The backends:
-//   cpu reference   make_cpu_ops(1, Isa::reference): the float reference kernels through Ops
-//   cpu avx2, ...   make_cpu_ops(1, isa) for each fast instruction set this CPU runs
+//   cpu reference   make_cpu_ops(Isa::reference): the float reference kernels through Ops
+//   cpu avx2, ...   make_cpu_ops(isa) for each fast instruction set this CPU runs
 //   cuda            a CUDA device's Ops, where one is usable
 //
 //   DP_OPS_TEST("gemm: ...") { ... be.ops() ... }
@@ -63,7 +63,7 @@ class Backend {
   explicit Backend(cpu::Isa isa)
       : name_(std::string("cpu ") + cpu::isa_name(isa)),
         reference_(isa == cpu::Isa::reference),
-        ops_(make_cpu_ops(1, isa)) {}
+        ops_(make_cpu_ops(isa)) {}
   // A CUDA device (device memory; every op and copy on its compute thread, as in the engine).
   explicit Backend(std::unique_ptr<Device> cuda) : name_("cuda"), device_(std::move(cuda)) {}
 

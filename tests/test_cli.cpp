@@ -66,7 +66,7 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
 TEST_CASE("dp_train: a short run learns, saves, reloads, reports and traces") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 1024, 256);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 64 --lr 0.05 --threads 1";
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 64 --lr 0.05";
   CommandResult r = run_command(base + " --epochs 3 --devices 2 --sync allreduce --save " + dir / "ck.safetensors" +
                                 " --report " + dir / "r.json" + " --trace " + dir / "t.json");
   INFO(r.output);
@@ -102,7 +102,7 @@ TEST_CASE("dp_train --verify compares with one device and passes for both strate
   write_synthetic_dataset(dir.path.string(), 256, 64);
   for (std::string sync : {"scatter", "allreduce"}) {
     CommandResult r = run_command(kTrain + " --data " + dir.path.string() +
-                                  " --batch 32 --steps 8 --devices 3 --threads 1 --sync " + sync + " --verify");
+                                  " --batch 32 --steps 8 --devices 3 --sync " + sync + " --verify");
     INFO(r.output);
     CHECK(r.exit_code == 0);
     CHECK(r.output.find("verify: largest weight difference") != std::string::npos);
@@ -114,7 +114,7 @@ TEST_CASE("dp_train: a non-finite loss stops with exit 3 naming the step and the
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 64);
   CommandResult r =
-      run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --epochs 1 --threads 1 --lr 1e6 --quiet");
+      run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --epochs 1 --lr 1e6 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 3);
   CHECK(r.output.find("step ") != std::string::npos);

@@ -263,7 +263,6 @@ TEST_CASE("without a usable CUDA device, auto falls back to simulated devices an
   DeviceConfig cfg;
   cfg.backend = "auto";
   cfg.ids = {0, 1};
-  cfg.threads = 1;
   DeviceSet set = make_devices(cfg);
   REQUIRE(set.devices.size() == 2);
   for (auto& d : set.devices) CHECK(d->kind() == DeviceKind::simulated);

@@ -49,20 +49,20 @@ TEST_CASE("fast kernels: the direct way runs the shapes with few taps per output
 }
 
 TEST_CASE("fast kernels: make_cpu_ops picks the best instruction set unless told otherwise") {
-  const auto best = make_cpu_ops(1);
+  const auto best = make_cpu_ops();
   CHECK(std::string(best->variant()) == cpu::isa_name(cpu::detect_isa()));
   for (Isa isa : {Isa::reference, Isa::avx2, Isa::avx512}) {
     CAPTURE(std::string(cpu::isa_name(isa)));
     if (!cpu::isa_supported(isa)) {
-      CHECK_THROWS_AS(make_cpu_ops(1, isa), std::invalid_argument);
+      CHECK_THROWS_AS(make_cpu_ops(isa), std::invalid_argument);
       continue;
     }
-    const auto ops = make_cpu_ops(1, isa);
+    const auto ops = make_cpu_ops(isa);
     CHECK(std::string(ops->backend()) == "cpu");
     CHECK(std::string(ops->variant()) == cpu::isa_name(isa));
     CHECK(ops->preferred_chunk() == 16);
   }
-  const auto ref = make_cpu_ops(1, Isa::reference);
+  const auto ref = make_cpu_ops(Isa::reference);
   const ConvShape s{.n = 4, .c = 2, .h = 6, .w = 6, .k = 3, .kh = 3, .kw = 3, .pad = 1};
   CHECK(ref->conv2d_workspace_floats(s) == size_t(cpu::conv2d_workspace_size(s)));
   CHECK_FALSE(cpu::conv2d_direct(Isa::reference, {.n = 1, .c = 1, .h = 28, .w = 28, .k = 20, .kh = 3, .kw = 3}));
@@ -74,7 +74,7 @@ TEST_CASE("network: the chunked convolutional prefix equals the whole-batch walk
   // The prefix's weight gradients are the same products summed in another order (per chunk, then
   // the chunks): within the golden comparison's bound, 2 K u max|g| * 4 (tests/test_golden.cpp),
   // K = 37 * OH * OW products per weight.
-  auto dev = make_simulated_device(0, 0, 0, 1);
+  auto dev = make_simulated_device(0, 0, 0);
   for (std::string name : {"lenet", "lenet5"}) {
     CAPTURE(name);
     const ModelSpec spec = make_model(name);

@@ -77,7 +77,7 @@ TEST_CASE("inputs: a test set of another image size is refused up front, naming 
     TempDir dir;
     write_dataset(dir, 64, side == 1 ? 200 : 8, side, side);
     CommandResult r =
-        run_command(kTrain + " --data " + dir.path.string() + " --steps 2 --batch 32 --threads 1 --quiet");
+        run_command(kTrain + " --data " + dir.path.string() + " --steps 2 --batch 32 --quiet");
     INFO(r.output);
     CHECK(r.exit_code == 2);
     CHECK(r.output.find("t10k-images-idx3-ubyte.gz") != std::string::npos);
@@ -90,7 +90,7 @@ TEST_CASE("inputs: the test set's labels are held to the model's classes") {
   TempDir dir;
   write_dataset(dir, 64, 4, 28, 28);
   write_file(dir / "t10k-labels-idx1-ubyte.gz", idx_labels({1, 2, 10, 3}), true);
-  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --steps 1 --batch 32 --threads 1 --quiet");
+  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --steps 1 --batch 32 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("t10k-labels-idx1-ubyte.gz") != std::string::npos);
@@ -144,7 +144,7 @@ TEST_CASE("inputs: a labels file linked to /dev/zero fails at its header, at onc
   std::filesystem::remove(dir / "train-labels-idx1-ubyte");
   std::filesystem::create_symlink("/dev/zero", dir / "train-labels-idx1-ubyte");
   auto t0 = std::chrono::steady_clock::now();
-  CommandResult r = run_capped("--data " + dir.path.string() + " --steps 1 --threads 1 --quiet");
+  CommandResult r = run_capped("--data " + dir.path.string() + " --steps 1 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("train-labels-idx1-ubyte") != std::string::npos);
@@ -163,7 +163,7 @@ TEST_CASE("inputs: a labels .gz that inflates to 3 GiB fails after its declared 
   std::filesystem::remove(dir / "train-labels-idx1-ubyte.gz");
   write_file(dir / "train-labels-idx1-ubyte.gz", bomb, false);
   auto t0 = std::chrono::steady_clock::now();
-  CommandResult r = run_capped("--data " + dir.path.string() + " --steps 1 --threads 1 --quiet");
+  CommandResult r = run_capped("--data " + dir.path.string() + " --steps 1 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("train-labels-idx1-ubyte.gz") != std::string::npos);
@@ -173,7 +173,7 @@ TEST_CASE("inputs: a labels .gz that inflates to 3 GiB fails after its declared 
   std::string liar = gz_member(idx_labels(std::vector<uint8_t>(65, 1)));
   for (int i = 0; i < 48; ++i) liar += zeros;
   write_file(dir / "train-labels-idx1-ubyte.gz", liar, false);
-  r = run_capped("--data " + dir.path.string() + " --steps 1 --threads 1 --quiet");
+  r = run_capped("--data " + dir.path.string() + " --steps 1 --quiet");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("must match") != std::string::npos);
 }
@@ -181,7 +181,7 @@ TEST_CASE("inputs: a labels .gz that inflates to 3 GiB fails after its declared 
 TEST_CASE("overflow: step counts whose epochs do not fit are refused, not wrapped") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --threads 1 --quiet --save " + dir / "ck.st";
+  const std::string base = kTrain + " --data " + dir.path.string() + " --quiet --save " + dir / "ck.st";
   for (std::string args :
        {"--steps 4294967296 --batch 2048", "--steps 9223372036854775807", "--steps 9223372036854775807 --batch 1"}) {
     CAPTURE(args);
@@ -206,14 +206,14 @@ TEST_CASE("overflow: step counts whose epochs do not fit are refused, not wrappe
 TEST_CASE("overflow: integer flags read as decimal, exactly") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --threads 1 --quiet";
+  const std::string base = kTrain + " --data " + dir.path.string() + " --quiet";
   // strtoll in base 0 read "010" as 8 and "0x10" as 16
   CommandResult r = run_command(base + " --steps 010 --batch 8 --report " + dir / "r.json");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   std::ifstream f(dir / "r.json");
   CHECK(nlohmann::json::parse(f)["config"]["steps"].get<int64_t>() == 10);
-  for (std::string args : {"--batch 0x10", "--batch 2147483648", "--epochs 1e3", "--threads 1.5"}) {
+  for (std::string args : {"--batch 0x10", "--batch 2147483648", "--epochs 1e3", "--devices 1.5"}) {
     CAPTURE(args);
     r = run_command(base + " " + args);
     INFO(r.output);
@@ -227,7 +227,7 @@ TEST_CASE("overflow: --verify's tolerance comes from the batch trained, not --ba
   write_synthetic_dataset(dir.path.string(), 64, 8);
   CommandResult r =
       run_command(kTrain + " --data " + dir.path.string() +
-                  " --steps 2 --batch 2147483647 --devices 2 --threads 1 --verify --quiet --report " + dir / "r.json");
+                  " --steps 2 --batch 2147483647 --devices 2 --verify --quiet --report " + dir / "r.json");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   std::ifstream f(dir / "r.json");
@@ -255,7 +255,7 @@ TEST_CASE("overflow: seeds parse exactly 0..2^64-1 and nothing else") {
   }
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --steps 1 --batch 32 --threads 1 --quiet";
+  const std::string base = kTrain + " --data " + dir.path.string() + " --steps 1 --batch 32 --quiet";
   for (std::string bad : {"-1", "-5", "18446744073709551616", "1e23"}) {
     CAPTURE(bad);
     CommandResult r = run_command(base + " --seed " + bad);

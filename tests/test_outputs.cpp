@@ -28,7 +28,7 @@ const std::string kTrain = DP_TRAIN_BIN;
 
 // A refusal is immediate; a 2-step run on 64 images takes well under a second. 60 s only bounds a bug.
 CommandResult train(const TempDir& dir, const std::string& args) {
-  return run_command("timeout -k 5 60 " + kTrain + " --data " + dir.path.string() + " --quiet --threads 1 --batch 16 " +
+  return run_command("timeout -k 5 60 " + kTrain + " --data " + dir.path.string() + " --quiet --batch 16 " +
                      (args.find("--steps") == std::string::npos ? "--steps 2 " : "") + args);
 }
 
@@ -204,7 +204,7 @@ TEST_CASE("dp_train: a write the system refuses exits 1 with its reason and leav
   // fails with ENOSPC; SIGXFSZ is ignored so the write returns the error instead of killing.
   CommandResult r =
       run_command("sh -c \"trap '' XFSZ; ulimit -f 100; exec timeout -k 5 60 " + kTrain + " --data " +
-                  dir.path.string() + " --quiet --threads 1 --batch 16 --steps 3 --save " + dir / "out/ck.st" + "\"");
+                  dir.path.string() + " --quiet --batch 16 --steps 3 --save " + dir / "out/ck.st" + "\"");
   INFO(r.output);
   CHECK(r.exit_code == 1);
   CHECK(r.output.find(std::strerror(EFBIG)) != std::string::npos);

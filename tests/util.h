@@ -19,6 +19,19 @@
 
 namespace dp::test {
 
+// Built with ASan or TSan (GCC defines __SANITIZE_*, clang answers __has_feature): they reserve
+// terabytes of address space, so ulimit -v cannot apply to these binaries.
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define DP_TEST_SANITIZED 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || defined(DP_TEST_SANITIZED)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 // A fresh directory under the system temp dir, removed with its contents at scope exit.
 struct TempDir {
   std::filesystem::path path;

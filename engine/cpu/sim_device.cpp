@@ -15,8 +15,7 @@ namespace {
 // the reference), a compute and a communication thread.
 class SimDevice final : public Device {
  public:
-  SimDevice(int rank, int id, int64_t cap, int threads)
-      : Device(rank, id, DeviceKind::simulated, cap), ops_(make_cpu_ops(threads)) {
+  SimDevice(int rank, int id, int64_t cap) : Device(rank, id, DeviceKind::simulated, cap), ops_(make_cpu_ops()) {
     start_workers({});
   }
   ~SimDevice() override { stop_workers(); }
@@ -52,8 +51,8 @@ class SimDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t cap, int threads) {
-  return std::make_unique<SimDevice>(rank, id, cap, threads);
+std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t cap) {
+  return std::make_unique<SimDevice>(rank, id, cap);
 }
 
 }  // namespace dp

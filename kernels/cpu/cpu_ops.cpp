@@ -9,18 +9,18 @@
 
 namespace dp {
 
-std::unique_ptr<Ops> make_cpu_ops(int threads, cpu::Isa isa) {
+std::unique_ptr<Ops> make_cpu_ops(cpu::Isa isa) {
   if (!cpu::isa_supported(isa))
     throw std::invalid_argument(std::string("CPU kernels: this CPU or build does not run ") + cpu::isa_name(isa));
   switch (isa) {
 #if DP_FAST_X86
     case cpu::Isa::avx2:
-      return cpu::avx2::make_ops(threads);
+      return cpu::avx2::make_ops();
     case cpu::Isa::avx512:
-      return cpu::avx512::make_ops(threads);
+      return cpu::avx512::make_ops();
 #endif
     default:
-      return std::make_unique<cpu::ReferenceOps>(threads);
+      return std::make_unique<cpu::ReferenceOps>();
   }
 }
 

@@ -12,9 +12,9 @@
 
 namespace dp {
 
-// Throws std::invalid_argument when this CPU (or build) does not run isa. Sets OpenBLAS's thread
-// count, which is process-wide: every simulated device asks for the same number.
-std::unique_ptr<Ops> make_cpu_ops(int threads, cpu::Isa isa = cpu::detect_isa());
+// Throws std::invalid_argument when this CPU (or build) does not run isa. Every op runs on the
+// calling thread: a simulated device is one thread.
+std::unique_ptr<Ops> make_cpu_ops(cpu::Isa isa = cpu::detect_isa());
 
 namespace cpu {
 // True when the backend for isa runs convolution shape s the direct way (NCHW, vectors along output

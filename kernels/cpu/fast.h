@@ -39,11 +39,11 @@
 #if DP_FAST_X86
 // What each unit exports; call only where isa_supported(Isa::avx2 / Isa::avx512).
 namespace dp::cpu::avx2 {
-std::unique_ptr<Ops> make_ops(int threads);
+std::unique_ptr<Ops> make_ops();
 bool conv2d_direct(const ConvShape& s);  // see cpu_ops.h
 }  // namespace dp::cpu::avx2
 namespace dp::cpu::avx512 {
-std::unique_ptr<Ops> make_ops(int threads);
+std::unique_ptr<Ops> make_ops();
 bool conv2d_direct(const ConvShape& s);
 }  // namespace dp::cpu::avx512
 #endif

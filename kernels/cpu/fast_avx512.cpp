@@ -13,7 +13,7 @@
 
 namespace dp::cpu::avx512 {
 
-std::unique_ptr<Ops> make_ops(int threads) { return std::make_unique<fast::FastOps<Simd>>(threads); }
+std::unique_ptr<Ops> make_ops() { return std::make_unique<fast::FastOps<Simd>>(); }
 bool conv2d_direct(const ConvShape& s) { return fast::direct_pays<Simd>(s); }
 
 }  // namespace dp::cpu::avx512

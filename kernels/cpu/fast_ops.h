@@ -14,7 +14,6 @@ namespace dp::cpu::fast {
 template <class S>
 class FastOps final : public ReferenceOps {
  public:
-  explicit FastOps(int threads) : ReferenceOps(threads) {}
   const char* variant() const override { return S::kName; }
 
   size_t conv2d_workspace_floats(const ConvShape& s) override { return size_t(workspace_floats<S>(s)); }

@@ -1,4 +1,4 @@
-// Row-major GEMM on OpenBLAS; the same signature as the cuBLAS wrapper in kernels/cuda/gemm.cu.
+// Row-major GEMM on BLIS (its CBLAS interface); the same signature as the cuBLAS wrapper in kernels/cuda/gemm.cu.
 #include <cblas.h>
 
 #include "kernels/cpu/kernels.h"

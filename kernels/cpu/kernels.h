@@ -1,6 +1,6 @@
 // The CPU reference kernels as templates over the scalar type T: float is what dp trains with (the
 // reference backend, kernels/cpu/reference_ops.h, calls these), double is what the finite-difference
-// gradient checks in tests/ run in. Plain loops over shape-commented buffers, GEMM on OpenBLAS. Each
+// gradient checks in tests/ run in. Plain loops over shape-commented buffers, GEMM on BLIS. Each
 // op is defined in its own file in this directory, with explicit instantiations for float and double.
 #pragma once
 

@@ -1,13 +1,11 @@
 // The reference CPU backend (kernels/cpu/reference_ops.h): each op forwards to its kernel.
 #include "kernels/cpu/reference_ops.h"
 
-#include <cblas.h>
-
 #include "kernels/cpu/kernels.h"
 
 namespace dp::cpu {
 
-ReferenceOps::ReferenceOps(int threads) { openblas_set_num_threads(threads); }
+ReferenceOps::ReferenceOps() = default;
 ReferenceOps::~ReferenceOps() = default;
 const char* ReferenceOps::backend() const { return "cpu"; }
 const char* ReferenceOps::variant() const { return "reference"; }

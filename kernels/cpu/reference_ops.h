@@ -1,6 +1,6 @@
 // The reference CPU backend: every op of the Ops interface as the float instantiation of its
 // reference kernel in kernels/cpu/kernels.h (plain loops over shape-commented buffers, GEMM on
-// OpenBLAS), the oracle the fast kernels and the CUDA twins are tested against. The fast backends
+// BLIS), the oracle the fast kernels and the CUDA twins are tested against. The fast backends
 // (kernels/cpu/fast_ops.h) derive from it and override the ops they speed up. Made through
 // make_cpu_ops (kernels/cpu/cpu_ops.h).
 #pragma once
@@ -14,8 +14,7 @@ namespace dp::cpu {
 // in) is compiled into a fast unit, whose copy the linker might keep for every caller.
 class ReferenceOps : public Ops {
  public:
-  // Sets OpenBLAS's thread count, which is process-wide: every simulated device asks for the same number.
-  explicit ReferenceOps(int threads);
+  ReferenceOps();
   ~ReferenceOps() override;
   const char* backend() const override;
   const char* variant() const override;
