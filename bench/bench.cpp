@@ -6,12 +6,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "engine/error.h"
+#include "engine/options.h"
 
 extern char** environ;
 
@@ -136,6 +141,123 @@ AlphaBeta fit_alpha_beta(const std::vector<double>& x, const std::vector<double>
   if (b <= 0) return ab;
   ab.alpha = a, ab.beta = 1.0 / b;
   return ab;
+}
+
+// --- memory, checked before a run ---------------------------------------------------------------
+
+namespace {
+
+// The first number in a file ("max" and unreadable files: -1).
+int64_t read_number(const std::string& path) {
+  std::ifstream f(path);
+  int64_t v = -1;
+  if (!(f >> v)) return -1;
+  return v;
+}
+
+}  // namespace
+
+// 80%: the ledger counts buffers, not the heap's overhead, the threads' stacks or the program, and
+// the estimate is a line through two measured points; a run that needs the last fifth of the
+// machine is one to ask about first.
+int64_t HostMemory::bound() const { return available / 5 * 4; }
+
+std::string HostMemory::describe() const {
+  return "80% of the " + format_bytes(available) + " available (" + source + ")";
+}
+
+HostMemory host_memory() {
+  HostMemory m;
+  if (const char* env = std::getenv("DP_BENCH_MEM_AVAILABLE"); env && *env) {
+    m.available = parse_bytes(env, "DP_BENCH_MEM_AVAILABLE");
+    m.source = "$DP_BENCH_MEM_AVAILABLE";
+    return m;
+  }
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string line; std::getline(meminfo, line);)
+    if (line.rfind("MemAvailable:", 0) == 0) {
+      std::istringstream(line.substr(13)) >> m.available;
+      m.available *= 1024;  // kB
+      m.source = "MemAvailable in /proc/meminfo";
+    }
+  if (m.available <= 0) {
+    m.available = int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGESIZE));
+    m.source = "free pages, sysconf";
+  }
+  // In a container the cgroup's limit comes first: the kernel kills the run there.
+  const int64_t limit = read_number("/sys/fs/cgroup/memory.max"), used = read_number("/sys/fs/cgroup/memory.current");
+  if (limit > 0 && used >= 0 && limit - used < m.available) {
+    m.available = std::max<int64_t>(0, limit - used);
+    m.source = "the cgroup's memory.max less memory.current";
+  }
+  return m;
+}
+
+int64_t DeviceBytes::at(int64_t batch) const {
+  if (!host) return 0;
+  const int64_t whole = (batch + n - 1) / n * n;  // every device's buffers hold the largest shard
+  const int64_t bytes = int64_t(std::ceil(fixed + per_sample * double(whole)));
+  return cap_total > 0 ? std::min(bytes, cap_total) : bytes;
+}
+
+DeviceBytes measure_device_bytes(const std::vector<Device*>& devices, const ModelSpec& spec, EngineConfig config) {
+  DeviceBytes line;
+  line.n = int(devices.size());
+  line.cap_total = caps_total(devices[0]->ledger().cap(), line.n);
+  line.host = devices[0]->kind() != DeviceKind::cuda;
+  if (!line.host) return line;
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 0, init.data());
+  const SyntheticData one = make_synthetic(spec, 1, 1, 0);
+  // Buffers are sized for the batch when the engine is built; a one-image step adds the
+  // communicator's scratch, which depends on P only (skew's batch search relies on the same).
+  auto peak = [&](int per_device) {
+    for (Device* d : devices) d->ledger().reset_peak();
+    config.batch = per_device * line.n;
+    {
+      Engine engine(devices, spec, config);
+      engine.set_params(init);
+      engine.step(one.images(0), one.labels(0), 1);
+    }
+    int64_t sum = 0;
+    for (Device* d : devices) sum += d->ledger().snapshot().total_peak;
+    return double(sum);
+  };
+  try {
+    const double lo = peak(32), hi = peak(64);
+    line.per_sample = (hi - lo) / (32.0 * line.n);
+    line.fixed = lo - line.per_sample * 32 * line.n;
+  } catch (const OutOfMemory&) {
+    line.fixed = double(line.cap_total);  // a cap too small for the measurement bounds the devices anyway
+  }
+  for (Device* d : devices) d->ledger().reset_peak();
+  return line;
+}
+
+int64_t caps_total(int64_t cap, int n) { return std::min<int64_t>(cap, (int64_t(1) << 62) / n) * n; }
+
+int64_t synthetic_bytes(const ModelSpec& spec, int64_t batch, int64_t batches) {
+  return std::max<int64_t>(1, batches) * batch *
+         (spec.input_size() * int64_t(sizeof(float)) + int64_t(sizeof(int32_t)));
+}
+
+int64_t largest_fitting(int64_t hi, int64_t bound, const std::function<int64_t(int64_t)>& need) {
+  int64_t lo = 0;  // need(lo) fits or lo == 0
+  if (need(hi) <= bound) return hi;
+  while (hi - lo > 1) {
+    int64_t mid = lo + (hi - lo) / 2;
+    (need(mid) <= bound ? lo : hi) = mid;
+  }
+  return need(lo) <= bound ? lo : 0;
+}
+
+void require_host_memory(const HostMemory& mem, int64_t need, const std::string& parts, const std::string& what,
+                         const std::string& advice) {
+  if (need > mem.bound())
+    throw UsageError(what + ": this run needs about " + format_bytes(need) + " of host memory (" + parts +
+                     "), more than " + mem.describe() + "; " + advice);
+  std::printf("memory: about %s of host memory (%s), within %s\n", format_bytes(need).c_str(), parts.c_str(),
+              mem.describe().c_str());
 }
 
 // --- plots ----------------------------------------------------------------------------------------
@@ -274,14 +396,6 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   size_t m = v.size() / 2;
   return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
-}
-
-void check_output_path(const std::string& path, const std::string& flag) {
-  if (path.empty()) return;
-  auto dir = std::filesystem::path(path).parent_path();
-  std::error_code ec;
-  if (!dir.empty() && !std::filesystem::is_directory(dir, ec))
-    throw UsageError(flag + ": " + path + ": the directory " + dir.string() + " does not exist");
 }
 
 std::string command_line(int argc, const char* const* argv) {

@@ -3,8 +3,11 @@
 // Everything runs on the same dp_engine library dp_train uses; nothing here computes a layer.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/communicator.h"
@@ -85,6 +88,9 @@ struct CommSweep {
 
 // Sizes from min to max doubling (max included), rounded down to whole floats.
 std::vector<int64_t> sweep_sizes(int64_t min_bytes, int64_t max_bytes);
+// The device memory run_comm_sweep takes, summed over n devices: each rank's buffer and chunk, and
+// the communicator's scratch (the root's (n-1) buffers for reduce, a chunk elsewhere).
+int64_t sweep_bytes(const CommSweep& sweep, int n);
 // Each collective over each size through a communicator over `devices`, SPMD from each device's
 // thread; one warm-up op, then timed ops.
 std::vector<CommPoint> run_comm_sweep(const std::vector<Device*>& devices, const CommSweep& sweep);
@@ -93,6 +99,45 @@ AlphaBeta fit_from_sweep(const std::vector<CommPoint>& points);
 // Runs fn(rank) on every device's compute thread at once and waits; a failure aborts the
 // communicator (no rank waits forever) and is rethrown here.
 void spmd(Communicator& comm, const std::vector<Device*>& devices, const std::function<void(int)>& fn);
+
+// --- memory, checked before a run ---------------------------------------------------------------
+
+// The host memory a run may count on: MemAvailable (/proc/meminfo), or less where a cgroup (v2)
+// limits this process; $DP_BENCH_MEM_AVAILABLE (a size, e.g. 64M) replaces it, for tests.
+struct HostMemory {
+  int64_t available = 0;
+  std::string source;            // "MemAvailable in /proc/meminfo", ...
+  int64_t bound() const;         // what one run may take: 80% of it
+  std::string describe() const;  // "80% of the 21.85 GiB available (MemAvailable ...)"
+};
+HostMemory host_memory();
+
+// The ledgers' peaks summed over a set of devices, as a line in the global batch: an engine built
+// and stepped at 32 and 64 images per device. Both are past the CPU's 16-image conv chunk, beyond
+// which every buffer grows linearly with the batch (were the chunk larger, the line would
+// overestimate: the safe side), and small, so measuring costs little even over many devices. CUDA
+// devices hold no host memory (host false); under --device-memory no device holds more than its cap.
+struct DeviceBytes {
+  int n = 1;
+  bool host = true;
+  double fixed = 0, per_sample = 0;
+  int64_t cap_total = 0;  // n x --device-memory; 0: no cap
+  int64_t at(int64_t batch) const;
+};
+DeviceBytes measure_device_bytes(const std::vector<Device*>& devices, const ModelSpec& spec, EngineConfig config);
+
+// n devices' caps, cap x n, held under 2^62 (parse_bytes takes caps up to 2^63 - 1): sums of it and
+// the data set stay within int64.
+int64_t caps_total(int64_t cap, int n);
+// The synthetic data set's bytes: `batches` batches of `batch` images and labels.
+int64_t synthetic_bytes(const ModelSpec& spec, int64_t batch, int64_t batches);
+// The largest x in [0, hi] with need(x) <= bound (need grows with x); 0 when none.
+int64_t largest_fitting(int64_t hi, int64_t bound, const std::function<int64_t(int64_t)>& need);
+// Prints "memory: about <need> of host memory (<parts>), within <the bound>" when need fits it,
+// else throws UsageError "<what>: this run needs about <need> of host memory (<parts>), more than
+// <the bound>; <advice>".
+void require_host_memory(const HostMemory& mem, int64_t need, const std::string& parts, const std::string& what,
+                         const std::string& advice);
 
 // --- plots ----------------------------------------------------------------------------------------
 
@@ -122,8 +167,6 @@ std::string commas(int64_t v);              // 1234567 -> "1,234,567"
 std::string fixed(double v, int decimals);  // "%.*f"
 std::string pad(const std::string& s, int width, bool right = true);
 double median(std::vector<double> v);
-// Throws UsageError when FILE's directory does not exist.
-void check_output_path(const std::string& path, const std::string& flag);
 std::string command_line(int argc, const char* const* argv);
 
 }  // namespace dp::bench

@@ -8,6 +8,7 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
+#include "engine/paths.h"
 #include "engine/report.h"
 
 namespace dp::bench {
@@ -37,7 +38,7 @@ void print_comm(const std::vector<CommPoint>& points, const AlphaBeta& ab, const
     if (c == Collective::all_reduce) head.push_back("α-β model µs");
   }
   t.row(head);
-  for (int64_t bytes : sweep_sizes(o.min_bytes, o.max_bytes)) {
+  for (int64_t bytes : sweep_sizes(sw.min_bytes, sw.max_bytes)) {
     std::vector<std::string> r{format_bytes(bytes)};
     for (Collective c : sw.collectives)
       for (const CommPoint& p : points)
@@ -62,28 +63,75 @@ void print_comm(const std::vector<CommPoint>& points, const AlphaBeta& ab, const
 
 }  // namespace
 
-int run_comm(const CommOptions& o) {
+namespace {
+
+// Messages are whole floats: --min-bytes rounds up and --max-bytes down to a multiple of 4, and the
+// rounding is said, not done silently; a range holding no multiple of 4 is refused.
+CommSweep sweep_of(const CommOptions& o) {
   if (o.min_bytes < 4)
     throw UsageError("--min-bytes: " + std::to_string(o.min_bytes) + " is less than one float; give at least 4");
   if (o.max_bytes < o.min_bytes)
-    throw UsageError("--max-bytes: " + format_bytes(o.max_bytes) + " is below --min-bytes " +
-                     format_bytes(o.min_bytes));
+    throw UsageError("--max-bytes: " + commas(o.max_bytes) + " B is below --min-bytes " + commas(o.min_bytes) +
+                     " B; the sweep doubles from --min-bytes up to --max-bytes");
+  CommSweep sw;
+  sw.min_bytes = (o.min_bytes + 3) / 4 * 4, sw.max_bytes = o.max_bytes / 4 * 4;
+  sw.max_iters = o.iters, sw.budget_seconds = o.budget_seconds;
+  if (sw.min_bytes > sw.max_bytes)
+    throw UsageError("--min-bytes " + commas(o.min_bytes) + " to --max-bytes " + commas(o.max_bytes) +
+                     ": the range holds no whole number of floats; messages are whole floats (multiples of 4 "
+                     "bytes), so give a range containing a multiple of 4, e.g. --min-bytes " +
+                     commas(sw.max_bytes) + " or --max-bytes " + commas(sw.min_bytes));
+  if (sw.min_bytes != o.min_bytes)
+    std::printf("comm: messages are whole floats: --min-bytes %s is measured as %s B\n", commas(o.min_bytes).c_str(),
+                commas(sw.min_bytes).c_str());
+  if (sw.max_bytes != o.max_bytes)
+    std::printf("comm: messages are whole floats: --max-bytes %s is measured as %s B\n", commas(o.max_bytes).c_str(),
+                commas(sw.max_bytes).c_str());
+  return sw;
+}
+
+// The sweep's buffers live in the host's memory on simulated devices: refused past the bound,
+// naming the largest --max-bytes that fits.
+void check_memory(const CommSweep& sw, int n, bool simulated) {
+  if (!simulated) return;
+  const HostMemory mem = host_memory();
+  auto need = [&](int64_t max_bytes) {
+    CommSweep s = sw;
+    s.max_bytes = std::max(s.min_bytes, max_bytes / 4 * 4);
+    return sweep_bytes(s, n);
+  };
+  const int64_t fits = largest_fitting(sw.max_bytes, mem.bound(), need) / 4 * 4;
+  require_host_memory(mem, sweep_bytes(sw, n),
+                      std::to_string(n) +
+                          " simulated devices: each a buffer of --max-bytes and a chunk of it, and "
+                          "reduce's root (n-1) more buffers",
+                      "--max-bytes " + format_bytes(sw.max_bytes),
+                      fits >= sw.min_bytes ? "give --max-bytes " + std::to_string(fits) + " or less"
+                                           : "even --min-bytes does not fit; give fewer devices");
+}
+
+}  // namespace
+
+int run_comm(const CommOptions& o) {
   if (o.iters < 1) throw UsageError("--iters: must be at least 1");
-  check_output_path(o.json, "--json");
+  check_output_file("--json", o.json);
+  check_output_directory("--plot", o.plot);
   if (!o.plot.empty()) check_plotting();
+  const CommSweep sw = sweep_of(o);
   DeviceSet set = make_devices(o.devices);
   const int n = int(set.devices.size());
   if (n < 2)
     throw UsageError("--gpus: comm measures collectives between devices; give at least two, e.g. --gpus 0,1,2,3");
   std::printf("%s\n", set.notice.c_str());
+  check_memory(sw, n, set.devices[0]->kind() != DeviceKind::cuda);
   std::vector<Device*> devices;
   std::vector<std::string> names;
   for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
 
-  CommSweep sw;
-  sw.min_bytes = o.min_bytes, sw.max_bytes = o.max_bytes, sw.max_iters = o.iters, sw.budget_seconds = o.budget_seconds;
   const std::vector<CommPoint> points = run_comm_sweep(devices, sw);
   const AlphaBeta ab = fit_from_sweep(points);
+  int64_t peak = 0;  // the ledgers' (device memory, whatever the backend), against the estimate
+  for (Device* d : devices) peak += d->ledger().snapshot().total_peak;
 
   print_comm(points, ab, sw, names, o);
 
@@ -102,8 +150,9 @@ int run_comm(const CommOptions& o) {
       {"devices", n},
       {"names", names},
       {"backend", set.notice},
-      {"min_bytes", o.min_bytes},
-      {"max_bytes", o.max_bytes},
+      {"min_bytes", sw.min_bytes},  // as measured: whole floats
+      {"max_bytes", sw.max_bytes},
+      {"memory", {{"estimate_bytes", sweep_bytes(sw, n)}, {"peak_bytes", peak}}},
       {"max_iters", o.iters},
       {"points", pts},
       {"alpha_beta",

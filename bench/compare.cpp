@@ -8,6 +8,7 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
+#include "engine/paths.h"
 #include "engine/report.h"
 
 namespace dp::bench {
@@ -45,17 +46,21 @@ struct DeviceCountRun {
   std::vector<StrategyRun> strategies;
 };
 
+EngineConfig engine_config(Sync sync, const CompareOptions& o) {
+  EngineConfig ec;
+  ec.sync = sync, ec.split = o.split, ec.batch = o.batch, ec.lr = o.lr, ec.momentum = o.momentum;
+  ec.bucket_kb = sync == Sync::allreduce ? o.bucket_kb : 0;
+  ec.trace = !o.trace.empty();
+  return ec;
+}
+
 StrategyRun run_strategy(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, const CompareOptions& o,
                          const SyntheticData& data, const std::vector<float>& init, const AlphaBeta& ab, int pid) {
   using clock = std::chrono::steady_clock;
   const int n = int(devices.size());
   // The previous engine has freed everything: its peaks must not count for this one.
   for (Device* d : devices) d->ledger().reset_peak();
-  EngineConfig ec;
-  ec.sync = sync, ec.split = o.split, ec.batch = o.batch, ec.lr = o.lr, ec.momentum = o.momentum;
-  ec.bucket_kb = sync == Sync::allreduce ? o.bucket_kb : 0;
-  ec.trace = !o.trace.empty();
-  Engine engine(devices, spec, ec);
+  Engine engine(devices, spec, engine_config(sync, o));
   engine.set_params(init);
 
   StepResult last;
@@ -260,8 +265,10 @@ void check_options(const CompareOptions& o) {
   if ((o.alpha_us >= 0) != (o.beta_gbps >= 0))
     throw UsageError("--alpha-us and --beta-gbps: give both (or neither, to fit them here)");
   if (o.alpha_us >= 0 && !(o.beta_gbps > 0)) throw UsageError("--beta-gbps: must be a positive bandwidth in GB/s");
-  check_output_path(o.json, "--json");
-  check_output_path(o.trace, "--trace");
+  check_output_file("--json", o.json);
+  check_output_file("--trace", o.trace);
+  check_output_directory("--plot", o.plot);
+  check_distinct_outputs({{"--json", o.json}, {"--trace", o.trace}});
   if (!o.plot.empty()) check_plotting();
 }
 
@@ -288,6 +295,15 @@ std::vector<std::string> replica_names(const std::vector<Device*>& devices) {
   return names;
 }
 
+// A quick all-reduce sweep around the model's size, for the alpha-beta fit; `dp_bench comm` does
+// the full range and every collective.
+CommSweep quick_sweep() {
+  CommSweep quick;
+  quick.collectives = {Collective::all_reduce};
+  quick.min_bytes = 1 << 10, quick.max_bytes = 4 << 20, quick.max_iters = 20, quick.budget_seconds = 0.02;
+  return quick;
+}
+
 // Given by --alpha-us/--beta-gbps, or fitted on these devices (none for a single device).
 AlphaBeta alpha_beta(const std::vector<Device*>& devices, const CompareOptions& o) {
   AlphaBeta ab;
@@ -295,15 +311,50 @@ AlphaBeta alpha_beta(const std::vector<Device*>& devices, const CompareOptions& 
     ab.alpha = o.alpha_us * 1e-6, ab.beta = o.beta_gbps * 1e9;
     ab.source = "(given: --alpha-us/--beta-gbps)";
   } else if (devices.size() > 1) {
-    // A quick all-reduce sweep around the model's size on these devices; `dp_bench comm` does
-    // the full range and every collective.
-    CommSweep quick;
-    quick.collectives = {Collective::all_reduce};
-    quick.min_bytes = 1 << 10, quick.max_bytes = 4 << 20, quick.max_iters = 20, quick.budget_seconds = 0.02;
-    ab = fit_from_sweep(run_comm_sweep(devices, quick));
+    ab = fit_from_sweep(run_comm_sweep(devices, quick_sweep()));
     ab.source = "(" + ab.source + " on these devices; dp_bench comm sweeps the full range)";
   }
   return ab;
+}
+
+struct MemoryEstimate {
+  int64_t total = 0, devices = 0;  // bytes of host memory; the simulated devices' part of it
+};
+
+// The host memory the run takes: the synthetic data, and on simulated devices the ledgers' peak
+// (engines and the alpha-beta sweep run one at a time: the largest of them). Printed, or refused
+// past the bound with the largest batch that fits.
+MemoryEstimate check_memory(const CompareOptions& o, const ModelSpec& spec) {
+  const int64_t batches = std::min<int64_t>(int64_t(o.warmup) + o.steps, 8);  // make_synthetic's, below
+  std::vector<DeviceBytes> lines;
+  int64_t sweeps = 0;
+  for (const auto& ids : device_id_sets(o)) {
+    DeviceConfig dc = o.devices;
+    dc.ids = ids;
+    DeviceSet set = make_devices(dc);
+    std::vector<Device*> devices;
+    for (auto& d : set.devices) devices.push_back(d.get());
+    for (Sync s : kStrategies) lines.push_back(measure_device_bytes(devices, spec, engine_config(s, o)));
+    if (o.alpha_us < 0 && devices.size() > 1 && lines.back().host)
+      sweeps = std::max(sweeps, sweep_bytes(quick_sweep(), int(devices.size())));
+  }
+  auto on_devices = [&](int64_t b) {
+    int64_t m = sweeps;
+    for (const DeviceBytes& l : lines) m = std::max(m, l.at(b));
+    return m;
+  };
+  auto need = [&](int64_t b) { return synthetic_bytes(spec, b, batches) + on_devices(b); };
+  const HostMemory mem = host_memory();
+  const int64_t fits = largest_fitting(o.batch, mem.bound(), need);
+  const std::string parts =
+      "the synthetic data " + format_bytes(synthetic_bytes(spec, o.batch, batches)) + ", " + std::to_string(batches) +
+      " batches of " + commas(o.batch) + " images; " +
+      (lines[0].host ? "the simulated devices " + format_bytes(on_devices(o.batch)) + " at their peak, by their ledgers"
+                     : "the CUDA devices' memory is their own");
+  require_host_memory(mem, need(o.batch), parts, "--batch " + std::to_string(o.batch),
+                      fits > 0 ? "the largest batch that fits is " + std::to_string(fits)
+                               : "not even a batch of 1 fits; give fewer devices");
+  return {need(o.batch), on_devices(o.batch)};
 }
 
 // Both strategies on one set of devices; their trace lanes are processes first_pid and first_pid + 1.
@@ -354,8 +405,10 @@ nlohmann::json compare_json(const CompareOptions& o, const ModelSpec& spec, cons
 int run_compare(const CompareOptions& o) {
   check_options(o);
   const ModelSpec spec = make_model(o.model);
+  const MemoryEstimate memory = check_memory(o, spec);
   // Both strategies see the same initial weights and the same batches in the same order.
-  const SyntheticData data = make_synthetic(spec, o.batch, std::min(o.warmup + o.steps, 8), o.seed);
+  const SyntheticData data =
+      make_synthetic(spec, o.batch, int(std::min<int64_t>(int64_t(o.warmup) + o.steps, 8)), o.seed);
   std::vector<float> init(size_t(spec.param_count));
   init_params(spec, o.seed, init.data());
 
@@ -382,7 +435,8 @@ int run_compare(const CompareOptions& o) {
               all_match ? "measured == model, to the byte, on every device for both strategies"
                         : "MISMATCH between the measured bytes and the model (see the rows marked MISMATCH)");
 
-  const nlohmann::json j = compare_json(o, spec, runs, all_match);
+  nlohmann::json j = compare_json(o, spec, runs, all_match);
+  j["memory"] = {{"estimate_bytes", memory.total}, {"devices_estimate_bytes", memory.devices}};
   if (!o.json.empty()) write_json(o.json, j);
   if (!o.trace.empty()) write_json(o.trace, {{"traceEvents", trace}, {"displayTimeUnit", "ms"}});
   if (!o.plot.empty()) {

@@ -5,6 +5,7 @@
 //            the largest batch each strategy fits
 // Exit codes: 0 done, 1 a check failed (bytes off the model, skew out of bounds) or a device failed
 // or --plot could not plot, 2 bad arguments.
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -28,6 +29,13 @@ std::vector<int> parse_counts(const std::string& text) {
   return counts;
 }
 
+// --seed as text, read by parse_seed: CLI11 alone wraps "-1" to 2^64-1.
+void add_seed(CLI::App& c, std::string& seed) {
+  c.add_option("--seed", seed, "Seed of the weights and the synthetic data (0 to 2^64-1)")
+      ->capture_default_str()
+      ->type_name("UINT");
+}
+
 // A subcommand: its flags on the parser, and what runs when it was the one given. The options live
 // in the closure; `command` is dp_train-style provenance, filled in after parsing.
 struct Subcommand {
@@ -39,18 +47,23 @@ Subcommand add_compare(CLI::App& app) {
   auto co = std::make_shared<CompareOptions>();
   auto dev = std::make_shared<DeviceFlags>();
   auto split = std::make_shared<std::string>("even");
-  auto sweep = std::make_shared<std::string>();
+  auto sweep = std::make_shared<std::string>(), seed = std::make_shared<std::string>("0");
   dev->gpus = "0,1,2,3";
   CLI::App* c = app.add_subcommand("compare", "scatter vs allreduce on the same devices, model, batch and data");
   dev->add(*c);
   c->add_option("--model", co->model, "lenet | lenet5")->capture_default_str();
-  c->add_option("--batch", co->batch, "Global batch size")->capture_default_str();
-  c->add_option("--steps", co->steps, "Measured steps per strategy")->capture_default_str();
-  c->add_option("--warmup", co->warmup, "Steps run before measuring")->capture_default_str();
+  c->add_option("--batch", co->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
+  c->add_option("--steps", co->steps, "Measured steps per strategy")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
+  c->add_option("--warmup", co->warmup, "Steps run before measuring")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
   c->add_option("--bucket-kb", co->bucket_kb, "allreduce: gradient bucket size in KiB (0: one all-reduce)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->transform(exact_integer<int64_t>());
   c->add_option("--split", *split, "even | chunk (torch.chunk)")->capture_default_str();
-  c->add_option("--seed", co->seed, "Seed of the weights and the synthetic data")->capture_default_str();
+  add_seed(*c, *seed);
   c->add_option("--alpha-us", co->alpha_us, "Latency for the alpha-beta model, µs (default: fit it here)");
   c->add_option("--beta-gbps", co->beta_gbps, "Bandwidth for the alpha-beta model, GB/s (with --alpha-us)");
   c->add_option("--sweep-devices", *sweep, "Repeat for each device count (ids 0..N-1), e.g. 1,2,4,8")
@@ -61,10 +74,11 @@ Subcommand add_compare(CLI::App& app) {
   c->add_option("--plot", co->plot, "Write the data and PNGs into this directory (needs python3-matplotlib)");
   return {c, [=](const std::string& command) {
             co->devices = dev->finish(*c);
-            if (c->count("--alpha-us") && !(co->alpha_us >= 0))
-              throw UsageError("--alpha-us: must be a latency >= 0 in µs");
-            if (c->count("--beta-gbps") && !(co->beta_gbps > 0))
-              throw UsageError("--beta-gbps: must be a bandwidth > 0 in GB/s");
+            co->seed = parse_seed(*seed, "--seed");
+            if (c->count("--alpha-us") && !(co->alpha_us >= 0 && std::isfinite(co->alpha_us)))
+              throw UsageError("--alpha-us: must be a finite latency >= 0 in µs");
+            if (c->count("--beta-gbps") && !(co->beta_gbps > 0 && std::isfinite(co->beta_gbps)))
+              throw UsageError("--beta-gbps: must be a finite bandwidth > 0 in GB/s");
             co->split = parse_split(*split);
             if (!sweep->empty()) co->sweep = parse_counts(*sweep);
             co->command = command;
@@ -82,13 +96,16 @@ Subcommand add_comm(CLI::App& app) {
   dev->add(*c);
   c->add_option("--min-bytes", *min_bytes, "Smallest message (bytes, or 4K, 1M, ...)")->capture_default_str();
   c->add_option("--max-bytes", *max_bytes, "Largest message (bytes, or 64M, 1G, ...)")->capture_default_str();
-  c->add_option("--iters", mo->iters, "Timed ops per size at most (fewer when one op is slow)")->capture_default_str();
+  c->add_option("--iters", mo->iters, "Timed ops per size at most (fewer when one op is slow)")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
   c->add_option("--json", mo->json, "Write the measurements and the fit as JSON");
   c->add_option("--plot", mo->plot, "Write the data and a busbw plot into this directory (needs python3-matplotlib)");
   return {c, [=](const std::string& command) {
             mo->devices = dev->finish(*c);
-            mo->min_bytes = parse_bytes(*min_bytes, "--min-bytes");
-            mo->max_bytes = parse_bytes(*max_bytes, "--max-bytes");
+            // One float is the smallest message.
+            mo->min_bytes = parse_bytes(*min_bytes, "--min-bytes", 4);
+            mo->max_bytes = parse_bytes(*max_bytes, "--max-bytes", 4);
             mo->command = command;
             return run_comm(*mo);
           }};
@@ -98,19 +115,21 @@ Subcommand add_skew(CLI::App& app) {
   auto so = std::make_shared<SkewOptions>();
   auto dev = std::make_shared<DeviceFlags>();
   auto optimizer = std::make_shared<std::string>("momentum"), split = std::make_shared<std::string>("even");
+  auto seed = std::make_shared<std::string>("0");
   dev->gpus = "0,1,2,3";
   CLI::App* c = app.add_subcommand("skew", "memory per device by category: device 0's skew under scatter");
   dev->add(*c);
   c->add_option("--model", so->model, "lenet | lenet5")->capture_default_str();
-  c->add_option("--batch", so->batch, "Global batch size")->capture_default_str();
+  c->add_option("--batch", so->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
   c->add_option("--optimizer", *optimizer, "sgd | momentum (momentum 0.9: a momentum buffer per optimizer)")
       ->capture_default_str();
   c->add_option("--split", *split, "even | chunk (torch.chunk)")->capture_default_str();
-  c->add_option("--seed", so->seed, "Seed of the weights and the synthetic data")->capture_default_str();
+  add_seed(*c, *seed);
   c->add_option("--json", so->json, "Write the ledgers and the skew as JSON");
   c->add_option("--plot", so->plot, "Write the data and a memory plot into this directory (needs python3-matplotlib)");
   return {c, [=](const std::string& command) {
             so->devices = dev->finish(*c);
+            so->seed = parse_seed(*seed, "--seed");
             so->split = parse_split(*split);
             if (*optimizer == "sgd")
               so->momentum = 0.0f;

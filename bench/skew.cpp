@@ -11,6 +11,8 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
+#include "engine/options.h"
+#include "engine/paths.h"
 #include "engine/report.h"
 
 namespace dp::bench {
@@ -332,13 +334,55 @@ nlohmann::json skew_json(const SkewOptions& o, const ModelSpec& spec, const std:
           {"strategies", strategies}, {"search", search}, {"ok", ok}};
 }
 
+// The host memory the demo takes: the synthetic data and, on simulated devices, the engines' peak
+// or, with --device-memory, the batch search's, which fills every device up to its cap. Printed, or
+// refused with the largest cap or batch that fits.
+void check_memory(const std::vector<Device*>& devices, const ModelSpec& spec, const SkewOptions& o) {
+  const int n = int(devices.size());
+  const bool host = devices[0]->kind() != DeviceKind::cuda;
+  const int64_t cap_total = caps_total(o.devices.memory_cap, n);
+  std::vector<DeviceBytes> lines;
+  if (host && cap_total == 0)
+    for (Sync s : {Sync::scatter, Sync::allreduce})
+      lines.push_back(measure_device_bytes(devices, spec, engine_config(s, o.batch, o)));
+  auto on_devices = [&](int64_t b) {
+    int64_t m = host ? cap_total : 0;
+    for (const DeviceBytes& l : lines) m = std::max(m, l.at(b));
+    return m;
+  };
+  auto need = [&](int64_t b) { return synthetic_bytes(spec, b, o.steps) + on_devices(b); };
+  const HostMemory mem = host_memory();
+  const int64_t data = synthetic_bytes(spec, o.batch, o.steps);
+  std::string what = "--batch " + std::to_string(o.batch), advice;
+  if (host && cap_total > 0 && data < mem.bound()) {
+    const int64_t cap_fits = (mem.bound() - data) / n >> 20;  // MiB
+    what = "--device-memory " + format_bytes(o.devices.memory_cap) + " on " + std::to_string(n) + " devices";
+    advice = cap_fits << 20 >= kMinDeviceMemory ? "give --device-memory " + std::to_string(cap_fits) + "M or less"
+                                                : "give fewer devices";
+  } else {
+    const int64_t fits = largest_fitting(o.batch, mem.bound(), need);
+    advice = fits > 0 ? "the largest batch that fits is " + std::to_string(fits)
+                      : "not even a batch of 1 fits; give fewer devices or a smaller --device-memory";
+  }
+  const std::string parts =
+      "the synthetic data " + format_bytes(data) + ", " + std::to_string(o.steps) + " batches of " + commas(o.batch) +
+      " images; " +
+      (!host ? std::string("the CUDA devices' memory is their own")
+       : cap_total > 0
+           ? "the batch search fills each of the " + std::to_string(n) + " simulated devices to its cap, " +
+                 format_bytes(cap_total) + " in all"
+           : "the simulated devices " + format_bytes(on_devices(o.batch)) + " at their peak, by their ledgers");
+  require_host_memory(mem, need(o.batch), parts, what, advice);
+}
+
 }  // namespace
 
 int run_skew(const SkewOptions& o) {
   if (o.batch <= 0)
     throw UsageError("--batch: " + std::to_string(o.batch) +
                      " is not a batch size; give a positive number of images, e.g. 256");
-  check_output_path(o.json, "--json");
+  check_output_file("--json", o.json);
+  check_output_directory("--plot", o.plot);
   if (!o.plot.empty()) check_plotting();
   const ModelSpec spec = make_model(o.model);
   DeviceSet set = make_devices(o.devices);
@@ -349,6 +393,7 @@ int run_skew(const SkewOptions& o) {
   std::vector<Device*> devices;
   std::vector<std::string> names;
   for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
+  check_memory(devices, spec, o);
   const SyntheticData data = make_synthetic(spec, o.batch, o.steps, o.seed);
   std::vector<float> init(size_t(spec.param_count));
   init_params(spec, o.seed, init.data());

@@ -49,15 +49,33 @@ int64_t busiest_bytes(Collective c, int64_t count, int n) {
 
 std::vector<int64_t> sweep_sizes(int64_t min_bytes, int64_t max_bytes) {
   std::vector<int64_t> s;
-  for (int64_t b = min_bytes; b <= max_bytes; b *= 2) {
+  if (min_bytes < 1 || min_bytes > max_bytes) return s;
+  // Stops before doubling past max: no overflow for a max near 2^63.
+  for (int64_t b = min_bytes;; b *= 2) {
     s.push_back(b / 4 * 4);
-    if (b > max_bytes / 2 && b != max_bytes) {
-      s.push_back(max_bytes / 4 * 4);
+    if (b > max_bytes / 2) {
+      if (b != max_bytes) s.push_back(max_bytes / 4 * 4);
       break;
     }
   }
   s.erase(std::unique(s.begin(), s.end()), s.end());
   return s;
+}
+
+int64_t sweep_bytes(const CommSweep& sw, int n) {
+  const std::vector<int64_t> sizes = sweep_sizes(sw.min_bytes, sw.max_bytes);
+  if (sizes.empty()) return 0;
+  const int64_t count = sizes.back() / 4, chunk = even_chunks(count, n)[0];
+  bool reduce = false, all_reduce = false;
+  for (Collective c : sw.collectives) reduce |= c == Collective::reduce, all_reduce |= c == Collective::all_reduce;
+  // run_comm_sweep's buf and part on every rank, then Communicator::scratch: reduce's root receives
+  // (n - 1) buffers, all_reduce's ranks a chunk each; the scratch only grows, so each rank peaks at
+  // the larger of the two.
+  // In double, held under 2^62: a --max-bytes near 2^63 would overflow int64 (exact below 2^53).
+  double floats = double(n) * double(count + chunk);
+  floats += reduce ? double(n - 1) * double(count) : all_reduce ? double(chunk) : 0;
+  floats += all_reduce ? double(n - 1) * double(chunk) : 0;
+  return int64_t(std::min(floats * sizeof(float), 0x1p62));
 }
 
 void spmd(Communicator& comm, const std::vector<Device*>& devices, const std::function<void(int)>& fn) {

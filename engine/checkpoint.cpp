@@ -1,6 +1,7 @@
 #include "engine/checkpoint.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -24,6 +25,23 @@ std::string shape_str(const std::vector<int64_t>& s) {
   std::string o = "[";
   for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
   return o + "]";
+}
+
+// A NaN or an infinity loaded into the weights or the momentum would surface steps later as a
+// "non-finite loss" that blames the learning rate: refuse it here, at the element.
+void check_finite(const float* v, int64_t count, const std::string& path, const std::string& name) {
+  int64_t first = -1, bad = 0;
+  for (int64_t i = 0; i < count; ++i)
+    if (!std::isfinite(v[i])) {
+      if (first < 0) first = i;
+      ++bad;
+    }
+  if (bad == 0) return;
+  const float x = v[first];
+  const std::string what = std::isnan(x) ? "NaN" : x > 0 ? "+Inf" : "-Inf";
+  throw UsageError(path + ": tensor " + name + " holds a non-finite value (" + what + ") at index " +
+                   std::to_string(first) + (bad > 1 ? " and " + std::to_string(bad - 1) + " more" : "") +
+                   "; the checkpoint is damaged or came from a diverged run");
 }
 
 }  // namespace
@@ -182,6 +200,7 @@ Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& s
       throw UsageError(path + ": tensor '" + name + "' holds " + std::to_string(t.data.size()) + " bytes, expected " +
                        std::to_string(p.size * int64_t(sizeof(float))));
     std::memcpy(flat.data() + p.offset, t.data.data(), t.data.size());
+    check_finite(flat.data() + p.offset, p.size, path, name);
   };
   for (auto& p : spec.params) take(p.name, p, c.params);
   if (any_momentum)

@@ -40,7 +40,8 @@ struct Checkpoint {
 
 void save_checkpoint(const std::string& path, const ModelSpec& spec, const Checkpoint& ckpt);
 // Checks the model ("this checkpoint is lenet5, you asked for lenet"), every parameter's name,
-// dtype and shape, and that no tensor is foreign to the model; throws UsageError naming the file.
+// dtype and shape, that no tensor is foreign to the model and that every value of the weights and
+// momentum buffers is finite; throws UsageError naming the file (and the tensor and element).
 Checkpoint load_checkpoint(const std::string& path, const ModelSpec& spec);
 // The same checks on a file already parsed (the fuzzer's entry point); `name` is what errors call it.
 Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& spec, const std::string& name);

@@ -1,18 +1,32 @@
 // dp_train: the command-line front end. Exit codes: 0 done, 1 --verify failed or a device failed,
-// 2 bad input, 3 non-finite loss or gradients, 130/143 interrupted by SIGINT/SIGTERM; 1 also when the
-// system refuses a write (disk full, permission): the command line was fine, the OS's reason is printed.
+// 2 bad input, 3 non-finite loss or gradients, 128 + signal when stopped by SIGHUP, SIGINT or SIGTERM
+// (129, 130, 143; also when the grace deadline after one ends the process); 1 also when the system
+// refuses a write (disk full, permission): the command line was fine, the OS's reason is printed.
+#include <csignal>
 #include <cstdio>
 #include <exception>
 
 #include "engine/error.h"
 #include "engine/options.h"
+#include "engine/progress.h"
 #include "engine/trainer.h"
 
 int main(int argc, char** argv) {
+  // SIGPIPE ignored: stdout is a log for a person, the checkpoint and the report are the results, so a
+  // reader that goes away (dp_train | head -2) must not kill the run. A write to the closed pipe then
+  // fails with EPIPE instead; the trainer stops printing and trains, saves and reports as asked, with
+  // the exit code it would have had. (stderr likewise: its lines are lost, the run goes on.)
+  std::signal(SIGPIPE, SIG_IGN);
   try {
     dp::TrainOptions opt;
     if (!dp::parse_train_args(argc, argv, opt)) return 0;
     dp::TrainResult r = dp::train(opt);
+    // A signal after the run's last safe point, as it was returning: everything had been written.
+    if (int sig = dp::signal_received()) {
+      std::fprintf(stderr, "dp_train: %s as the run ended; every output was written\n",
+                   dp::describe_signal(sig).c_str());
+      return 128 + sig;
+    }
     return r.verify_ok ? 0 : 1;
   } catch (const dp::UsageError& e) {
     std::fprintf(stderr, "dp_train: %s\n", e.what());

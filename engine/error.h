@@ -30,8 +30,9 @@ struct IoError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// SIGINT / SIGTERM during training, after the step finished and any checkpoint was saved; front
-// ends exit 128 + signal (130, 143).
+// SIGINT / SIGTERM / SIGHUP during a run, stopped at the next safe point (after the step finished,
+// between two outputs) with the finished step's checkpoint saved; what() says what was and was not
+// written. Front ends exit 128 + signal (130, 143, 129).
 struct Interrupted : std::runtime_error {
   Interrupted(int signal, const std::string& what) : std::runtime_error(what), signal(signal) {}
   int signal;

@@ -23,6 +23,17 @@ std::string fmt_float(float v) {
   return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
 }
 
+// Sizes in messages: "1 byte", "4 bytes", "64 KiB", exact (format_bytes would round).
+std::string exact_size(int64_t bytes) {
+  const char* units[] = {"KiB", "MiB", "GiB", "TiB"};
+  int u = -1;
+  while (u < 3 && bytes >= 1024 && bytes % 1024 == 0) bytes /= 1024, ++u;
+  if (u >= 0) return std::to_string(bytes) + " " + units[u];
+  return std::to_string(bytes) + (bytes == 1 ? " byte" : " bytes");
+}
+
+}  // namespace
+
 // CLI11 reads integers with strtoll in base 0, which saturates at 2^63-1 (a --steps of 2^63 trained
 // 2^63-1 steps unsaid) and takes "010" as octal 8. This check reads the text as a decimal T, refuses
 // what does not fit, and hands CLI11 back the decimal it read.
@@ -43,39 +54,48 @@ CLI::Validator exact_integer() {
       "", "integer");
 }
 
-}  // namespace
+template CLI::Validator exact_integer<int>();
+template CLI::Validator exact_integer<int64_t>();
 
-int64_t parse_bytes(const std::string& text, const std::string& flag) {
-  auto bad = [&] {
-    return UsageError(flag + ": '" + text +
-                      "' is not a size; give bytes with an optional suffix K, M, G (powers of 1024), e.g. 512M or 2G");
+std::string size_forms(int64_t min_bytes) {
+  return "give a size of at least " + exact_size(min_bytes) +
+         ": a number of bytes, whole or with a suffix K, M, G or T (powers of 1024; k, KB, KiB read the same), "
+         "e.g. 4096, 512M, 1.5G";
+}
+
+int64_t parse_bytes(const std::string& text, const std::string& flag, int64_t min_bytes) {
+  auto bad = [&](const std::string& why) {
+    return UsageError(flag + ": '" + text + "' " + why + "; " + size_forms(min_bytes));
   };
+  // Digits with an optional fraction, then the suffix: no sign, space, exponent or hex (strtod, used
+  // before, also read " 5", "0x10" and "1e3").
+  auto digit = [&](size_t i) { return i < text.size() && text[i] >= '0' && text[i] <= '9'; };
   size_t used = 0;
-  double v;
-  try {
-    v = std::stod(text, &used);
-  } catch (...) {
-    throw bad();
-  }
+  while (digit(used)) ++used;
+  bool any_digit = used > 0;
+  if (used < text.size() && text[used] == '.')
+    for (++used; digit(used); ++used) any_digit = true;
+  if (used == 0 && text.size() > 1 && text[0] == '-' && (digit(1) || (text[1] == '.' && digit(2))))
+    throw bad("is negative");
+  if (!any_digit) throw bad("is not a size");
   std::string suffix = text.substr(used);
   for (auto& c : suffix) c = char(std::toupper(static_cast<unsigned char>(c)));
-  if (suffix.size() > 1 && suffix.back() == 'B') suffix.pop_back();
-  if (suffix.size() == 2 && suffix[1] == 'I') suffix.pop_back();
-  double scale = 1;
-  if (suffix.empty() || suffix == "B")
-    scale = 1;
-  else if (suffix == "K")
-    scale = 1024.0;
-  else if (suffix == "M")
-    scale = 1024.0 * 1024;
-  else if (suffix == "G")
-    scale = 1024.0 * 1024 * 1024;
-  else if (suffix == "T")
-    scale = 1024.0 * 1024 * 1024 * 1024;
-  else
-    throw bad();
-  if (!std::isfinite(v) || v <= 0 || v * scale > 9e18) throw bad();
-  return int64_t(v * scale);
+  if (suffix.size() > 1 && suffix.back() == 'B') suffix.pop_back();  // KB, KIB
+  if (suffix.size() == 2 && suffix[1] == 'I') suffix.pop_back();     // KI(B)
+  const std::string units = "KMGT";
+  long double scale = 1;
+  if (suffix.size() == 1 && units.find(suffix[0]) != std::string::npos)
+    scale = std::ldexp(1.0L, 10 * int(units.find(suffix[0]) + 1));
+  else if (!suffix.empty() && suffix != "B")
+    throw bad("is not a size (the suffix '" + text.substr(used) + "' is none of K, M, G, T)");
+  // long double (80 or 128 bits on Linux) holds every integer up to 2^64: the bound is exact.
+  const long double bytes = std::strtold(text.substr(0, used).c_str(), nullptr) * scale;
+  if (bytes >= std::ldexp(1.0L, 63)) throw bad("is too large: a size is less than 2^63 bytes (8 EiB)");
+  const int64_t whole = int64_t(bytes);  // a fraction of a byte is dropped
+  if (whole < min_bytes)
+    throw bad("is " + (whole == 0 ? std::string("0 bytes") : exact_size(whole)) +
+              (bytes != (long double)whole ? " (rounded down to whole bytes)" : ""));
+  return whole;
 }
 
 uint64_t parse_seed(const std::string& text, const std::string& flag) {
@@ -138,7 +158,7 @@ void DeviceFlags::add(CLI::App& app) {
       ->excludes("--gpus")
       ->transform(exact_integer<int>());
   app.add_option("--backend", backend, "auto | cpu | cuda")->capture_default_str();
-  app.add_option("--device-memory", memory, "Memory cap per device: bytes or 512M, 2G, ...");
+  app.add_option("--device-memory", memory, "Memory cap per device: bytes, or with a suffix K, M, G, T (512M, 1.5G)");
   app.add_flag("--allow-shared-device", allow_shared, "Allow a repeated id: several replicas on one device");
 }
 
@@ -153,7 +173,7 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
   } else {
     c.ids = parse_ids(gpus, "--gpus");
   }
-  if (!memory.empty()) c.memory_cap = parse_bytes(memory, "--device-memory");
+  if (!memory.empty()) c.memory_cap = parse_bytes(memory, "--device-memory", kMinDeviceMemory);
   c.allow_shared_device = allow_shared;
   return c;
 }

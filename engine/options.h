@@ -11,8 +11,15 @@
 
 namespace dp {
 
-// "512M", "2G", "1.5GiB", "4096" -> bytes. Throws UsageError naming the flag.
-int64_t parse_bytes(const std::string& text, const std::string& flag);
+// "4096", "512M", "1.5G", "2TiB" -> bytes (suffixes K, M, G, T: powers of 1024; a fraction of a byte
+// is dropped). Anything else, and sizes under min_bytes or from 2^63 bytes on, throws UsageError
+// naming the flag and the accepted forms.
+int64_t parse_bytes(const std::string& text, const std::string& flag, int64_t min_bytes = 1);
+// The accepted forms of a size, as parse_bytes's messages give them ("give a size of at least ...").
+std::string size_forms(int64_t min_bytes);
+// The smallest --device-memory: LeNet-5's parameters alone take 241 KiB, so a cap under 64 KiB is a
+// slip (0.5 meant "no cap" before it was refused), not a request.
+inline constexpr int64_t kMinDeviceMemory = 64 << 10;
 // "12345" -> 12345: a seed, exactly 0..2^64-1; a sign, a fraction, an exponent or a larger value
 // throws UsageError naming the flag (nothing wraps).
 uint64_t parse_seed(const std::string& text, const std::string& flag);
@@ -22,6 +29,10 @@ uint64_t parse_seed(const std::string& text, const std::string& flag);
 float parse_float(const std::string& text, const std::string& flag);
 // "0,1,2" -> {0, 1, 2}. Throws UsageError naming the flag.
 std::vector<int> parse_ids(const std::string& text, const std::string& flag);
+// A CLI11 transform that reads an integer flag as a decimal T exactly, refusing what does not fit
+// (CLI11 alone saturates at the type's limit and reads "010" as octal). T: int or int64_t.
+template <typename T>
+CLI::Validator exact_integer();
 
 // The device flags every front end shares: --gpus, --devices, --backend,
 // --device-memory, --allow-shared-device. finish() turns their text into a DeviceConfig.

@@ -1,40 +1,176 @@
 #include "engine/progress.h"
 
+#include <pthread.h>
+#include <semaphore.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
 #include <cstdio>
-#include <string>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "engine/error.h"
+#include "engine/paths.h"
 
 namespace dp {
+namespace {
+
+// The width of the progress line on the terminal now, 0 when none is shown: process-wide so that
+// the signal handler and the watchdog can clear it before their own line.
+std::atomic<int> g_line_width{0};
+
+// write(2) of a whole string: async-signal-safe, for the handler and the watchdog's last words.
+void say(const char* s) {
+  for (size_t n = std::strlen(s); n > 0;) {
+    ssize_t w = ::write(STDERR_FILENO, s, n);
+    if (w <= 0) return;
+    s += w, n -= size_t(w);
+  }
+}
+
+void clear_line_signal_safe() {
+  static const char spaces[] = "                                                                                ";
+  int width = g_line_width.exchange(0);
+  if (width == 0) return;
+  say("\r");
+  for (; width > 0; width -= int(sizeof spaces - 1)) {
+    int n = std::min<int>(width, int(sizeof spaces - 1));
+    if (::write(STDERR_FILENO, spaces, size_t(n)) < 0) break;
+  }
+  say("\r");
+}
+
+}  // namespace
 
 Progress::Progress(bool enabled) : tty_(enabled && isatty(fileno(stderr))) {}
+
+Progress::~Progress() { clear(); }
 
 void Progress::update(int epoch, int epochs, int64_t done, int64_t total, double loss) {
   if (!tty_) return;
   const int width = 30;
   int filled = total > 0 ? int(width * done / total) : width;
-  std::fprintf(stderr, "\repoch %d/%d [%s%s] %lld/%lld loss %.4f", epoch, epochs, std::string(filled, '#').c_str(),
-               std::string(width - filled, '.').c_str(), (long long)done, (long long)total, loss);
+  std::string line = "epoch " + std::to_string(epoch) + "/" + std::to_string(epochs) + " [" + std::string(filled, '#') +
+                     std::string(width - filled, '.') + "] " + std::to_string(done) + "/" + std::to_string(total);
+  char tail[64];
+  std::snprintf(tail, sizeof tail, " loss %.4f", loss);
+  line += tail;
+  // Shorter than the line before: pad, so no stale characters remain.
+  const int previous = g_line_width.load();
+  std::fprintf(stderr, "\r%s%*s", line.c_str(), std::max(0, previous - int(line.size())), "");
   std::fflush(stderr);
+  g_line_width = std::max(previous, int(line.size()));
 }
 
 void Progress::clear() {
-  if (tty_) std::fprintf(stderr, "\r%80s\r", "");
+  if (!tty_) return;
+  int width = g_line_width.exchange(0);
+  if (width > 0) std::fprintf(stderr, "\r%*s\r", width, "");
+  std::fflush(stderr);
 }
 
 namespace {
 
-std::atomic<int> g_signal{0};  // the one process-wide flag: set by the handler, read between steps
+std::atomic<int> g_signal{0};  // the one process-wide flag: the first signal, set by the handler
+sem_t g_wake;                  // posted by the handler (sem_post is async-signal-safe) to start the watchdog
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return "a signal";
+  }
+}
 
 extern "C" void on_signal(int sig) {
-  if (g_signal.exchange(sig) != 0) _exit(128 + sig);  // a second signal: leave at once
+  const int saved_errno = errno;
+  int none = 0;
+  if (!g_signal.compare_exchange_strong(none, sig)) {
+    // A second signal: leave at once, but never leave a half-written temporary file behind.
+    remove_temp_files();
+    clear_line_signal_safe();
+    say("dp_train: ");
+    say(signal_name(sig));
+    say(" again: exiting at once; nothing more is saved (a file being written is removed, its previous "
+        "version kept)\n");
+    _exit(128 + sig);
+  }
+  sem_post(&g_wake);
+  errno = saved_errno;
 }
 
 }  // namespace
 
-SignalGuard::SignalGuard() {
+// The watchdog: asleep on g_wake until the first signal, then waits the grace period for the guard's
+// destructor (the run stopped on its own); past it, it ends the process.
+struct SignalGuard::Watchdog {
+  double grace;
+  std::atomic<Stage> stage{Stage::setup};
+  std::mutex m;
+  std::condition_variable cv;
+  bool stop = false;                       // guarded by m
+  std::string kept = "nothing was saved";  // guarded by m
+  std::thread thread;
+
+  void run();
+  [[noreturn]] void expire(int sig);
+};
+
+void SignalGuard::Watchdog::run() {
+  while (sem_wait(&g_wake) != 0 && errno == EINTR) {
+  }
+  std::unique_lock<std::mutex> lock(m);
+  if (cv.wait_for(lock, std::chrono::duration<double>(grace), [&] { return stop; })) return;
+  expire(g_signal.load());
+}
+
+void SignalGuard::Watchdog::expire(int sig) {
+  // The unfinished work is abandoned, never saved: a write in flight loses its temporary file and
+  // leaves its target as it was.
+  remove_temp_files();
+  static const char* const what[] = {"the run's setup did not finish",         "exiting",
+                                     "the current step did not finish",        "exiting without saving it",
+                                     "the evaluation did not finish",          "exiting without saving the weights",
+                                     "the --verify comparison did not finish", "exiting without saving the weights",
+                                     "the checkpoint save did not finish",     "exiting, the unfinished file removed",
+                                     "writing the report did not finish",      "exiting, the unfinished file removed",
+                                     "writing the trace did not finish",       "exiting, the unfinished file removed"};
+  const int p = int(stage.load());
+  clear_line_signal_safe();
+  std::fprintf(stderr, "dp_train: %s within %g s of %s; %s; %s\n", what[2 * p], grace, signal_name(sig),
+               what[2 * p + 1], kept.c_str());
+  std::fflush(stderr);
+  // Again: the run's thread goes on meanwhile and may have just created one. (A file it creates in
+  // the instant between this and _exit would stay; closing that would mean waiting on the thread
+  // the deadline is there to give up on.)
+  remove_temp_files();
+  _exit(128 + sig);
+}
+
+SignalGuard::SignalGuard(double grace_seconds) : watchdog_(std::make_unique<Watchdog>()) {
   g_signal = 0;
+  watchdog_->grace = grace_seconds;
+  sem_init(&g_wake, 0, 0);
+  // The watchdog blocks the signals, so they land on threads whose work they stop.
+  sigset_t block, old;
+  sigemptyset(&block);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&block, sig);
+  pthread_sigmask(SIG_BLOCK, &block, &old);
+  watchdog_->thread = std::thread([w = watchdog_.get()] { w->run(); });
+  pthread_sigmask(SIG_SETMASK, &old, nullptr);
+
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   // SA_RESTART: the handler only sets a flag, so a read or write on any thread (the signal may land
@@ -43,13 +179,106 @@ SignalGuard::SignalGuard() {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, &old_int_);
   sigaction(SIGTERM, &sa, &old_term_);
+  sigaction(SIGHUP, &sa, &old_hup_);
 }
 
 SignalGuard::~SignalGuard() {
   sigaction(SIGINT, &old_int_, nullptr);
   sigaction(SIGTERM, &old_term_, nullptr);
+  sigaction(SIGHUP, &old_hup_, nullptr);
+  {
+    std::lock_guard<std::mutex> lock(watchdog_->m);
+    watchdog_->stop = true;
+  }
+  watchdog_->cv.notify_all();
+  sem_post(&g_wake);  // wakes a watchdog that saw no signal
+  watchdog_->thread.join();
+  sem_destroy(&g_wake);
 }
 
 int SignalGuard::pending() const { return g_signal.load(); }
+
+void SignalGuard::stage(Stage s) { watchdog_->stage = s; }
+
+void SignalGuard::kept(const std::string& what) {
+  std::lock_guard<std::mutex> lock(watchdog_->m);
+  watchdog_->kept = what;
+}
+
+int signal_received() { return g_signal.load(); }
+
+std::string describe_signal(int sig) {
+  const char* verb = sig == SIGINT ? "interrupted" : sig == SIGHUP ? "hung up" : "terminated";
+  return std::string(verb) + " (" + signal_name(sig) + ")";
+}
+
+double grace_seconds() {
+  const char* v = std::getenv("DP_GRACE_SECONDS");
+  if (!v) return 10;
+  char* end = nullptr;
+  double s = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !std::isfinite(s) || s <= 0 || s > 86400)
+    throw UsageError(std::string("DP_GRACE_SECONDS=") + v +
+                     ": give the grace period after a signal in seconds, more than 0 and at most 86400 "
+                     "(default 10)");
+  return s;
+}
+
+namespace {
+
+struct TestHook {
+  std::string point;
+  int action = 0;  // a signal number, 0 for hang
+  bool fired = false;
+};
+
+struct TestHooks {
+  std::mutex m;
+  std::vector<TestHook> hooks;  // empty: DP_TEST_AT unset
+};
+
+TestHooks* parse_test_hooks() {
+  auto* h = new TestHooks;  // lives for the process: the hooks may fire until _exit
+  const char* v = std::getenv("DP_TEST_AT");
+  std::string spec = v ? v : "";
+  for (size_t at = 0; at < spec.size();) {
+    size_t comma = std::min(spec.find(',', at), spec.size());
+    std::string item = spec.substr(at, comma - at);
+    size_t colon = item.find(':');
+    std::string action = colon == std::string::npos ? "" : item.substr(colon + 1);
+    TestHook hook{item.substr(0, colon)};
+    if (action == "SIGINT" || action == "SIGTERM" || action == "SIGHUP")
+      hook.action = action == "SIGINT" ? SIGINT : action == "SIGTERM" ? SIGTERM : SIGHUP;
+    else if (action != "hang")
+      throw UsageError("DP_TEST_AT=" + spec + ": " + item + " is not point:SIGINT|SIGTERM|SIGHUP|hang");
+    h->hooks.push_back(hook);
+    at = comma + 1;
+  }
+  return h;
+}
+
+}  // namespace
+
+void test_point(const char* point, int64_t n) {
+  static TestHooks* const h = parse_test_hooks();
+  if (h->hooks.empty()) return;
+  const std::string name = n >= 0 ? std::string(point) + "-" + std::to_string(n) : std::string(point);
+  std::vector<int> actions;
+  {
+    std::lock_guard<std::mutex> lock(h->m);
+    for (TestHook& hook : h->hooks)
+      if (!hook.fired && hook.point == name) hook.fired = true, actions.push_back(hook.action);
+  }
+  for (int action : actions) {
+    if (action != 0) {
+      std::raise(action);
+      continue;
+    }
+    clear_line_signal_safe();
+    std::fprintf(stderr, "dp_train: DP_TEST_AT: hanging at %s\n", name.c_str());
+    std::fflush(stderr);
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+}
 
 }  // namespace dp

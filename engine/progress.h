@@ -1,16 +1,23 @@
-// What dp_train shows while it trains and how it stops: the progress line on a terminal, and
-// SIGINT / SIGTERM turned into a flag the loop reads between steps.
+// What dp_train shows while it trains and how it stops: the progress line on a terminal; SIGINT,
+// SIGTERM and SIGHUP turned into a flag the loop reads between steps, with a grace deadline after
+// which the process leaves anyway; and the test hooks that put a signal or a hang at a chosen moment.
 #pragma once
 
 #include <csignal>
 #include <cstdint>
+#include <memory>
+#include <string>
 
 namespace dp {
 
 // One line on stderr, rewritten in place after every step; nothing when stderr is not a terminal.
+// Cleared on destruction, so an error that unwinds the run is printed on a line of its own.
 class Progress {
  public:
   explicit Progress(bool enabled);
+  ~Progress();
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
   void update(int epoch, int epochs, int64_t done, int64_t total, double loss);
   void clear();  // before anything else is printed
 
@@ -18,19 +25,51 @@ class Progress {
   bool tty_;
 };
 
-// While alive, SIGINT and SIGTERM only set a flag (a second one exits at once with 128 + signal);
-// the previous handlers come back on destruction. One at a time: the flag is process-wide.
+// What the run is doing, for the line the grace deadline prints (engine.h's Phase is a step's phase).
+enum class Stage { setup, step, evaluation, verify, save, report, trace };
+
+// While alive, SIGINT, SIGTERM and SIGHUP only set a flag that the run reads at its safe points
+// (between steps, between its outputs). A second one exits at once with 128 + signal, removing any
+// temporary file in flight (remove_temp_files). After the first, a watchdog thread gives the run
+// `grace_seconds` to stop on its own; past that it prints what is lost and kept, removes the
+// temporary file in flight and _exits with 128 + signal, so a step hung in a library cannot outlast
+// `timeout`. The previous handlers come back on destruction. One at a time: the flag is process-wide.
 class SignalGuard {
  public:
-  SignalGuard();
+  explicit SignalGuard(double grace_seconds);
   ~SignalGuard();
   SignalGuard(const SignalGuard&) = delete;
   SignalGuard& operator=(const SignalGuard&) = delete;
   int pending() const;  // the signal received, 0 for none
+  void stage(Stage s);
+  // What a forced exit leaves, for the deadline's line: "the last good checkpoint (step 40) in ck is kept".
+  void kept(const std::string& what);
 
  private:
+  struct Watchdog;
+  std::unique_ptr<Watchdog> watchdog_;
   struct sigaction old_int_ {
-  }, old_term_{};
+  }, old_term_{}, old_hup_{};
 };
+
+// The first signal a SignalGuard caught in this process, 0 for none; it stays set after the guard is
+// gone, for a front end to see one that landed as the run was returning.
+int signal_received();
+
+// "interrupted (SIGINT)", "terminated (SIGTERM)", "hung up (SIGHUP)".
+std::string describe_signal(int sig);
+
+// The grace period from DP_GRACE_SECONDS (default 10): a number of seconds in (0, 86400]; anything
+// else is a UsageError naming the variable.
+double grace_seconds();
+
+// Test hooks, for tests/test_signals.cpp to hit a moment exactly: DP_TEST_AT="point:action,..." makes
+// the process raise a signal at itself (action SIGINT, SIGTERM or SIGHUP) or hang for good (action
+// hang, after a line on stderr) the first time it reaches `point`: step-N (before global step N runs),
+// final-eval (before the last epoch's evaluation), final-save, report, trace (before that write),
+// temp-file (inside a write, the temporary file full but not yet in place), probe (while
+// check_output_paths' writability probe file exists). Unset, they cost one load. A malformed value is
+// a UsageError.
+void test_point(const char* point, int64_t n = -1);
 
 }  // namespace dp

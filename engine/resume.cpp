@@ -129,7 +129,7 @@ void CheckpointSaver::save(Engine& engine, int64_t global_step) {
   if (!all_finite(c.params) || !all_finite(c.momentum))
     throw NumericalError("step " + std::to_string(global_step) +
                          ": the weights are no longer finite after the update; not saving them, " + kept() +
-                         " (try a smaller --lr)");
+                         divergence_hint(o_));
   save_checkpoint(o_.save, spec_, c);
   saved_step_ = global_step;
 }

@@ -7,8 +7,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <optional>
+#include <tuple>
 
 #include "engine/data.h"
 #include "engine/error.h"
@@ -170,15 +172,23 @@ class EpochMeter {
   std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
 };
 
+// An empty test set (a valid t10k file with no images) has no accuracy: NaN, which the report writes
+// as null and the epoch line as "n/a".
 void evaluate(Engine& engine, const Dataset& test_set, EpochRecord& rec) {
+  if (test_set.count == 0) {
+    rec.test_loss = rec.test_accuracy = std::numeric_limits<double>::quiet_NaN();
+    return;
+  }
   StepResult t = engine.evaluate(test_set.images.data(), test_set.labels.data(), int(test_set.count));
   rec.test_loss = t.loss;
-  rec.test_accuracy = test_set.count ? double(t.correct) / double(test_set.count) : 0;
+  rec.test_accuracy = double(t.correct) / double(test_set.count);
 }
 
 void print_epoch(const EpochRecord& rec, int epochs) {
-  std::printf("epoch %d/%d  train loss %.4f  train acc %.4f  test acc %.4f  %.0f img/s  %.1f s\n", rec.epoch, epochs,
-              rec.train_loss, rec.train_accuracy, rec.test_accuracy, rec.images_per_second, rec.seconds);
+  char test[48] = "n/a (empty test set)";
+  if (!std::isnan(rec.test_accuracy)) std::snprintf(test, sizeof test, "%.4f", rec.test_accuracy);
+  std::printf("epoch %d/%d  train loss %.4f  train acc %.4f  test acc %s  %.0f img/s  %.1f s\n", rec.epoch, epochs,
+              rec.train_loss, rec.train_accuracy, test, rec.images_per_second, rec.seconds);
 }
 
 // What went wrong in a step whose loss or gradients are not finite; "" for a good step.
@@ -190,13 +200,92 @@ std::string nonfinite_step(const StepResult& r, Engine& engine, int64_t global_s
          (layer.empty() ? std::string() : "; the first layer with a non-finite gradient is " + layer);
 }
 
-// SIGINT / SIGTERM between steps: save where --save says, then stop.
-Interrupted interrupted(int sig, const TrainOptions& o, Engine& engine, CheckpointSaver& saver, int64_t global_step) {
-  std::string what = std::string(sig == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)") + " after step " +
-                     std::to_string(global_step);
-  if (o.save.empty()) return Interrupted(sig, what + "; no --save given, nothing saved");
-  saver.save(engine, global_step);
-  return Interrupted(sig, what + "; checkpoint saved to " + o.save + " (continue with --resume " + o.save + ")");
+// One run between its setup and its return: the loop, and the outputs written after the last step,
+// with a safe point for signals between any two of them. A signal stops the run at the next safe
+// point: the weights of a finished step are saved (--save), the outputs not yet written are skipped,
+// and Interrupted says what was and was not written.
+class Run {
+ public:
+  Run(const TrainOptions& o, const Schedule& plan, Engine& engine, CheckpointSaver& saver, SignalGuard& signals,
+      int64_t step)
+      : o_(o), plan_(plan), engine_(engine), saver_(saver), signals_(signals), first_step_(step), step_(step) {
+    signals_.kept(kept());
+  }
+
+  // stdout can go away (a closed pipe: dp_train | head); a write then fails with EPIPE, SIGPIPE being
+  // ignored (dp_train.cpp), and the run stops printing but trains, saves and reports as asked.
+  bool speak() const { return !o_.quiet && !std::ferror(stdout); }
+  void epochs(const DataSets& data, Verifier* verify, TrainResult& result);
+  // The checkpoint of the current step, once.
+  void save() {
+    signals_.stage(Stage::save);
+    io([&] { saver_.save(engine_, step_); });
+    signals_.kept(kept());
+  }
+  // The report or the trace: written, then a safe point.
+  void output(Stage p, const std::function<void()>& write) {
+    signals_.stage(p);
+    test_point(p == Stage::report ? "report" : "trace");
+    io(write);
+    (p == Stage::report ? report_written_ : trace_written_) = true;
+    stop_if_signalled();
+  }
+  void stop_if_signalled() {
+    if (int sig = signals_.pending()) throw interrupted(sig);
+  }
+
+ private:
+  // An I/O error while a signal is pending names both; the exit stays 1, a failed write's.
+  void io(const std::function<void()>& work) {
+    try {
+      work();
+    } catch (const IoError& e) {
+      if (int sig = signals_.pending())
+        throw IoError(std::string(e.what()) + "; " + describe_signal(sig) + " " + position() +
+                      ", and this write failed; " + kept());
+      throw;
+    }
+  }
+  std::string position() const {
+    if (step_ == first_step_) return "before the first step";
+    return step_ >= plan_.total_steps ? "after the last step (step " + std::to_string(step_) + ")"
+                                      : "after step " + std::to_string(step_);
+  }
+  std::string kept() const { return o_.save.empty() ? "no checkpoint saved (no --save given)" : saver_.kept(); }
+  Interrupted interrupted(int sig);
+
+  const TrainOptions& o_;
+  const Schedule& plan_;
+  Engine& engine_;
+  CheckpointSaver& saver_;
+  SignalGuard& signals_;
+  int64_t first_step_, step_;
+  bool report_written_ = false, trace_written_ = false;
+};
+
+// Saves the finished step's weights unless nothing was trained, then names what is written and not.
+Interrupted Run::interrupted(int sig) {
+  std::string what = describe_signal(sig) + " " + position();
+  if (step_ == first_step_)
+    what += "; nothing trained, nothing saved";
+  else if (o_.save.empty())
+    what += "; " + kept();
+  else {
+    save();
+    what += "; checkpoint saved to " + o_.save;
+    if (step_ < plan_.total_steps) what += " (continue with --resume " + o_.save + ")";
+  }
+  std::vector<std::string> skipped;
+  for (auto [name, path, written] :
+       {std::tuple{"report", &o_.report, report_written_}, {"trace", &o_.trace, trace_written_}}) {
+    if (path->empty()) continue;
+    if (written)
+      what += std::string("; ") + name + " written to " + *path;
+    else
+      skipped.push_back(std::string(name) + " " + *path);
+  }
+  if (!skipped.empty()) what += "; " + skipped[0] + (skipped.size() > 1 ? " and " + skipped[1] : "") + " not written";
+  return Interrupted(sig, what);
 }
 
 void summarize(TrainResult& result) {
@@ -210,9 +299,65 @@ void summarize(TrainResult& result) {
   result.images_per_second = seconds > 0 ? double(images) / seconds : 0;
 }
 
+// The epochs, a step at a time: after every step and every epoch's evaluation, a safe point.
+void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
+  Progress progress(!o_.quiet);  // cleared when this returns or throws
+  HostBatch batch;
+  for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
+    const std::vector<int64_t> order = epoch_order(data.train.count, o_.seed, epoch, o_.shuffle);
+    EpochMeter meter(int(epoch) + 1);
+    // A resumed run starts mid-epoch; every later epoch starts at a multiple of per_epoch, at step 0.
+    for (int64_t s = step_ % plan_.per_epoch; s < plan_.per_epoch && step_ < plan_.total_steps; ++s) {
+      signals_.stage(Stage::step);
+      test_point("step", step_ + 1);
+      batch.fill(data.train, order, s * o_.batch, o_.batch);
+      StepResult r = engine_.step(batch.x.data(), batch.y.data(), batch.n);
+      if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);
+      ++step_;
+      // Checked before anything is saved: a bad step never reaches a checkpoint.
+      if (std::string bad = nonfinite_step(r, engine_, step_, epoch); !bad.empty()) {
+        std::string kept = o_.save.empty() ? "" : ", " + saver_.kept();
+        throw NumericalError(bad + "; training stopped" + kept + divergence_hint(o_));
+      }
+      meter.add(r);
+      progress.update(meter.epoch(), plan_.epochs, s + 1, plan_.per_epoch, meter.loss());
+      if (o_.save_every > 0 && step_ % o_.save_every == 0) save();
+      stop_if_signalled();
+    }
+    EpochRecord rec = meter.finish();
+    signals_.stage(Stage::evaluation);
+    if (step_ >= plan_.total_steps) test_point("final-eval");
+    evaluate(engine_, data.test, rec);
+    progress.clear();
+    if (speak()) print_epoch(rec, plan_.epochs);
+    std::fflush(stdout);
+    result.epochs.push_back(rec);
+    stop_if_signalled();
+  }
+}
+
 }  // namespace
 
+// The setting to blame for a diverged run. Weight decay alone is the heavy-ball iteration on
+// wd/2 * w^2, stable exactly while lr * wd < 2 (1 + momentum): past that the decay makes the weights
+// grow every step whatever the gradients, and --weight-decay is the setting out of range (a smaller
+// --lr would mask it). Below it, the step size is the usual suspect.
+std::string divergence_hint(const TrainOptions& o) {
+  const double decay = double(o.lr) * double(o.weight_decay), bound = 2.0 * (1.0 + double(o.momentum));
+  if (decay < bound) return " (try a smaller --lr)";
+  char hint[200];
+  std::snprintf(hint, sizeof hint,
+                " (try a smaller --weight-decay: --lr * --weight-decay = %g is past 2 (1 + --momentum) = %g, where "
+                "the decay alone makes the weights grow every step)",
+                decay, bound);
+  return hint;
+}
+
 TrainResult train(const TrainOptions& opt) {
+  // First: from here on a signal at any moment, even while the output paths are probed, stops the run
+  // at its next safe point with 128 + signal and a line saying what was saved.
+  SignalGuard signals(grace_seconds());
+  test_point("start");  // reads DP_TEST_AT: a malformed value is refused before anything runs
   check_options(opt);
   const ModelSpec spec = make_model(opt.model);
   const DataSets data = load_data(opt, spec);
@@ -233,59 +378,33 @@ TrainResult train(const TrainOptions& opt) {
   std::optional<Verifier> verify;  // --verify: the same steps on one device with the full batch
   if (opt.verify) verify.emplace(opt.devices, spec, ec, init, momentum);
 
-  int64_t global_step = resumed.global_step;
-  if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, plan, global_step);
+  if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, plan, resumed.global_step);
   CheckpointSaver saver(opt, spec, id, plan.per_epoch);
-  Progress progress(!opt.quiet);
-  SignalGuard signals;
-  HostBatch batch;
+  Run run(opt, plan, engine, saver, signals, resumed.global_step);
+  run.stop_if_signalled();  // one that came during the setup: nothing trained, nothing saved
   TrainResult result;
-
-  for (int64_t epoch = global_step / plan.per_epoch; epoch < plan.epochs && global_step < plan.total_steps; ++epoch) {
-    const std::vector<int64_t> order = epoch_order(data.train.count, opt.seed, epoch, opt.shuffle);
-    EpochMeter meter(int(epoch) + 1);
-    // A resumed run starts mid-epoch; every later epoch starts at a multiple of per_epoch, at step 0.
-    for (int64_t s = global_step % plan.per_epoch; s < plan.per_epoch && global_step < plan.total_steps; ++s) {
-      batch.fill(data.train, order, s * opt.batch, opt.batch);
-      StepResult r = engine.step(batch.x.data(), batch.y.data(), batch.n);
-      if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);
-      ++global_step;
-      // Checked before anything is saved: a bad step never reaches a checkpoint.
-      if (std::string bad = nonfinite_step(r, engine, global_step, epoch); !bad.empty()) {
-        progress.clear();
-        std::string kept = opt.save.empty() ? "" : ", " + saver.kept();
-        throw NumericalError(bad + "; training stopped" + kept + " (try a smaller --lr)");
-      }
-      meter.add(r);
-      progress.update(meter.epoch(), plan.epochs, s + 1, plan.per_epoch, meter.loss());
-      if (opt.save_every > 0 && global_step % opt.save_every == 0) saver.save(engine, global_step);
-      if (int sig = signals.pending()) {
-        progress.clear();
-        throw interrupted(sig, opt, engine, saver, global_step);
-      }
-    }
-    EpochRecord rec = meter.finish();
-    evaluate(engine, data.test, rec);
-    progress.clear();
-    if (!opt.quiet) print_epoch(rec, plan.epochs);
-    std::fflush(stdout);
-    result.epochs.push_back(rec);
-  }
+  run.epochs(data, verify ? &*verify : nullptr, result);
   summarize(result);
 
   if (verify) {
+    signals.stage(Stage::verify);
     VerifyResult v = verify->compare(engine, ec.batch);  // the batch trained, not --batch
     result.verify_max_diff = v.max_diff, result.verify_tolerance = v.tolerance, result.verify_ok = v.ok;
   }
-  if (!opt.quiet) std::printf("%s", device_table(engine).c_str());
+  run.stop_if_signalled();
+  if (run.speak()) std::printf("%s", device_table(engine).c_str());
   if (!opt.save.empty()) {
-    saver.save(engine, global_step);
-    if (!opt.quiet) std::printf("saved %s\n", opt.save.c_str());
+    signals.stage(Stage::save);
+    test_point("final-save");
+    run.save();  // a signal from here on still lets it finish: the trained weights are worth keeping
+    if (run.speak()) std::printf("saved %s\n", opt.save.c_str());
   }
+  run.stop_if_signalled();
   if (!opt.report.empty())
-    write_json(opt.report,
-               train_report(opt, spec, plan.epochs, plan.total_steps, result, engine));
-  if (!opt.trace.empty()) write_json(opt.trace, trace_json(engine));
+    run.output(Stage::report,
+               [&] { write_json(opt.report, train_report(opt, spec, plan.epochs, plan.total_steps, result, engine)); });
+  if (!opt.trace.empty()) run.output(Stage::trace, [&] { write_json(opt.trace, trace_json(engine)); });
+  run.stop_if_signalled();
   return result;
 }
 

@@ -36,18 +36,23 @@ struct TrainOptions {
 struct EpochRecord {
   int epoch = 0;
   int64_t steps = 0, images = 0;
-  double train_loss = 0, train_accuracy = 0, test_loss = 0, test_accuracy = 0;
+  double train_loss = 0, train_accuracy = 0;
+  double test_loss = 0, test_accuracy = 0;  // NaN for an empty test set (the report writes null)
   double seconds = 0, images_per_second = 0;
 };
 
 struct TrainResult {
   std::vector<EpochRecord> epochs;
-  double train_loss = 0, test_accuracy = 0, images_per_second = 0;
-  double verify_max_diff = -1, verify_tolerance = 0;  // -1: not verified
+  double train_loss = 0, test_accuracy = 0, images_per_second = 0;  // test_accuracy: NaN as above
+  double verify_max_diff = -1, verify_tolerance = 0;                // -1: not verified
   bool verify_ok = true;
 };
 
 // Throws UsageError for bad input, DeviceError / NumericalError for failures during training.
 TrainResult train(const TrainOptions& opt);
+
+// The hint a diverged run's message ends with: " (try a smaller --lr)", or the --weight-decay one
+// when lr * weight_decay is past 2 (1 + momentum), where the decay alone makes the weights grow.
+std::string divergence_hint(const TrainOptions& o);
 
 }  // namespace dp

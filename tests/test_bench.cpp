@@ -216,4 +216,149 @@ TEST_CASE("dp_bench - bad arguments exit 2 with a message and --plot without mat
   CHECK(slurp(log).find("matplotlib") != std::string::npos);
 }
 
+TEST_CASE("bench: every output path of every subcommand is checked before the run, with exit 2") {
+  TempDir dir;
+  const std::string log = dir / "out.log", file = dir / "file.txt", missing = dir / "missing";
+  std::ofstream(file) << "x";
+  struct Case {
+    std::string args, words;
+  };
+  std::vector<Case> cases;
+  for (std::string sub : {"compare", "comm", "skew"}) {
+    cases.push_back({sub + " --plot '" + file + "'", "is a file, not a directory"});
+    cases.push_back({sub + " --plot '" + missing + "/plots'", "the directory " + missing + " does not exist"});
+    cases.push_back({sub + " --json '" + missing + "/r.json'", "the directory " + missing + " does not exist"});
+    cases.push_back({sub + " --json '" + dir.path.string() + "'", "is a directory; give a file name"});
+    cases.push_back({sub + " --json '" + file + "/r.json'", file + " is not a directory"});
+  }
+  cases.push_back({"compare --trace '" + missing + "/t.json'", "does not exist"});
+  cases.push_back({"compare --trace '" + dir.path.string() + "'", "is a directory"});
+  cases.push_back({"compare --json '" + (dir / "same.json") + "' --trace '" + dir.path.string() + "/./same.json'",
+                   "are the same file"});
+  for (const Case& c : cases) {
+    CAPTURE(c.args);
+    // No matplotlib: a path checked only after the plotting check (or the run) would exit 1.
+    CHECK(bench(c.args, log, "DP_BENCH_PYTHON=/nonexistent/python3") == 2);
+    const std::string out = slurp(log);
+    INFO(out);
+    CHECK(out.find(c.words) != std::string::npos);
+    CHECK(out.find("backend:") == std::string::npos);  // no device was made: nothing ran
+  }
+}
+
+TEST_CASE("bench: comm measures whole floats and says so, and refuses a range holding none") {
+  TempDir dir;
+  const std::string log = dir / "comm.log";
+  struct Case {
+    std::string args, words;
+  };
+  const Case refused[] = {
+      {"--min-bytes 5 --max-bytes 7", "--min-bytes 5 to --max-bytes 7: the range holds no whole number of floats"},
+      {"--min-bytes 1M --max-bytes 1K", "is below --min-bytes"},
+      {"--min-bytes 5 --max-bytes 7", "whole floats (multiples of 4 bytes)"},
+      {"--min-bytes 3", "--min-bytes: '3' is 3 bytes; give a size of at least 4 bytes"},
+      {"--max-bytes 0.5", "--max-bytes: '0.5' is 0 bytes"},
+  };
+  for (const Case& c : refused) {
+    CAPTURE(c.args);
+    CHECK(bench("comm --gpus 0,1 " + c.args, log) == 2);
+    INFO(slurp(log));
+    CHECK(slurp(log).find(c.words) != std::string::npos);
+  }
+
+  int rc = bench("comm --gpus 0,1,2 --min-bytes 6 --max-bytes 18 --iters 1 --json '" + (dir / "m.json") + "'", log);
+  const std::string out = slurp(log);
+  INFO(out);
+  REQUIRE(rc == 0);
+  CHECK(out.find("--min-bytes 6 is measured as 8 B") != std::string::npos);
+  CHECK(out.find("--max-bytes 18 is measured as 16 B") != std::string::npos);
+  json j = load(dir / "m.json");
+  CHECK(j["min_bytes"] == 8);
+  CHECK(j["max_bytes"] == 16);
+  std::set<int64_t> sizes;
+  for (const json& p : j["points"]) sizes.insert(p["bytes"].get<int64_t>());
+  CHECK(sizes == std::set<int64_t>{8, 16});
+  // the memory estimate (checked against the machine's before the sweep) is the ledgers' peak
+  CHECK(j["memory"]["estimate_bytes"] == j["memory"]["peak_bytes"]);
+  REQUIRE(bench("comm --gpus 0,1,2 --min-bytes 4K --max-bytes 100K --iters 1 --json '" + (dir / "m.json") + "'", log) ==
+          0);
+  j = load(dir / "m.json");
+  CHECK(j["memory"]["estimate_bytes"] == j["memory"]["peak_bytes"]);
+}
+
+TEST_CASE("bench: compare skew and comm estimate their memory up front and refuse past the machine's with exit 2") {
+  TempDir dir;
+  const std::string log = dir / "mem.log";
+  auto output_has = [&](const std::string& words) {
+    INFO(slurp(log));
+    CHECK(slurp(log).find(words) != std::string::npos);
+  };
+  // Past any machine, refused before the synthetic data (54 TB of it) is made.
+  CHECK(bench("compare --gpus 0,1 --batch 2147483647", log) == 2);
+  output_has("--batch 2147483647: this run needs about ");
+  output_has("the largest batch that fits is ");
+  CHECK(bench("skew --gpus 0,1 --batch 2147483647", log) == 2);
+  output_has("the largest batch that fits is ");
+  CHECK(bench("comm --gpus 0,1 --max-bytes 1024T", log) == 2);
+  output_has("or less");
+
+  // Under a pretended 64 MiB: the largest batch named runs, one more is refused.
+  const std::string env = "DP_BENCH_MEM_AVAILABLE=64M";
+  const std::string base = "compare --gpus 0,1 --steps 1 --warmup 0 --alpha-us 5 --beta-gbps 10 --batch ";
+  CHECK(bench(base + "100000", log, env) == 2);
+  output_has("more than 80% of the 64.00 MiB available ($DP_BENCH_MEM_AVAILABLE)");
+  const std::string out = slurp(log);
+  const auto at = out.find("the largest batch that fits is ");
+  REQUIRE(at != std::string::npos);
+  const int fits = std::stoi(out.substr(at + 31));
+  CHECK(fits > 64);
+  CHECK(fits < 100000);
+  CHECK(bench(base + std::to_string(fits + 1), log, env) == 2);
+  REQUIRE(bench(base + std::to_string(fits) + " --json '" + (dir / "c.json") + "'", log, env) == 0);
+  output_has("memory: about ");
+  // the estimate covers what the ledgers then measured, and not by much more
+  json j = load(dir / "c.json");
+  int64_t measured = 0;
+  for (const json& s : j["runs"][0]["strategies"]) {
+    int64_t sum = 0;
+    for (const json& d : s["devices"]) sum += d["peak_bytes"].get<int64_t>();
+    measured = std::max(measured, sum);
+  }
+  const int64_t estimate = j["memory"]["devices_estimate_bytes"];
+  CHECK(estimate >= measured);
+  CHECK(double(estimate) <= 1.05 * double(measured));
+
+  // skew's batch search fills every device to its cap: the cap is what is refused
+  CHECK(bench("skew --gpus 0,1,2,3 --device-memory 1G", log, "DP_BENCH_MEM_AVAILABLE=1G") == 2);
+  output_has("--device-memory 1.00 GiB on 4 devices: this run needs about 4.00 GiB");
+  output_has("give --device-memory 204M or less");
+}
+
+TEST_CASE("bench: integer seed and bandwidth flags are read exactly or refused with exit 2") {
+  TempDir dir;
+  const std::string log = dir / "flags.log";
+  struct Case {
+    std::string args, words;
+  };
+  const Case cases[] = {
+      {"compare --seed -1", "--seed: '-1' is not a seed"},
+      {"skew --seed 18446744073709551616", "--seed"},
+      {"compare --batch 0x10", "--batch"},
+      {"compare --steps 1e3", "--steps"},
+      {"skew --batch 2147483648", "out of range"},
+      {"compare --bucket-kb 9223372036854775808", "out of range"},
+      {"comm --iters 1.5", "--iters"},
+      {"comm --iters 0", "--iters"},
+      {"compare --warmup -1", "--warmup"},
+      {"compare --alpha-us inf --beta-gbps 1", "--alpha-us"},
+      {"compare --alpha-us 1 --beta-gbps inf", "--beta-gbps"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.args);
+    CHECK(bench(c.args, log) == 2);
+    INFO(slurp(log));
+    CHECK(slurp(log).find(c.words) != std::string::npos);
+  }
+}
+
 #endif  // DP_BENCH_BIN

@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <limits>
 
 #include "engine/checkpoint.h"
 #include "engine/error.h"
@@ -218,4 +219,82 @@ TEST_CASE("the safetensors fuzz corpus: each file loads or is refused cleanly") 
     }
   }
   CHECK(files >= 10);
+}
+
+namespace {
+
+// `name`'s element `index` set to `value`, the rest of the file as it was.
+void poke(const std::string& from, const std::string& to, const std::string& name, size_t index, float value) {
+  SafeTensors st = read_safetensors(from);
+  Tensor& t = st.tensors.at(name);
+  REQUIRE((index + 1) * sizeof(float) <= t.data.size());
+  std::memcpy(t.data.data() + index * sizeof(float), &value, sizeof value);
+  write_safetensors(to, st);
+}
+
+}  // namespace
+
+TEST_CASE("inputs: a checkpoint holding NaN or Inf is refused at load, naming the file, the tensor and the element") {
+  TempDir dir;
+  ModelSpec spec = make_model("lenet");
+  Checkpoint c;
+  c.params = random_floats(size_t(spec.param_count), 8, -1, 1);
+  c.momentum = random_floats(size_t(spec.param_count), 9, -1, 1);
+  save_checkpoint(dir / "c.st", spec, c);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    std::string tensor;
+    size_t index;
+    float value;
+    std::string what;
+  };
+  const Case cases[] = {{"fc1.weight", 123, nan, "(NaN) at index 123"},
+                        {"conv1.bias", 0, inf, "(+Inf) at index 0"},
+                        {"fc2.bias", 9, -inf, "(-Inf) at index 9"},
+                        {"optimizer.fc1.weight.momentum_buffer", 7, nan, "(NaN) at index 7"},
+                        {"optimizer.conv2.bias.momentum_buffer", 1, inf, "(+Inf) at index 1"}};
+  for (const Case& k : cases) {
+    CAPTURE(k.tensor);
+    poke(dir / "c.st", dir / "bad.st", k.tensor, k.index, k.value);
+    expect_load_error(dir / "bad.st", spec,
+                      "bad.st: tensor " + k.tensor + " holds a non-finite value " + k.what +
+                          "; the checkpoint is damaged or came from a diverged run");
+  }
+  // the first bad element is named, with a count of the others
+  poke(dir / "c.st", dir / "bad.st", "fc1.weight", 500, inf);
+  poke(dir / "bad.st", dir / "bad.st", "fc1.weight", 40, nan);
+  expect_load_error(dir / "bad.st", spec, "tensor fc1.weight holds a non-finite value (NaN) at index 40 and 1 more;");
+  // the largest finite floats load: only NaN and the infinities are refused
+  poke(dir / "c.st", dir / "big.st", "fc1.weight", 3, std::numeric_limits<float>::max());
+  CHECK(load_checkpoint(dir / "big.st", spec).params[size_t(spec.find("fc1.weight")->offset) + 3] ==
+        std::numeric_limits<float>::max());
+}
+
+TEST_CASE("inputs: dp_train --load and --resume refuse a checkpoint holding NaN with exit 2, before training") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 8);
+  const std::string base = std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() + " --batch 16 --quiet";
+  CommandResult r = run_command(base + " --steps 1 --save " + dir / "ck.st");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  poke(dir / "ck.st", dir / "nan.st", "fc2.bias", 2, std::numeric_limits<float>::quiet_NaN());
+  poke(dir / "ck.st", dir / "inf.st", "optimizer.fc1.weight.momentum_buffer", 77,
+       std::numeric_limits<float>::infinity());
+  struct Case {
+    std::string args, words;
+  };
+  const Case cases[] = {
+      {"--load " + dir / "nan.st", "nan.st: tensor fc2.bias holds a non-finite value (NaN) at index 2"},
+      {"--resume " + dir / "nan.st", "nan.st: tensor fc2.bias holds a non-finite value (NaN) at index 2"},
+      {"--resume " + dir / "inf.st",
+       "inf.st: tensor optimizer.fc1.weight.momentum_buffer holds a non-finite value (+Inf) at index 77"}};
+  for (const Case& c : cases) {
+    CAPTURE(c.args);
+    CommandResult bad = run_command(base + " --steps 2 " + c.args);
+    INFO(bad.output);
+    CHECK(bad.exit_code == 2);
+    CHECK(bad.output.find(c.words) != std::string::npos);
+    CHECK(bad.output.find("diverged run") != std::string::npos);
+    CHECK(bad.output.find("--lr") == std::string::npos);  // not blamed on the learning rate
+  }
 }

@@ -44,17 +44,6 @@ std::string gz_member(const std::string& bytes) {
   return out;
 }
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define DP_TEST_SANITIZED 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__) || defined(DP_TEST_SANITIZED)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-
 // dp_train under a 2 GiB memory cap and a 60 s clock: a reader that inflated a bomb whole would die
 // of either, not exit 2. The sanitizers reserve terabytes of shadow memory, so there the cap is
 // their own resident-memory limit instead of ulimit -v (the binary is built the same way as this one).
@@ -76,8 +65,7 @@ TEST_CASE("inputs: a test set of another image size is refused up front, naming 
     CAPTURE(side);
     TempDir dir;
     write_dataset(dir, 64, side == 1 ? 200 : 8, side, side);
-    CommandResult r =
-        run_command(kTrain + " --data " + dir.path.string() + " --steps 2 --batch 32 --quiet");
+    CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --steps 2 --batch 32 --quiet");
     INFO(r.output);
     CHECK(r.exit_code == 2);
     CHECK(r.output.find("t10k-images-idx3-ubyte.gz") != std::string::npos);

@@ -17,8 +17,6 @@
 #include "engine/error.h"
 #include "tests/util.h"
 
-extern char** environ;
-
 using namespace dp;
 using namespace dp::test;
 
@@ -40,39 +38,8 @@ void check_same_checkpoint(const std::string& got_path, const std::string& want_
 
 int64_t global_step(const std::string& path) { return std::stoll(read_safetensors(path).metadata.at("global_step")); }
 
-// dp_train in the background, both streams into `log`: the pid is dp_train's own (sh execs it).
-struct Background {
-  pid_t pid = -1;
-  explicit Background(const std::string& cmd, const std::string& log) {
-    std::string line = "exec " + cmd + " > " + log + " 2>&1";
-    const char* argv[] = {"/bin/sh", "-c", line.c_str(), nullptr};
-    REQUIRE(posix_spawn(&pid, "/bin/sh", nullptr, nullptr, const_cast<char**>(argv), environ) == 0);
-  }
-  // The exit code (128 + signal when killed by one), or -1 if it is still running after `timeout`.
-  int wait(std::chrono::seconds timeout = std::chrono::seconds(120)) {
-    auto end = std::chrono::steady_clock::now() + timeout;
-    int status = 0;
-    while (waitpid(pid, &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > end) return -1;
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    }
-    pid = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-  bool running() {
-    int status = 0;
-    return pid > 0 && waitpid(pid, &status, WNOHANG) == 0;
-  }
-  ~Background() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
-    }
-  }
-};
-
 // Waits until `path` exists while `proc` runs; false if it ended first or a minute passed.
-bool wait_for_file(const std::string& path, Background& proc) {
+bool wait_for_file(const std::string& path, Spawned& proc) {
   auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (!std::filesystem::exists(path)) {
     if (!proc.running() || std::chrono::steady_clock::now() > end) return false;
@@ -95,8 +62,7 @@ TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 1 d
   for (const Config& c : {Config{"1 device", "--devices 1"}, Config{"2-device scatter", "--devices 2 --sync scatter"},
                           Config{"2-device allreduce", "--devices 2 --sync allreduce"}}) {
     CAPTURE(c.name);
-    const std::string base =
-        kTrain + " --data " + dir.path.string() + " --batch 32 --lr 0.05 --threads 1 --quiet " + c.flags;
+    const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --lr 0.05 --quiet " + c.flags;
     auto run = [&](const std::string& args) {
       CommandResult r = run_command(base + " " + args);
       INFO(args << "\n" << r.output);
@@ -127,7 +93,7 @@ TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 1 d
 TEST_CASE("resume on another strategy or device count runs, with a one-line warning") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 120, 32);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --threads 1 --quiet";
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet";
   REQUIRE(run_command(base + " --steps 3 --save " + dir / "ck").exit_code == 0);
   CommandResult r = run_command(base + " --devices 2 --sync allreduce --steps 5 --resume " + dir / "ck");
   INFO(r.output);
@@ -147,7 +113,7 @@ TEST_CASE("resume refuses a checkpoint from a different run: exit 2 naming what 
   write_synthetic_dataset(dir.path.string(), 120, 32);
   write_synthetic_dataset(other.path.string(), 120, 32, true, 99);  // same size, other samples
   const std::string data = " --data " + dir.path.string();
-  const std::string base = kTrain + " --threads 1 --quiet";
+  const std::string base = kTrain + " --quiet";
   REQUIRE(run_command(base + data + " --batch 32 --steps 3 --save " + dir / "ck").exit_code == 0);
   ModelSpec spec = make_model("lenet");
   Checkpoint weights_only = load_checkpoint(dir / "ck", spec);
@@ -195,9 +161,8 @@ TEST_CASE("SIGINT and SIGTERM finish the step, save, name the checkpoint and exi
   for (int sig : {SIGINT, SIGTERM}) {
     CAPTURE(sig);
     const std::string ck = dir / ("ck" + std::to_string(sig)), log = dir / "log";
-    Background run(
-        kTrain + " --data " + dir.path.string() + " --batch 32 --steps 1000000 --threads 1 --save-every 1 --save " + ck,
-        log);
+    Spawned run(kTrain + " --data " + dir.path.string() + " --batch 32 --steps 1000000 --save-every 1 --save " + ck +
+                " > " + log + " 2>&1");
     // Once the first checkpoint exists the handlers are installed and training is under way.
     REQUIRE(wait_for_file(ck, run));
     REQUIRE(::kill(run.pid, sig) == 0);
@@ -212,9 +177,8 @@ TEST_CASE("SIGINT and SIGTERM finish the step, save, name the checkpoint and exi
     CHECK(step > 0);
     CHECK(out.find("after step " + std::to_string(step)) != std::string::npos);
     // and it resumes
-    CommandResult more =
-        run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --threads 1 --quiet --steps " +
-                    std::to_string(step + 2) + " --resume " + ck + " --save " + ck);
+    CommandResult more = run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --quiet --steps " +
+                                     std::to_string(step + 2) + " --resume " + ck + " --save " + ck);
     CHECK(more.exit_code == 0);
     CHECK(global_step(ck) == step + 2);
   }
@@ -278,10 +242,8 @@ TEST_CASE("dp_train killed with SIGKILL at any moment leaves a checkpoint that l
   const std::string ck = dir / "ck";
   for (int delay_ms : {0, 3, 11, 29}) {  // kills landing at different points of the step/save cycle
     CAPTURE(delay_ms);
-    Background run(kTrain + " --data " + dir.path.string() +
-                       " --batch 32 --steps 1000000 --threads 1 --save-every 1 --save " + ck +
-                       (std::filesystem::exists(ck) ? " --resume " + ck : std::string()),
-                   dir / "log");
+    Spawned run(kTrain + " --data " + dir.path.string() + " --batch 32 --steps 1000000 --save-every 1 --save " + ck +
+                (std::filesystem::exists(ck) ? " --resume " + ck : std::string()) + " > " + dir / "log" + " 2>&1");
     REQUIRE(wait_for_file(ck, run));
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     ::kill(run.pid, SIGKILL);
@@ -294,7 +256,7 @@ TEST_CASE("dp_train killed with SIGKILL at any moment leaves a checkpoint that l
 TEST_CASE("a diverging run exits 3 naming the step and the layer, and never saves the bad step") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 32);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --threads 1 --quiet";
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet";
   const std::string ck = dir / "ck";
   ModelSpec spec = make_model("lenet");
   auto finite = [](const std::vector<float>& v) {
@@ -365,8 +327,8 @@ TEST_CASE("dp_train: an empty training set is refused up front, a batch past the
 
   write_synthetic_dataset(dir.path.string(), 40, 16);
   // buffers are sized for the 40 samples there are, not for a billion
-  r = run_command(kTrain + " --data " + dir.path.string() +
-                  " --quiet --threads 1 --epochs 2 --batch 1000000000 --report " + dir / "r.json");
+  r = run_command(kTrain + " --data " + dir.path.string() + " --quiet --epochs 2 --batch 1000000000 --report " +
+                  dir / "r.json");
   INFO(r.output);
   CHECK(r.exit_code == 0);
 }
@@ -388,7 +350,7 @@ TEST_CASE("dp_train: what would fail at the end of a run is refused before it st
   for (auto& c : cases) {
     CAPTURE(c.args);
     auto t0 = std::chrono::steady_clock::now();
-    CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --threads 1 " + c.args);
+    CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " " + c.args);
     CAPTURE(r.output);
     CHECK(r.exit_code == 2);
     CHECK(r.output.find(c.words) != std::string::npos);

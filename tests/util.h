@@ -2,8 +2,14 @@
 // front ends, SPMD calls over devices.
 #pragma once
 
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <zlib.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -13,9 +19,12 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/device.h"
+
+extern char** environ;
 
 namespace dp::test {
 
@@ -127,6 +136,53 @@ inline CommandResult run_command(const std::string& cmd) {
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
 }
+
+// `sh -c "exec CMD"` in the background with SIGPIPE at its default (whatever this process does with
+// it), stdout onto `stdout_fd` when given; killed if still running at destruction.
+struct Spawned {
+  pid_t pid = -1;
+  Spawned(const std::string& cmd, int stdout_fd = -1) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    if (stdout_fd >= 0) posix_spawn_file_actions_adddup2(&fa, stdout_fd, 1);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    sigset_t def, none;
+    sigemptyset(&def);
+    sigaddset(&def, SIGPIPE);
+    sigemptyset(&none);
+    posix_spawnattr_setsigdefault(&attr, &def);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+    std::string line = "exec " + cmd;
+    const char* argv[] = {"/bin/sh", "-c", line.c_str(), nullptr};
+    int err = posix_spawn(&pid, "/bin/sh", &fa, &attr, const_cast<char**>(argv), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    posix_spawnattr_destroy(&attr);
+    REQUIRE(err == 0);
+  }
+  // The exit code (128 + signal when killed by one), or -1 if it still runs after `timeout`.
+  int wait(std::chrono::seconds timeout = std::chrono::seconds(120)) {
+    auto end = std::chrono::steady_clock::now() + timeout;
+    int status = 0;
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > end) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+  bool running() {
+    int status = 0;
+    return pid > 0 && waitpid(pid, &status, WNOHANG) == 0;
+  }
+  ~Spawned() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+};
 
 // Calls fn(rank) on every device's compute thread at once (SPMD), rethrowing the first failure.
 inline void spmd(const std::vector<Device*>& devs, const std::function<void(int)>& fn) {

@@ -1,0 +1,87 @@
+// The size flags (--device-memory, dp_bench comm's --min-bytes/--max-bytes) through their one
+// parser: what it accepts, and a message naming the flag and the accepted forms for all else,
+// exit 2 from both front ends.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "engine/error.h"
+#include "engine/options.h"
+#include "tests/util.h"
+
+using namespace dp;
+using namespace dp::test;
+
+TEST_CASE("inputs: a size is a positive number of bytes after its suffix K, M, G or T") {
+  CHECK(parse_bytes("4096", "--x") == 4096);
+  CHECK(parse_bytes("1.5K", "--x") == 1536);
+  CHECK(parse_bytes("2g", "--x") == int64_t(2) << 30);
+  CHECK(parse_bytes("1T", "--x") == int64_t(1) << 40);
+  CHECK(parse_bytes("3TiB", "--x") == int64_t(3) << 40);
+  CHECK(parse_bytes("512MiB", "--x") == int64_t(512) << 20);
+  CHECK(parse_bytes("4kb", "--x") == 4096);
+  CHECK(parse_bytes("100B", "--x") == 100);
+  CHECK(parse_bytes("0.5K", "--x") == 512);
+  CHECK(parse_bytes("1.3", "--x") == 1);  // a fraction of a byte is dropped
+  CHECK(parse_bytes("9223372036854775807", "--x") == INT64_MAX);
+  CHECK(parse_bytes("64K", "--device-memory", kMinDeviceMemory) == kMinDeviceMemory);
+
+  struct Case {
+    std::string text, words;
+  };
+  const Case refused[] = {
+      {"0.5", "is 0 bytes (rounded down to whole bytes)"},  // meant "no cap" before
+      {"0", "is 0 bytes"},
+      {"0.5K", "is 512 bytes"},  // under the 64 KiB minimum
+      {"-1", "is negative"},
+      {"-0.5G", "is negative"},
+      {"9223372036854775808", "too large"},
+      {"8388608T", "too large"},  // 2^63 bytes
+      {"99999999999999999999999T", "too large"},
+      {"", "is not a size"},
+      {"lots", "is not a size"},
+      {"M", "is not a size"},
+      {"12Q", "the suffix 'Q' is none of K, M, G, T"},
+      {"1e3", "is not a size"},
+      {"0x10", "is not a size"},
+      {" 5", "is not a size"},
+      {"5 M", "is not a size"},
+      {"1.5.5", "is not a size"},
+      {"nan", "is not a size"},
+      {"inf", "is not a size"},
+  };
+  for (const Case& c : refused) {
+    CAPTURE(c.text);
+    try {
+      parse_bytes(c.text, "--device-memory", kMinDeviceMemory);
+      FAIL("accepted");
+    } catch (const UsageError& e) {
+      const std::string w = e.what();
+      INFO(w);
+      CHECK(w.rfind("--device-memory: '" + c.text + "' ", 0) == 0);
+      CHECK(w.find(c.words) != std::string::npos);
+      CHECK(w.find("at least 64 KiB") != std::string::npos);
+      CHECK(w.find("suffix K, M, G or T") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("inputs: dp_train and dp_bench refuse --device-memory 0.5 with exit 2 and the accepted forms") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 8);
+  std::vector<std::string> commands = {std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() + " --steps 1"};
+#ifdef DP_BENCH_BIN
+  for (const char* sub : {"compare", "comm", "skew"}) commands.push_back(std::string(DP_BENCH_BIN) + " " + sub);
+#endif
+  for (const std::string& cmd : commands)
+    for (const char* size : {"0.5", "0", "-3", "1e9", "8388608T"}) {
+      CommandResult r = run_command(cmd + " --device-memory " + size);
+      CAPTURE(cmd);
+      CAPTURE(size);
+      INFO(r.output);
+      CHECK(r.exit_code == 2);
+      CHECK(r.output.find("--device-memory: '" + std::string(size) + "'") != std::string::npos);
+      CHECK(r.output.find("K, M, G or T") != std::string::npos);
+    }
+}
