@@ -71,43 +71,9 @@ DTYPES = {  # safetensors dtype -> (numpy dtype, torch dtype)
 }
 
 
-class LeNet(nn.Module):
-    """conv(1,20,3) relu avgpool2 conv(20,50,5) relu avgpool2 fc800-128 relu fc128-10"""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 20, 3)
-        self.conv2 = nn.Conv2d(20, 50, 5)
-        self.fc1 = nn.Linear(800, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = F.avg_pool2d(F.relu(self.conv1(x)), 2)  # 20x26x26 -> 20x13x13
-        x = F.avg_pool2d(F.relu(self.conv2(x)), 2)  # 50x9x9 -> 50x4x4
-        x = torch.flatten(x, 1)  # 800
-        x = F.relu(self.fc1(x))
-        return self.fc2(x)
-
-
-class LeNet5(nn.Module):
-    """Classic LeNet-5: conv(1,6,5,pad2) sigmoid avgpool2 conv(6,16,5) sigmoid
-    avgpool2 fc400-120 sigmoid fc120-84 sigmoid fc84-10"""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(400, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
-
-    def forward(self, x):
-        x = F.avg_pool2d(torch.sigmoid(self.conv1(x)), 2)  # 6x28x28 -> 6x14x14
-        x = F.avg_pool2d(torch.sigmoid(self.conv2(x)), 2)  # 16x10x10 -> 16x5x5
-        x = torch.flatten(x, 1)  # 400
-        x = torch.sigmoid(self.fc1(x))
-        x = torch.sigmoid(self.fc2(x))
-        return self.fc3(x)
+# dp's two models as PyTorch modules, defined once, in the worked example of loading a checkpoint.
+sys.path.insert(0, os.path.join(REPO_ROOT, "docs"))
+from load_into_pytorch import LeNet, LeNet5  # noqa: E402
 
 
 MODELS = {
