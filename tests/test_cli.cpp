@@ -113,8 +113,7 @@ TEST_CASE("dp_train --verify compares with one device and passes for both strate
 TEST_CASE("dp_train: a non-finite loss stops with exit 3 naming the step and the layer") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 64);
-  CommandResult r =
-      run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --epochs 1 --lr 1e6 --quiet");
+  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --epochs 1 --lr 1e6 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 3);
   CHECK(r.output.find("step ") != std::string::npos);

@@ -202,9 +202,8 @@ TEST_CASE("dp_train: a write the system refuses exits 1 with its reason and leav
   const std::string before = slurp(dir / "out/ck.st");
   // A 100 KiB file size limit makes the ~1 MB checkpoint's write fail with EFBIG, as a full disk
   // fails with ENOSPC; SIGXFSZ is ignored so the write returns the error instead of killing.
-  CommandResult r =
-      run_command("sh -c \"trap '' XFSZ; ulimit -f 100; exec timeout -k 5 60 " + kTrain + " --data " +
-                  dir.path.string() + " --quiet --batch 16 --steps 3 --save " + dir / "out/ck.st" + "\"");
+  CommandResult r = run_command("sh -c \"trap '' XFSZ; ulimit -f 100; exec timeout -k 5 60 " + kTrain + " --data " +
+                                dir.path.string() + " --quiet --batch 16 --steps 3 --save " + dir / "out/ck.st" + "\"");
   INFO(r.output);
   CHECK(r.exit_code == 1);
   CHECK(r.output.find(std::strerror(EFBIG)) != std::string::npos);
