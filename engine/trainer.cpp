@@ -306,6 +306,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     const std::vector<int64_t> order = epoch_order(data.train.count, o_.seed, epoch, o_.shuffle);
     EpochMeter meter(int(epoch) + 1);
+    progress.begin_epoch(meter.epoch(), plan_.epochs, plan_.per_epoch, step_ % plan_.per_epoch);
     // A resumed run starts mid-epoch; every later epoch starts at a multiple of per_epoch, at step 0.
     for (int64_t s = step_ % plan_.per_epoch; s < plan_.per_epoch && step_ < plan_.total_steps; ++s) {
       signals_.stage(Stage::step);
@@ -320,7 +321,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
         throw NumericalError(bad + "; training stopped" + kept + divergence_hint(o_));
       }
       meter.add(r);
-      progress.update(meter.epoch(), plan_.epochs, s + 1, plan_.per_epoch, meter.loss());
+      progress.update(s + 1, r.n, meter.loss());
       if (o_.save_every > 0 && step_ % o_.save_every == 0) save();
       stop_if_signalled();
     }
