@@ -16,6 +16,7 @@
 #include "bench/commands.h"
 #include "engine/error.h"
 #include "engine/options.h"
+#include "engine/report.h"
 
 namespace {
 
@@ -144,6 +145,7 @@ Subcommand add_skew(CLI::App& app) {
 
 int run(int argc, char** argv) {
   CLI::App app("dp_bench: measure the dp engine (scatter vs allreduce, collectives, memory skew)", "dp_bench");
+  app.set_version_flag("--version", std::string("dp_bench ") + dp::version());
   app.require_subcommand(1);
   const Subcommand subcommands[] = {add_compare(app), add_comm(app), add_skew(app)};
   if (!run_parser(app, argc, argv)) return 0;

@@ -4,14 +4,17 @@
 #include <cctype>
 #include <cerrno>
 #include <charconv>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <sstream>
+#include <string_view>
 
 #include "engine/error.h"
+#include "engine/report.h"
 
 namespace dp {
 namespace {
@@ -178,6 +181,23 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
   return c;
 }
 
+std::string shell_quote(const std::string& arg) {
+  auto plain = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) ||
+           std::string_view("_@%+=:,./-").find(c) != std::string_view::npos;
+  };
+  if (!arg.empty() && std::all_of(arg.begin(), arg.end(), plain)) return arg;
+  std::string out = "'";
+  for (char c : arg) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+std::string shell_command_line(int argc, const char* const* argv) {
+  std::string out;
+  for (int i = 0; i < argc; ++i) out += (i ? " " : "") + shell_quote(argv[i]);
+  return out;
+}
+
 bool run_parser(CLI::App& app, int argc, const char* const* argv) {
   try {
     app.parse(argc, argv);
@@ -187,6 +207,9 @@ bool run_parser(CLI::App& app, int argc, const char* const* argv) {
   } catch (const CLI::CallForAllHelp&) {
     std::printf("%s", app.help("", CLI::AppFormatMode::All).c_str());
     return false;
+  } catch (const CLI::CallForVersion& e) {
+    std::printf("%s\n", e.what());
+    return false;
   } catch (const CLI::ParseError& e) {
     throw UsageError(std::string(e.what()) + " (see --help)");
   }
@@ -195,6 +218,7 @@ bool run_parser(CLI::App& app, int argc, const char* const* argv) {
 
 bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   CLI::App app("dp_train: data-parallel training of LeNet on (Fashion-)MNIST", "dp_train");
+  app.set_version_flag("--version", std::string("dp_train ") + version());
   DeviceFlags dev;
   dev.add(app);
   std::string sync = "scatter", split = "even";
@@ -241,6 +265,8 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   app.add_flag("--verify", o.verify, "Also run the steps on one device and compare the weights at the end");
   app.add_flag("--quiet", o.quiet, "Print only errors");
   if (!run_parser(app, argc, argv)) return false;
+  o.command_line = shell_command_line(argc, argv);
+  o.started_at = utc_timestamp(std::chrono::system_clock::now());
   o.lr = parse_float(lr, "--lr");
   o.momentum = parse_float(momentum, "--momentum");
   o.weight_decay = parse_float(weight_decay, "--weight-decay");

@@ -44,10 +44,17 @@ struct DeviceFlags {
   DeviceConfig finish(const CLI::App& app) const;
 };
 
-// Parses dp_train's arguments. Returns false when --help or --version was printed.
+// argv as one line a POSIX shell would run again: arguments joined by spaces, each with a character
+// outside [A-Za-z0-9_@%+=:,./-] in single quotes ('it'\''s'), an empty one as ''.
+std::string shell_command_line(int argc, const char* const* argv);
+std::string shell_quote(const std::string& arg);
+
+// Parses dp_train's arguments into `out`, with the command line and the start time. Returns false
+// when --help or --version was printed.
 bool parse_train_args(int argc, const char* const* argv, TrainOptions& out);
 
-// Runs a CLI11 parse and rethrows its errors as UsageError (help and version return false).
+// Runs a CLI11 parse and rethrows its errors as UsageError. --help and --version (set_version_flag)
+// print to stdout and return false.
 bool run_parser(CLI::App& app, int argc, const char* const* argv);
 
 }  // namespace dp

@@ -1,20 +1,77 @@
 #include "engine/report.h"
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
+#include <ctime>
+#include <vector>
 
 #include "engine/error.h"
 #include "engine/paths.h"
 
 namespace dp {
+namespace {
+
+const char* kind_name(DeviceKind k) { return k == DeviceKind::cuda ? "cuda" : "cpu"; }
+
+// Rows of cells as columns two spaces apart, each as wide as its widest cell: the first column
+// left-aligned, the numbers right-aligned. Two spaces, because a cell ("1.5 KiB") holds one.
+std::string columns(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width(rows.at(0).size(), 0);
+  for (auto& row : rows)
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  std::string out;
+  for (auto& row : rows) {
+    for (size_t i = 0; i < row.size(); ++i) {
+      std::string fill(width[i] - row[i].size(), ' ');
+      out += i == 0 ? row[i] + fill : "  " + fill + row[i];
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+// What the two per-device memory breakdowns are, in the report itself: they often hold the same
+// numbers, and a reader should not have to guess why there are two.
+nlohmann::json device_notes() {
+  return {
+      {"peak_by_category", "bytes of each category at the moment the device's total peaked: they sum to peak_bytes"},
+      {"category_peaks",
+       "each category's own peak over the run, reached at different moments: the most a category held, not a "
+       "breakdown of peak_bytes; it equals peak_by_category where every category peaks at the same moment"}};
+}
+
+}  // namespace
+
+const char* version() { return DP_VERSION; }
+
+double json_float(float v) {
+  if (!std::isfinite(v)) return double(v);  // nlohmann writes null, as for any non-finite double
+  char buf[32];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);  // the shortest text that reads back as v
+  double d = double(v);
+  if (ec == std::errc()) std::from_chars(buf, end, d);
+  return d;
+}
+
+std::string utc_timestamp(std::chrono::system_clock::time_point t) {
+  const std::time_t secs = std::chrono::system_clock::to_time_t(t);
+  std::tm utc{};
+  gmtime_r(&secs, &utc);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return buf;
+}
 
 nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t steps) {
   return {{"model", spec.name},
           {"parameters", spec.param_count},
           {"batch", o.batch},
           {"steps", steps},
-          {"lr", o.lr},
-          {"momentum", o.momentum},
-          {"weight_decay", o.weight_decay},
+          {"lr", json_float(o.lr)},
+          {"momentum", json_float(o.momentum)},
+          {"weight_decay", json_float(o.weight_decay)},
           {"seed", o.seed},
           {"split", split_name(o.split)},
           {"bucket_kb", o.bucket_kb},
@@ -32,6 +89,12 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                  {"limit_test", o.limit_test},
                  {"gpus", o.devices.ids},
                  {"strategy", sync_name(o.sync)}});
+  // What --backend resolved to (auto picks cuda or the simulated cpu devices), not what was asked.
+  nlohmann::json names = nlohmann::json::array();
+  for (int r = 0; r < engine.size(); ++r) names.push_back(engine.device(r).name());
+  config["backend_requested"] = o.devices.backend;
+  config["backend"] = kind_name(engine.device(0).kind());
+  config["device_names"] = names;
   nlohmann::json epochs_json = nlohmann::json::array();
   for (auto& e : result.epochs)
     epochs_json.push_back({{"epoch", e.epoch},
@@ -43,7 +106,10 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                            {"test_accuracy", e.test_accuracy},
                            {"seconds", e.seconds},
                            {"images_per_second", e.images_per_second}});
-  nlohmann::json j = {{"config", config},
+  nlohmann::json j = {{"version", version()},
+                      {"command_line", o.command_line},
+                      {"started_at", o.started_at},
+                      {"config", config},
                       {"strategy", sync_name(o.sync)},
                       {"split", split_name(o.split)},
                       {"bucket_kb", o.bucket_kb},
@@ -51,7 +117,8 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                       {"train_loss", result.train_loss},
                       {"test_accuracy", result.test_accuracy},
                       {"images_per_second", result.images_per_second},
-                      {"devices", device_report(engine)}};
+                      {"devices", device_report(engine)},
+                      {"notes", device_notes()}};
   if (o.verify)
     j["verify"] = {
         {"max_abs_diff", result.verify_max_diff}, {"tolerance", result.verify_tolerance}, {"ok", result.verify_ok}};
@@ -72,6 +139,7 @@ nlohmann::json device_report(Engine& e) {
     out.push_back({{"rank", r},
                    {"id", d.id()},
                    {"name", d.name()},
+                   {"kind", kind_name(d.kind())},
                    {"peak_bytes", s.total_peak},
                    {"peak_by_category", cats},
                    {"category_peaks", peaks},
@@ -82,24 +150,18 @@ nlohmann::json device_report(Engine& e) {
 }
 
 std::string device_table(Engine& e) {
-  std::string out;
-  char line[512];
-  std::snprintf(line, sizeof line, "%-8s %12s %12s %12s %12s %12s %12s %12s %14s %14s\n", "device", "peak",
-                "parameters", "gradients", "optimizer", "activations", "inputs", "comm", "sent/step", "received/step");
-  out += line;
+  std::vector<std::vector<std::string>> rows = {{"device", "peak"}};
+  for (int c = 0; c < kCategories; ++c) rows[0].push_back(category_name(Category(c)));
+  rows[0].insert(rows[0].end(), {"sent/step", "received/step"});
   for (int r = 0; r < e.size(); ++r) {
-    Device& d = e.device(r);
-    LedgerSnapshot s = d.ledger().snapshot();
-    auto at = [&](Category c) { return format_bytes(s.at_peak[int(c)]); };
+    LedgerSnapshot s = e.device(r).ledger().snapshot();
+    std::vector<std::string> row = {e.device(r).name(), format_bytes(s.total_peak)};
+    for (int c = 0; c < kCategories; ++c) row.push_back(format_bytes(s.at_peak[c]));
     Traffic t = e.step_traffic(r);
-    std::snprintf(line, sizeof line, "%-8s %12s %12s %12s %12s %12s %12s %12s %14s %14s\n", d.name().c_str(),
-                  format_bytes(s.total_peak).c_str(), at(Category::parameters).c_str(), at(Category::gradients).c_str(),
-                  at(Category::optimizer).c_str(), at(Category::activations).c_str(),
-                  format_bytes(s.at_peak[int(Category::inputs)] + s.at_peak[int(Category::outputs)]).c_str(),
-                  at(Category::comm).c_str(), format_bytes(t.sent).c_str(), format_bytes(t.received).c_str());
-    out += line;
+    row.insert(row.end(), {format_bytes(t.sent), format_bytes(t.received)});
+    rows.push_back(row);
   }
-  return out;
+  return columns(rows) + "(memory by category at each device's peak: the categories add up to the peak)\n";
 }
 
 nlohmann::json trace_json(Engine& e) {

@@ -2,6 +2,7 @@
 // record shares (dp_bench's too), and the Chrome trace (--trace).
 #pragma once
 
+#include <chrono>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -11,6 +12,15 @@
 
 namespace dp {
 
+// dp's version, CMake's project(VERSION): --version prints it, the report and checkpoints record it.
+const char* version();
+// A float setting as the double with the float's shortest decimal (0.1f -> 0.1, not the widened
+// 0.10000000149011612), so a JSON record shows the value as it was given and reads back to the same
+// float. Every float-typed value in a record goes through it.
+double json_float(float v);
+// "2024-05-01T12:34:56Z": a time in UTC, ISO 8601, to the second.
+std::string utc_timestamp(std::chrono::system_clock::time_point t);
+
 // The "config" object of every JSON record (dp_train --report, dp_bench compare and skew --json):
 // model, parameters, batch, steps, lr, momentum, weight_decay, seed, split, bucket_kb, backend and
 // device_memory, under the same keys everywhere so one script reads them all. `steps` is the steps
@@ -18,14 +28,18 @@ namespace dp {
 // warm-up, skew its categories.
 nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t steps);
 
-// dp_train's --report: the config (run_config plus epochs, data, devices and strategy), the epochs,
-// the final figures, every device's memory and traffic, and the --verify result.
+// dp_train's --report: the config (run_config plus epochs, data, devices and strategy, with the
+// backend the run resolved to in place of the requested one), the version, command line and start
+// time, the epochs, the final figures, every device's memory and traffic, and the --verify result.
 nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int epochs, int64_t steps,
                             const TrainResult& result, Engine& engine);
 
-// Per device: id, kind, peak_bytes, peak_by_category, bytes_sent_per_step, bytes_received_per_step.
+// Per device: rank, id, name, kind, peak_bytes, peak_by_category (every category at the moment the
+// total peaked: they sum to peak_bytes), category_peaks (each category's own peak over the run, at
+// different moments: they need not sum to anything), bytes_sent_per_step, bytes_received_per_step.
 nlohmann::json device_report(Engine& engine);
-// The per-device table dp_train prints at the end: peak memory by category, bytes per step.
+// The per-device table dp_train prints at the end: the peak and, in one column per category, the
+// bytes at that moment (peak_by_category: the columns add up to the peak), then bytes per step.
 std::string device_table(Engine& engine);
 // Chrome trace-event JSON: one process, one lane (tid) per device, one complete event per phase.
 nlohmann::json trace_json(Engine& engine);

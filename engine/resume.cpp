@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "engine/error.h"
+#include "engine/report.h"
 
 namespace dp {
 namespace {
@@ -124,6 +125,7 @@ void CheckpointSaver::save(Engine& engine, int64_t global_step) {
   position["step_in_epoch"] = std::to_string(global_step % per_epoch_);
   position["global_step"] = std::to_string(global_step);
   position["limit_train"] = std::to_string(o_.limit_train);
+  position["dp_version"] = version();  // informational: loading neither needs nor checks it
   Checkpoint c{engine.params(), engine.momentum(), position};
   // Finite gradients times a huge --lr can still overflow the weights.
   if (!all_finite(c.params) || !all_finite(c.momentum))

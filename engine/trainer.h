@@ -31,6 +31,9 @@ struct TrainOptions {
   int64_t save_every = 0;
   bool verify = false;
   bool quiet = false;
+  // Provenance for the report, set by parse_train_args: the command as a shell would re-run it and
+  // when it started (UTC, ISO 8601).
+  std::string command_line, started_at;
 };
 
 struct EpochRecord {

@@ -13,11 +13,6 @@ namespace {
 
 const std::string kTrain = DP_TRAIN_BIN;
 
-nlohmann::json read_json(const std::string& p) {
-  std::ifstream f(p);
-  return nlohmann::json::parse(f);
-}
-
 }  // namespace
 
 TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {

@@ -17,6 +17,7 @@
 #include <functional>
 #include <future>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <thread>
@@ -123,6 +124,12 @@ struct CommandResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr together
 };
+
+// A JSON file (a report, a trace) parsed; throws where it is not JSON.
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream f(path);
+  return nlohmann::json::parse(f);
+}
 
 // Runs a shell command line, capturing both streams.
 inline CommandResult run_command(const std::string& cmd) {

@@ -1,0 +1,138 @@
+// What dp_train's records say about the run: --version, the --report's provenance (version, resolved
+// backend, command line, start time), float settings as they were given, the device table adding
+// up, and the version in checkpoints (which still load without it).
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+
+#include "engine/checkpoint.h"
+#include "engine/ledger.h"
+#include "engine/options.h"
+#include "engine/report.h"
+#include "tests/util.h"
+
+using namespace dp::test;
+
+namespace {
+
+const std::string kTrain = DP_TRAIN_BIN;
+
+// A line of the device table as its cells: columns are two or more spaces apart.
+std::vector<std::string> cells(const std::string& line) {
+  std::vector<std::string> out;
+  static const std::regex gap(" {2,}");
+  std::sregex_token_iterator it(line.begin(), line.end(), gap, -1), end;
+  for (; it != end; ++it)
+    if (!it->str().empty()) out.push_back(*it);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("report: floats are written as given, times and command lines as a reader expects") {
+  CHECK(nlohmann::json(dp::json_float(0.1f)).dump() == "0.1");
+  CHECK(nlohmann::json(dp::json_float(0.9f)).dump() == "0.9");
+  CHECK(nlohmann::json(dp::json_float(5e-4f)).dump() == "0.0005");
+  for (float v : {0.1f, 1e-7f, 3.4e38f, 1.4e-45f, 0.3333333f}) CHECK(float(dp::json_float(v)) == v);
+  CHECK(dp::utc_timestamp(std::chrono::system_clock::time_point{}) == "1970-01-01T00:00:00Z");
+  CHECK(dp::shell_quote("--lr") == "--lr");
+  CHECK(dp::shell_quote("/tmp/a b") == "'/tmp/a b'");
+  CHECK(dp::shell_quote("it's") == "'it'\\''s'");
+  CHECK(dp::shell_quote("") == "''");
+  const char* argv[] = {"dp_train", "--report", "my run.json"};
+  CHECK(dp::shell_command_line(3, argv) == "dp_train --report 'my run.json'");
+}
+
+TEST_CASE("report: --version prints the name and the version") {
+  CommandResult r = run_command(kTrain + " --version");
+  CHECK(r.exit_code == 0);
+  CHECK(r.output == std::string("dp_train ") + dp::version() + "\n");
+  CHECK(std::regex_match(std::string(dp::version()), std::regex(R"(\d+\.\d+\.\d+)")));
+#ifdef DP_BENCH_BIN
+  CommandResult b = run_command(std::string(DP_BENCH_BIN) + " --version");
+  CHECK(b.exit_code == 0);
+  CHECK(b.output == std::string("dp_bench ") + dp::version() + "\n");
+#endif
+}
+
+TEST_CASE("report: the report records the version, the resolved backend, the command and the start") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  std::filesystem::create_directories(dir.path / "a b");
+  const std::string report = dir / "a b/r.json";
+  // the report's path has a space: quoted here as shell_quote quotes it
+  const std::string args = " --batch 32 --steps 4 --devices 2 --lr 0.1 --momentum 0.9 --quiet --report '";
+  const std::string command = kTrain + " --data " + dir.path.string() + args + report + "'";
+  CommandResult r = run_command(command);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  nlohmann::json rep = read_json(report);
+  CHECK(rep["version"] == dp::version());
+  CHECK(rep["command_line"] == command);
+  CHECK(std::regex_match(rep["started_at"].get<std::string>(), std::regex(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")));
+  const nlohmann::json& config = rep["config"];
+  CHECK(config["backend_requested"] == "auto");
+  REQUIRE(config["device_names"].size() == 2);
+  // auto resolves to the simulated devices here, or to cuda where a GPU is built in and present
+  const bool simulated = config["device_names"][0].get<std::string>().rfind("sim:", 0) == 0;
+  CHECK(config["backend"] == (simulated ? "cpu" : "cuda"));
+  CHECK(rep["devices"][0]["kind"] == config["backend"]);
+  // the settings as given, not widened from float (0.10000000149011612)
+  const std::string text = slurp(report);
+  CHECK(std::regex_search(text, std::regex(R"("lr": 0\.1[,\n])")));
+  CHECK(std::regex_search(text, std::regex(R"("momentum": 0\.9[,\n])")));
+  CHECK(std::regex_search(text, std::regex(R"("weight_decay": 0\.0[,\n])")));
+  CHECK(rep["notes"].contains("peak_by_category"));
+  CHECK(rep["notes"].contains("category_peaks"));
+}
+
+TEST_CASE("report: the device table's categories add up to each device's peak") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  CommandResult r = run_command(kTrain + " --data " + dir.path.string() +
+                                " --batch 32 --steps 4 --devices 2 --sync allreduce --report " + dir / "r.json");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  nlohmann::json devices = read_json(dir / "r.json")["devices"];
+  std::istringstream lines(r.output);
+  std::string line;
+  while (std::getline(lines, line) && line.rfind("device  ", 0) != 0) {
+  }
+  std::vector<std::string> header = cells(line);
+  std::vector<std::string> want = {"device", "peak"};
+  for (int c = 0; c < dp::kCategories; ++c) want.push_back(dp::category_name(dp::Category(c)));
+  want.insert(want.end(), {"sent/step", "received/step"});
+  REQUIRE(header == want);  // every category has a column, under its own name
+  for (auto& d : devices) {
+    REQUIRE(std::getline(lines, line));
+    std::vector<std::string> row = cells(line);
+    REQUIRE(row.size() == header.size());
+    CHECK(row[0] == d["name"]);
+    CHECK(row[1] == dp::format_bytes(d["peak_bytes"].get<int64_t>()));
+    int64_t sum = 0;
+    for (int c = 0; c < dp::kCategories; ++c) {
+      int64_t bytes = d["peak_by_category"][header[2 + c]].get<int64_t>();
+      CHECK(row[2 + c] == dp::format_bytes(bytes));  // the column shows that category, not a sum of two
+      sum += bytes;
+    }
+    CHECK(sum == d["peak_bytes"].get<int64_t>());
+  }
+}
+
+TEST_CASE("report: checkpoints record dp_version, and one without it still resumes") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet";
+  REQUIRE(run_command(base + " --steps 2 --save " + dir / "ck.safetensors").exit_code == 0);
+  dp::SafeTensors st = dp::read_safetensors(dir / "ck.safetensors");
+  CHECK(st.metadata["dp_version"] == dp::version());
+  st.metadata.erase("dp_version");  // as written before the version was recorded
+  dp::write_safetensors(dir / "old.safetensors", st);
+  CommandResult r = run_command(base + " --steps 4 --resume " + dir / "old.safetensors");
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  CHECK(run_command(base + " --steps 1 --load " + dir / "old.safetensors").exit_code == 0);
+}
