@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "engine/error.h"
 #include "engine/options.h"
@@ -40,6 +41,9 @@ int main(int argc, char** argv) {
   } catch (const dp::Interrupted& e) {
     std::fprintf(stderr, "dp_train: %s\n", e.what());
     return 128 + e.signal;
+  } catch (const std::bad_alloc&) {  // outside the ledgers: host memory for buffers, threads, data
+    std::fprintf(stderr, "dp_train: error: out of host memory (std::bad_alloc); check ulimit -v and what else runs\n");
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dp_train: error: %s\n", e.what());
     return 1;

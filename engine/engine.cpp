@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 #include <numeric>
 
 #include "engine/error.h"
@@ -155,6 +156,9 @@ void Engine::run_all(const std::function<void(int)>& fn) {
       if (!aborted) aborted = std::current_exception();
     } catch (const DeviceError&) {
       if (!first) first = std::current_exception();
+    } catch (const std::bad_alloc&) {  // host memory outside the ledger (a library's, a thread's)
+      if (!first)
+        first = std::make_exception_ptr(DeviceError(devices_[r]->id(), "out of host memory (std::bad_alloc)"));
     } catch (const std::exception& e) {
       if (!first) first = std::make_exception_ptr(DeviceError(devices_[r]->id(), e.what()));
     }

@@ -35,14 +35,14 @@ void Worker::loop(std::function<void()> init) {
     }
   }
   for (;;) {
-    Task t;
-    {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      t = std::move(queue_.front());
-      queue_.pop_front();
-    }
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;
+    // Moved out, not default-constructed and assigned: a fresh promise allocates its shared state,
+    // and a bad_alloc here, outside any task, would end the process (seen under ulimit -v).
+    Task t = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
     if (init_error) {
       t.done.set_exception(init_error);
       continue;
