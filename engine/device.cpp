@@ -72,42 +72,62 @@ void Device::stop_workers() {
   comm_.reset();
 }
 
-DeviceSet make_devices(const DeviceConfig& cfg) {
+namespace {
+
+void check_ids(const DeviceConfig& cfg) {
+  if (cfg.all) return;
   if (cfg.ids.empty()) throw UsageError("--gpus: the device list is empty; give at least one id, e.g. --gpus 0");
   for (int id : cfg.ids)
     if (id < 0) throw UsageError("--gpus: device id " + std::to_string(id) + " is negative; ids are 0, 1, ...");
   if (std::set<int>(cfg.ids.begin(), cfg.ids.end()).size() != cfg.ids.size() && !cfg.allow_shared_device)
     throw UsageError(
         "--gpus: a device id is repeated; pass --allow-shared-device to run several replicas on one device");
+}
+
+std::vector<int> first_ids(int n) {
+  std::vector<int> ids(size_t(n), 0);
+  for (int i = 0; i < n; ++i) ids[size_t(i)] = i;
+  return ids;
+}
+
+std::string simulated_count_note(const DeviceConfig& cfg) {
+  if (!cfg.all) return "--gpus ids name simulated devices";
+  return std::to_string(kDefaultSimulatedDevices) + " simulated devices (--gpus all; --devices N for another count)";
+}
+
+}  // namespace
+
+DeviceSet make_devices(const DeviceConfig& cfg) {
+  check_ids(cfg);
   if (cfg.backend != "auto" && cfg.backend != "cpu" && cfg.backend != "cuda")
     throw UsageError("--backend: '" + cfg.backend + "' is not a backend; use auto, cpu or cuda");
 
   DeviceSet set;
+  set.ids = cfg.all ? first_ids(kDefaultSimulatedDevices) : cfg.ids;
   bool use_cuda = false;
   if (cfg.backend != "cpu") {
     CudaProbe probe = probe_cuda();
     if (probe.count > 0) {
-      for (int id : cfg.ids)
+      if (cfg.all) set.ids = first_ids(probe.count);
+      for (int id : set.ids)
         if (id >= probe.count)
           throw UsageError("--gpus: device " + std::to_string(id) + " does not exist; this machine has " +
                            std::to_string(probe.count) + " CUDA device(s), ids 0.." + std::to_string(probe.count - 1));
       use_cuda = true;
-      set.notice = "backend: cuda (" + std::to_string(probe.count) + " CUDA device(s) found)";
+      set.notice = "backend: cuda (" + std::to_string(probe.count) + " CUDA device(s) found" +
+                   (cfg.all ? ", all in use" : "") + ")";
     } else if (cfg.backend == "cuda") {
       throw UsageError("--backend cuda: no CUDA device is usable (" + probe.reason + "); use --backend cpu or auto");
     } else {
-      set.notice = "backend: simulated CPU devices (" + probe.reason + "); --gpus ids name simulated devices";
+      set.notice = "backend: simulated CPU devices (" + probe.reason + "); " + simulated_count_note(cfg);
     }
   } else {
-    set.notice = "backend: simulated CPU devices (--backend cpu)";
+    set.notice = "backend: simulated CPU devices (--backend cpu)" + (cfg.all ? "; " + simulated_count_note(cfg) : "");
   }
 
-  int n = int(cfg.ids.size());
-  if (use_cuda) {
-    for (int r = 0; r < n; ++r) set.devices.push_back(make_cuda_device(r, cfg.ids[r], cfg.memory_cap));
-    return set;
-  }
-  for (int r = 0; r < n; ++r) set.devices.push_back(make_simulated_device(r, cfg.ids[r], cfg.memory_cap));
+  for (int r = 0; r < int(set.ids.size()); ++r)
+    set.devices.push_back(use_cuda ? make_cuda_device(r, set.ids[r], cfg.memory_cap)
+                                   : make_simulated_device(r, set.ids[r], cfg.memory_cap));
   return set;
 }
 

@@ -96,16 +96,24 @@ class Device {
   std::string fault_;
 };
 
+// Where there is no GPU, "every device" (--gpus all, dp_train's default) means this many simulated
+// devices: the fewest that show data parallelism.
+inline constexpr int kDefaultSimulatedDevices = 2;
+
 struct DeviceConfig {
   std::string backend = "auto";  // auto | cpu | cuda
   std::vector<int> ids{0};
+  // --gpus all: every usable GPU (PyTorch's device_ids=None, Caffe's -gpu all), or
+  // kDefaultSimulatedDevices simulated devices where there is none; ids is then ignored.
+  bool all = false;
   int64_t memory_cap = 0;  // bytes per simulated device; 0 = unlimited
   bool allow_shared_device = false;
 };
 
 struct DeviceSet {
   std::vector<std::unique_ptr<Device>> devices;
-  std::string notice;  // one line: which backend was chosen and why
+  std::string notice;    // one line: which backend was chosen and why
+  std::vector<int> ids;  // the ids in use (--gpus all resolved)
 };
 
 // Throws UsageError for an empty list, repeated ids without allow_shared_device, a bad backend.

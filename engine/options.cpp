@@ -155,7 +155,9 @@ std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
 }
 
 void DeviceFlags::add(CLI::App& app) {
-  app.add_option("--gpus", gpus, "Device ids, comma-separated (simulated devices where there is no GPU)")
+  app.add_option("--gpus", gpus,
+                 "Device ids, comma-separated, or all: every GPU (simulated devices where there is no GPU; all is " +
+                     std::to_string(kDefaultSimulatedDevices) + " of them)")
       ->capture_default_str();
   app.add_option("--devices", devices, "Shorthand for --gpus 0,1,...,N-1")
       ->excludes("--gpus")
@@ -173,6 +175,8 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
       throw UsageError("--devices: " + std::to_string(devices) + " is not a device count; give at least 1");
     c.ids.clear();
     for (int i = 0; i < devices; ++i) c.ids.push_back(i);
+  } else if (gpus == "all") {
+    c.all = true;
   } else {
     c.ids = parse_ids(gpus, "--gpus");
   }

@@ -37,7 +37,7 @@ CLI::Validator exact_integer();
 // The device flags every front end shares: --gpus, --devices, --backend,
 // --device-memory, --allow-shared-device. finish() turns their text into a DeviceConfig.
 struct DeviceFlags {
-  std::string gpus = "0", backend = "auto", memory;
+  std::string gpus = "all", backend = "auto", memory;
   int devices = 0;
   bool allow_shared = false;
   void add(CLI::App& app);

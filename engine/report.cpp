@@ -87,7 +87,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                  {"data", o.data},
                  {"limit_train", o.limit_train},
                  {"limit_test", o.limit_test},
-                 {"gpus", o.devices.ids},
+                 {"gpus", o.devices.all ? nlohmann::json("all") : nlohmann::json(o.devices.ids)},
                  {"strategy", sync_name(o.sync)}});
   // What --backend resolved to (auto picks cuda or the simulated cpu devices), not what was asked.
   nlohmann::json names = nlohmann::json::array();
@@ -149,6 +149,27 @@ nlohmann::json device_report(Engine& e) {
   return out;
 }
 
+namespace {
+
+// Device 0's peak over the mean peak of the others: nn.DataParallel's burden in one number.
+std::string skew_line(Engine& e) {
+  if (e.size() < 2) return "";
+  double others = 0;
+  for (int r = 1; r < e.size(); ++r) others += double(e.device(r).ledger().snapshot().total_peak);
+  others /= e.size() - 1;
+  const double skew = others > 0 ? double(e.device(0).ledger().snapshot().total_peak) / others : 0;
+  char line[320];
+  std::snprintf(line, sizeof line, "skew: %s's peak / the mean of the others' = %.3f%s\n", e.device(0).name().c_str(),
+                skew,
+                e.config().sync == Sync::scatter
+                    ? " (scatter: device 0 also holds the whole batch, the gathered logits, the gradients it "
+                      "reduces and the optimizer state)"
+                    : " (allreduce: every replica holds the same)");
+  return line;
+}
+
+}  // namespace
+
 std::string device_table(Engine& e) {
   std::vector<std::vector<std::string>> rows = {{"device", "peak"}};
   for (int c = 0; c < kCategories; ++c) rows[0].push_back(category_name(Category(c)));
@@ -161,7 +182,8 @@ std::string device_table(Engine& e) {
     row.insert(row.end(), {format_bytes(t.sent), format_bytes(t.received)});
     rows.push_back(row);
   }
-  return columns(rows) + "(memory by category at each device's peak: the categories add up to the peak)\n";
+  return columns(rows) + "(memory by category at each device's peak: the categories add up to the peak)\n" +
+         skew_line(e);
 }
 
 nlohmann::json trace_json(Engine& e) {

@@ -38,7 +38,8 @@ EngineConfig one_device(EngineConfig c) {
 Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run,
                    const std::vector<float>& params, const std::vector<float>& momentum) {
   DeviceConfig first = devices;
-  first.ids = {devices.ids.at(0)};
+  first.ids = {devices.all ? 0 : devices.ids.at(0)};
+  first.all = false;
   devices_ = make_devices(first);
   engine_ = std::make_unique<Engine>(std::vector<Device*>{devices_.devices[0].get()}, spec, one_device(run));
   engine_->set_params(params);

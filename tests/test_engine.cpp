@@ -229,6 +229,11 @@ TEST_CASE("bad device lists are usage errors") {
   CHECK(make_devices(c).devices.size() == 2);
   c.backend = "tpu";
   CHECK_THROWS_AS(make_devices(c), UsageError);
+  c = DeviceConfig{};
+  c.backend = "cpu", c.all = true, c.ids = {};  // --gpus all without a GPU: the default count, ids 0..
+  DeviceSet all = make_devices(c);
+  CHECK(all.devices.size() == size_t(kDefaultSimulatedDevices));
+  CHECK(all.ids == std::vector<int>{0, 1});
   CHECK_THROWS_AS(parse_sync("ring"), UsageError);
   CHECK_THROWS_AS(parse_split("half"), UsageError);
 }

@@ -3,6 +3,7 @@
 // up, and the version in checkpoints (which still load without it).
 #include <doctest/doctest.h>
 
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -135,4 +136,31 @@ TEST_CASE("report: checkpoints record dp_version, and one without it still resum
   INFO(r.output);
   CHECK(r.exit_code == 0);
   CHECK(run_command(base + " --steps 1 --load " + dir / "old.safetensors").exit_code == 0);
+}
+
+TEST_CASE("report: with no device flags a machine without a GPU trains on two simulated devices; the skew line") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --steps 2 --backend cpu";
+  CommandResult r = run_command(base + " --report " + dir / "r.json");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  nlohmann::json rep = read_json(dir / "r.json");
+  CHECK(rep["devices"].size() == size_t(dp::kDefaultSimulatedDevices));
+  CHECK(rep["config"]["gpus"] == "all");
+  CHECK(r.output.find("2 simulated devices (--gpus all") != std::string::npos);
+  // device 0's peak over the other's, as the ledgers in the report give them
+  const double skew = rep["devices"][0]["peak_bytes"].get<double>() / rep["devices"][1]["peak_bytes"].get<double>();
+  char want[64];
+  std::snprintf(want, sizeof want, "skew: sim:0's peak / the mean of the others' = %.3f (scatter", skew);
+  CHECK(skew > 1.0);  // under scatter device 0 holds more
+  CHECK(r.output.find(want) != std::string::npos);
+
+  r = run_command(base + " --sync allreduce");
+  CHECK(r.output.find("= 1.000 (allreduce: every replica holds the same)") != std::string::npos);
+  r = run_command(base + " --gpus all --sync allreduce --report " + dir / "r.json");
+  CHECK(read_json(dir / "r.json")["devices"].size() == size_t(dp::kDefaultSimulatedDevices));
+  r = run_command(base + " --devices 1");
+  CHECK(r.exit_code == 0);
+  CHECK(r.output.find("skew") == std::string::npos);  // one device: nothing to compare
 }

@@ -94,7 +94,7 @@ TEST_CASE("resume on another strategy or device count runs, with a one-line warn
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 120, 32);
   const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet";
-  REQUIRE(run_command(base + " --steps 3 --save " + dir / "ck").exit_code == 0);
+  REQUIRE(run_command(base + " --devices 1 --steps 3 --save " + dir / "ck").exit_code == 0);
   CommandResult r = run_command(base + " --devices 2 --sync allreduce --steps 5 --resume " + dir / "ck");
   INFO(r.output);
   CHECK(r.exit_code == 0);
@@ -103,7 +103,7 @@ TEST_CASE("resume on another strategy or device count runs, with a one-line warn
   CHECK(r.output.find("sync scatter -> allreduce") != std::string::npos);
   CHECK(r.output.find("not guaranteed bit-exact") != std::string::npos);
   // the same configuration resumes silently
-  r = run_command(base + " --steps 5 --resume " + dir / "ck");
+  r = run_command(base + " --devices 1 --steps 5 --resume " + dir / "ck");
   CHECK(r.exit_code == 0);
   CHECK(r.output.find("warning") == std::string::npos);
 }
