@@ -143,6 +143,60 @@ AlphaBeta fit_alpha_beta(const std::vector<double>& x, const std::vector<double>
   return ab;
 }
 
+AlphaBeta median_fit(const std::vector<AlphaBeta>& fits) {
+  AlphaBeta m;
+  std::vector<double> alphas, betas;
+  for (const AlphaBeta& f : fits) {
+    m.repeats.emplace_back(f.alpha, f.valid() ? f.beta : 0.0);
+    if (f.valid()) alphas.push_back(f.alpha), betas.push_back(f.beta);
+  }
+  if (betas.empty()) return m;
+  m.alpha = median(alphas), m.beta = median(betas);
+  m.source = "median of " + std::to_string(fits.size()) + " repeats, each " + fits.front().source;
+  return m;
+}
+
+namespace {
+// The repeats that fitted: their alphas (seconds) and betas (B/s), each sorted.
+std::pair<std::vector<double>, std::vector<double>> fitted(const AlphaBeta& ab) {
+  std::vector<double> a, b;
+  for (auto [alpha, beta] : ab.repeats)
+    if (beta > 0) a.push_back(alpha), b.push_back(beta);
+  std::sort(a.begin(), a.end()), std::sort(b.begin(), b.end());
+  return {a, b};
+}
+}  // namespace
+
+std::string AlphaBeta::describe() const {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "α = %.1f µs, β = %.2f GB/s", alpha * 1e6, beta / 1e9);
+  std::string s = buf;
+  if (repeats.empty()) return s;
+  auto [a, b] = fitted(*this);
+  const std::string fits = a.size() == repeats.size() ? "" : ", of which " + std::to_string(a.size()) + " gave a fit";
+  std::snprintf(buf, sizeof buf, "; min–max α %.1f–%.1f µs, β %.2f–%.2f GB/s)", a.front() * 1e6, a.back() * 1e6,
+                b.front() / 1e9, b.back() / 1e9);
+  return s + " (median over " + std::to_string(repeats.size()) + " repeats" + fits + buf;
+}
+
+nlohmann::json AlphaBeta::json() const {
+  if (!valid()) return nullptr;
+  nlohmann::json j = {{"alpha_us", alpha * 1e6}, {"beta_gbps", beta / 1e9}, {"source", source}};
+  if (repeats.empty()) return j;
+  auto [a, b] = fitted(*this);
+  nlohmann::json per = nlohmann::json::array();
+  for (auto [alpha_s, beta_bps] : repeats)
+    per.push_back(beta_bps > 0 ? nlohmann::json{{"alpha_us", alpha_s * 1e6}, {"beta_gbps", beta_bps / 1e9}}
+                               : nlohmann::json());
+  j["fit"] = "median";
+  j["repeats"] = repeats.size();
+  j["fitted"] = a.size();
+  j["spread"] = {{"alpha_us", {{"min", a.front() * 1e6}, {"max", a.back() * 1e6}}},
+                 {"beta_gbps", {{"min", b.front() / 1e9}, {"max", b.back() / 1e9}}}};
+  j["per_repeat"] = per;
+  return j;
+}
+
 // --- memory, checked before a run ---------------------------------------------------------------
 
 namespace {
@@ -398,10 +452,11 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
 }
 
-std::string command_line(int argc, const char* const* argv) {
-  std::string s = "dp_bench";
-  for (int i = 1; i < argc; ++i) s += std::string(" ") + argv[i];
-  return s;
+void record_backend(nlohmann::json& into, const std::string& requested, DeviceKind kind,
+                    const std::vector<std::string>& names) {
+  into["backend"] = kind_name(kind);
+  into["backend_requested"] = requested;
+  into["device_names"] = names;
 }
 
 }  // namespace dp::bench

@@ -56,13 +56,25 @@ std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collect
 struct AlphaBeta {
   double alpha = 0, beta = 0;
   std::string source;  // "fitted: ..." or "given: --alpha-us/--beta-gbps"
+  // A fit over repeated sweeps (median_fit): each repeat's own (alpha, beta), beta 0 where that
+  // sweep gave no fit; empty for one fit or given values.
+  std::vector<std::pair<double, double>> repeats;
   bool valid() const { return beta > 0; }
   double seconds(double bytes) const { return alpha + bytes / beta; }
   // Each collective of the step costs one alpha plus its busiest rank's bytes over beta.
   double step_seconds(const std::vector<CollectiveTraffic>& collectives) const;
+  // "α = 12.3 µs, β = 3.21 GB/s", and for a median fit "(median over 5 repeats; min–max α 8.1–40.2 µs,
+  // β 2.90–3.50 GB/s)".
+  std::string describe() const;
+  // null when not valid; alpha_us, beta_gbps, source, and for a median fit: fit "median", repeats,
+  // fitted, spread {alpha_us, beta_gbps: {min, max}}, per_repeat [{alpha_us, beta_gbps} or null].
+  nlohmann::json json() const;
 };
 // Least squares of t = alpha + x / beta in relative error (see bench.cpp for why relative).
 AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds);
+// One fit per repeated sweep -> alpha and beta each the median over the repeats that fitted (so
+// the pair need not be any one repeat's); invalid when none fitted.
+AlphaBeta median_fit(const std::vector<AlphaBeta>& fits);
 
 // --- the collective sweep -------------------------------------------------------------------------
 
@@ -95,6 +107,10 @@ int64_t sweep_bytes(const CommSweep& sweep, int n);
 // thread; one warm-up op, then timed ops.
 std::vector<CommPoint> run_comm_sweep(const std::vector<Device*>& devices, const CommSweep& sweep);
 AlphaBeta fit_from_sweep(const std::vector<CommPoint>& points);
+// The alpha-beta fit over `repeats` all_reduce sweeps over sweep's sizes, each fitted alone, then
+// median_fit. `first`, when not empty, is the first repeat already measured (comm's full sweep).
+AlphaBeta fit_repeated(const std::vector<Device*>& devices, CommSweep sweep, int repeats,
+                       const std::vector<CommPoint>& first = {});
 
 // Runs fn(rank) on every device's compute thread at once and waits; a failure aborts the
 // communicator (no rank waits forever) and is rethrown here.
@@ -167,6 +183,11 @@ std::string commas(int64_t v);              // 1234567 -> "1,234,567"
 std::string fixed(double v, int decimals);  // "%.*f"
 std::string pad(const std::string& s, int width, bool right = true);
 double median(std::vector<double> v);
-std::string command_line(int argc, const char* const* argv);
+
+// What a record says of its devices, as dp_train's report does (engine/report.cpp): "backend" what
+// --backend resolved to ("cpu": simulated devices, "cuda"), "backend_requested" as given,
+// "device_names". Plots put the kind in their titles from it.
+void record_backend(nlohmann::json& into, const std::string& requested, DeviceKind kind,
+                    const std::vector<std::string>& names);
 
 }  // namespace dp::bench

@@ -52,13 +52,21 @@ void print_comm(const std::vector<CommPoint>& points, const AlphaBeta& ab, const
     t.row(r);
   }
   std::printf("%s", t.str(2).c_str());
+  std::printf(
+      "\nα-β fit of all_reduce: t = α + S_rank / β with S_rank = the ring's bytes per rank (2(n-1)/n x S), fitted "
+      "to each of %d sweeps of all_reduce alone (the first is the table's); the model column uses the median:\n",
+      o.repeats);
   if (ab.valid())
-    std::printf(
-        "\nα-β fit of all_reduce: t = α + S_rank / β with S_rank = the ring's bytes per rank (2(n-1)/n x S): "
-        "α = %.1f µs, β = %.2f GB/s\n",
-        ab.alpha * 1e6, ab.beta / 1e9);
+    std::printf("  %s\n", ab.describe().c_str());
   else
-    std::printf("\nα-β fit of all_reduce: no fit (too few sizes or times that do not grow with size)\n");
+    std::printf("  no fit (too few sizes or times that do not grow with size)\n");
+  for (size_t i = 0; i < ab.repeats.size(); ++i) {
+    auto [alpha, beta] = ab.repeats[i];
+    if (beta > 0)
+      std::printf("  repeat %zu: α = %.1f µs, β = %.2f GB/s\n", i + 1, alpha * 1e6, beta / 1e9);
+    else
+      std::printf("  repeat %zu: no fit\n", i + 1);
+  }
 }
 
 }  // namespace
@@ -114,6 +122,7 @@ void check_memory(const CommSweep& sw, int n, bool simulated) {
 
 int run_comm(const CommOptions& o) {
   if (o.iters < 1) throw UsageError("--iters: must be at least 1");
+  if (o.repeats < 1) throw UsageError("--repeats: " + std::to_string(o.repeats) + " sweeps; give at least 1");
   check_output_file("--json", o.json);
   check_output_directory("--plot", o.plot);
   if (!o.plot.empty()) check_plotting();
@@ -129,7 +138,7 @@ int run_comm(const CommOptions& o) {
   for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
 
   const std::vector<CommPoint> points = run_comm_sweep(devices, sw);
-  const AlphaBeta ab = fit_from_sweep(points);
+  const AlphaBeta ab = fit_repeated(devices, sw, o.repeats, points);
   int64_t peak = 0;  // the ledgers' (device memory, whatever the backend), against the estimate
   for (Device* d : devices) peak += d->ledger().snapshot().total_peak;
 
@@ -145,19 +154,18 @@ int run_comm(const CommOptions& o) {
                    {"algbw_gbps", p.algbw / 1e9},
                    {"busbw_gbps", p.busbw / 1e9},
                    {"busbw_factor", busbw_factor(p.collective, n)}});
-  nlohmann::json j = {
-      {"command", o.command},
-      {"devices", n},
-      {"names", names},
-      {"backend", set.notice},
-      {"min_bytes", sw.min_bytes},  // as measured: whole floats
-      {"max_bytes", sw.max_bytes},
-      {"memory", {{"estimate_bytes", sweep_bytes(sw, n)}, {"peak_bytes", peak}}},
-      {"max_iters", o.iters},
-      {"points", pts},
-      {"alpha_beta",
-       ab.valid() ? nlohmann::json{{"alpha_us", ab.alpha * 1e6}, {"beta_gbps", ab.beta / 1e9}, {"source", ab.source}}
-                  : nlohmann::json()}};
+  nlohmann::json j = {{"command", o.command},
+                      {"devices", n},
+                      {"names", names},
+                      {"backend_notice", set.notice},
+                      {"min_bytes", sw.min_bytes},  // as measured: whole floats
+                      {"max_bytes", sw.max_bytes},
+                      {"memory", {{"estimate_bytes", sweep_bytes(sw, n)}, {"peak_bytes", peak}}},
+                      {"max_iters", o.iters},
+                      {"repeats", o.repeats},
+                      {"points", pts},
+                      {"alpha_beta", ab.json()}};
+  record_backend(j, o.devices.backend, devices[0]->kind(), names);
   if (!o.json.empty()) write_json(o.json, j);
   if (!o.plot.empty()) {
     std::filesystem::create_directories(o.plot);

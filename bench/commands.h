@@ -21,6 +21,7 @@ struct CompareOptions {
   float lr = 0.1f, momentum = 0.9f;  // dp_train's defaults
   std::vector<int> sweep;            // --sweep-devices: device counts
   double alpha_us = -1, beta_gbps = -1;
+  int repeats = 5;  // all_reduce sweeps for the alpha-beta fit, each fitted alone: the median is used
   std::string json, trace, plot;
   std::string command;  // as typed, for the records
 };
@@ -29,6 +30,7 @@ struct CommOptions {
   DeviceConfig devices;
   int64_t min_bytes = 8, max_bytes = 256ll << 20;
   int iters = 20;
+  int repeats = 5;  // all_reduce sweeps for the alpha-beta fit: the median and the spread
   double budget_seconds = 0.1;
   std::string json, plot;
   std::string command;

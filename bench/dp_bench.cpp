@@ -37,6 +37,20 @@ void add_seed(CLI::App& c, std::string& seed) {
       ->type_name("UINT");
 }
 
+// compare and skew train on made-up data: say so where their flags are listed.
+constexpr const char* kSyntheticNote =
+    "The data is synthetic: random images (uniform in [0, 1)) with random labels, so loss and accuracy mean "
+    "nothing; what this measures is time, bytes moved and memory. No data set is needed.";
+
+// --repeats: how many all_reduce sweeps the alpha-beta fit takes the median of.
+void add_repeats(CLI::App& c, int& repeats) {
+  c.add_option("--repeats", repeats,
+               "all_reduce sweeps for the alpha-beta fit, each fitted alone; the median and the spread (min-max) "
+               "are reported")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
+}
+
 // A subcommand: its flags on the parser, and what runs when it was the one given. The options live
 // in the closure; `command` is dp_train-style provenance, filled in after parsing.
 struct Subcommand {
@@ -50,7 +64,9 @@ Subcommand add_compare(CLI::App& app) {
   auto split = std::make_shared<std::string>("even");
   auto sweep = std::make_shared<std::string>(), seed = std::make_shared<std::string>("0");
   dev->gpus = "0,1,2,3";
-  CLI::App* c = app.add_subcommand("compare", "scatter vs allreduce on the same devices, model, batch and data");
+  CLI::App* c =
+      app.add_subcommand("compare", "scatter vs allreduce on the same devices, model, batch and (synthetic) data");
+  c->footer(kSyntheticNote);
   dev->add(*c);
   c->add_option("--model", co->model, "lenet | lenet5")->capture_default_str();
   c->add_option("--batch", co->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
@@ -67,6 +83,7 @@ Subcommand add_compare(CLI::App& app) {
   add_seed(*c, *seed);
   c->add_option("--alpha-us", co->alpha_us, "Latency for the alpha-beta model, µs (default: fit it here)");
   c->add_option("--beta-gbps", co->beta_gbps, "Bandwidth for the alpha-beta model, GB/s (with --alpha-us)");
+  add_repeats(*c, co->repeats);
   c->add_option("--sweep-devices", *sweep, "Repeat for each device count (ids 0..N-1), e.g. 1,2,4,8")
       ->excludes("--gpus")
       ->excludes("--devices");
@@ -100,6 +117,7 @@ Subcommand add_comm(CLI::App& app) {
   c->add_option("--iters", mo->iters, "Timed ops per size at most (fewer when one op is slow)")
       ->capture_default_str()
       ->transform(exact_integer<int>());
+  add_repeats(*c, mo->repeats);
   c->add_option("--json", mo->json, "Write the measurements and the fit as JSON");
   c->add_option("--plot", mo->plot, "Write the data and a busbw plot into this directory (needs python3-matplotlib)");
   return {c, [=](const std::string& command) {
@@ -118,7 +136,9 @@ Subcommand add_skew(CLI::App& app) {
   auto optimizer = std::make_shared<std::string>("momentum"), split = std::make_shared<std::string>("even");
   auto seed = std::make_shared<std::string>("0");
   dev->gpus = "0,1,2,3";
-  CLI::App* c = app.add_subcommand("skew", "memory per device by category: device 0's skew under scatter");
+  CLI::App* c =
+      app.add_subcommand("skew", "memory per device by category: device 0's skew under scatter (synthetic data)");
+  c->footer(kSyntheticNote);
   dev->add(*c);
   c->add_option("--model", so->model, "lenet | lenet5")->capture_default_str();
   c->add_option("--batch", so->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
@@ -150,7 +170,7 @@ int run(int argc, char** argv) {
   const Subcommand subcommands[] = {add_compare(app), add_comm(app), add_skew(app)};
   if (!run_parser(app, argc, argv)) return 0;
   for (const Subcommand& s : subcommands)
-    if (s.app->parsed()) return s.run(command_line(argc, argv));
+    if (s.app->parsed()) return s.run(shell_command_line(argc, argv));
   return 0;  // unreachable: CLI11 requires one subcommand
 }
 

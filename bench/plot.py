@@ -49,9 +49,29 @@ def size_label(b):
     return f"{b}B"
 
 
+def device_kind(d):
+    """What ran, from the record dp_bench wrote: "simulated CPU devices (sim:0,sim:1)" or "CUDA GPUs
+    (cuda:0,cuda:1)", with the GPUs' names where the record has them. A plot seen out of context must
+    not read as a GPU result when it was measured on simulated devices."""
+    rec = d.get("config", d)  # compare and skew keep it in their config, comm at the top
+    backend = rec.get("backend")
+    names = rec.get("device_names") or d.get("names") or []
+    where = f" ({','.join(names)})" if names else ""
+    if backend == "cpu":
+        return "simulated CPU devices" + where
+    if backend == "cuda":
+        gpus = rec.get("gpu_names") or d.get("gpu_names")
+        return "CUDA GPUs" + (": " + ", ".join(dict.fromkeys(gpus)) if gpus else "") + where
+    return f"devices of unrecorded kind (backend {backend!r}; simulated or CUDA unknown)" + where
+
+
 def save(fig, out, name):
+    """Writes the PNG, its titles also in its metadata (PNG text "Title"): the device kind travels
+    with the file."""
     path = os.path.join(out, name)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    sup = getattr(fig, "_suptitle", None)
+    titles = [t for t in [sup.get_text() if sup else ""] + [a.get_title() for a in fig.axes] if t]
+    fig.savefig(path, dpi=120, bbox_inches="tight", metadata={"Title": " | ".join(titles)})
     plt.close(fig)
     print(path)
 
@@ -87,7 +107,7 @@ def compare(d, out):
     ax.set_ylabel("ms per step (device 0's phases)")
     n = d["runs"][0]["devices"] if len(d["runs"]) == 1 else None
     where = f", {n} devices" if n else ""
-    ax.set_title(f"{cfg['model']}, global batch {cfg['batch']}{where}: time per step by phase")
+    ax.set_title(f"{cfg['model']}, global batch {cfg['batch']}{where}: time per step by phase\n{device_kind(d)}")
     ax.set_ylim(0, max(max(bottom), max(b[2] for b in bars)) * 1.15)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
     ax.grid(axis="y", alpha=0.3)
@@ -105,7 +125,7 @@ def compare(d, out):
         ax.set_xlabel("devices")
         ax.set_ylabel("images / s")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{cfg['model']}, global batch {cfg['batch']}: throughput vs devices")
+        ax.set_title(f"{cfg['model']}, global batch {cfg['batch']}: throughput vs devices\n{device_kind(d)}")
         ax.grid(alpha=0.3)
         ax.legend(frameon=False)
         save(fig, out, "compare_scaling.png")
@@ -126,8 +146,9 @@ def comm(d, out):
     if ab:
         ar = [p for p in pts if p["collective"] == "all_reduce"]
         model = [ab["alpha_us"] + p["rank_bytes"] / (ab["beta_gbps"] * 1e3) for p in ar]
+        which = f" (median of {ab['repeats']} repeats)" if "repeats" in ab else ""
         ax2.plot([p["bytes"] for p in ar], model, "k--", lw=1,
-                 label=f"all_reduce α-β: α={ab['alpha_us']:.0f} µs, β={ab['beta_gbps']:.2f} GB/s")
+                 label=f"all_reduce α-β{which}: α={ab['alpha_us']:.0f} µs, β={ab['beta_gbps']:.2f} GB/s")
     for a in (ax, ax2):
         a.set_xscale("log", base=2)
         ticks = [p["bytes"] for p in pts if p["collective"] == names[0]][::3]
@@ -142,6 +163,7 @@ def comm(d, out):
     ax2.set_ylabel("time per op (µs)")
     ax2.set_title("time per op")
     ax2.legend(frameon=False, fontsize=8)
+    fig.suptitle(f"collectives on {device_kind(d)}")
     fig.tight_layout()
     save(fig, out, "comm_busbw.png")
 
@@ -184,7 +206,7 @@ def skew(d, out):
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=9)
     cfg = d["config"]
-    fig.suptitle(f"memory per device by category: {cfg['model']}, global batch {cfg['batch']}")
+    fig.suptitle(f"memory per device by category: {cfg['model']}, global batch {cfg['batch']}\n{device_kind(d)}")
     fig.tight_layout()
     save(fig, out, "skew_memory.png")
 

@@ -306,8 +306,9 @@ nlohmann::json search_json(const std::vector<Search>& found, int64_t cap) {
   return j;
 }
 
-nlohmann::json skew_json(const SkewOptions& o, const ModelSpec& spec, const std::vector<std::string>& names,
-                         const std::vector<StrategySkew>& results, const nlohmann::json& search, bool ok) {
+nlohmann::json skew_json(const SkewOptions& o, const ModelSpec& spec, DeviceKind kind,
+                         const std::vector<std::string>& names, const std::vector<StrategySkew>& results,
+                         const nlohmann::json& search, bool ok) {
   nlohmann::json strategies = nlohmann::json::array();
   for (const auto& s : results) {
     nlohmann::json devs = nlohmann::json::array();
@@ -330,6 +331,7 @@ nlohmann::json skew_json(const SkewOptions& o, const ModelSpec& spec, const std:
   }
   nlohmann::json config = run_config(as_training(o), spec, o.steps);
   for (int c = 0; c < kCategories; ++c) config["categories"].push_back(category_name(Category(c)));
+  record_backend(config, o.devices.backend, kind, names);
   return {{"command", o.command},     {"config", config}, {"devices", names},
           {"strategies", strategies}, {"search", search}, {"ok", ok}};
 }
@@ -420,7 +422,7 @@ int run_skew(const SkewOptions& o) {
     search = search_json(found, cap);
   }
 
-  const nlohmann::json j = skew_json(o, spec, names, results, search, ok);
+  const nlohmann::json j = skew_json(o, spec, devices[0]->kind(), names, results, search, ok);
   if (!o.json.empty()) write_json(o.json, j);
   if (!o.plot.empty()) {
     std::filesystem::create_directories(o.plot);

@@ -215,4 +215,13 @@ AlphaBeta fit_from_sweep(const std::vector<CommPoint>& points) {
   return ab;
 }
 
+AlphaBeta fit_repeated(const std::vector<Device*>& devices, CommSweep sweep, int repeats,
+                       const std::vector<CommPoint>& first) {
+  sweep.collectives = {Collective::all_reduce};
+  std::vector<AlphaBeta> fits;
+  for (int i = 0; i < repeats; ++i)
+    fits.push_back(fit_from_sweep(i == 0 && !first.empty() ? first : run_comm_sweep(devices, sweep)));
+  return median_fit(fits);
+}
+
 }  // namespace dp::bench

@@ -16,6 +16,8 @@
 namespace dp {
 
 enum class DeviceKind { simulated, cuda };
+// The backend a kind belongs to, as --backend names it: "cpu" (simulated devices) or "cuda".
+inline const char* kind_name(DeviceKind k) { return k == DeviceKind::cuda ? "cuda" : "cpu"; }
 
 class Device;
 

@@ -13,8 +13,6 @@
 namespace dp {
 namespace {
 
-const char* kind_name(DeviceKind k) { return k == DeviceKind::cuda ? "cuda" : "cpu"; }
-
 // Rows of cells as columns two spaces apart, each as wide as its widest cell: the first column
 // left-aligned, the numbers right-aligned. Two spaces, because a cell ("1.5 KiB") holds one.
 std::string columns(const std::vector<std::vector<std::string>>& rows) {

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include <string>
 
 #include "engine/communicator.h"
+#include "engine/device.h"
 #include "engine/engine.h"
 #include "models/model.h"
 
@@ -349,6 +351,9 @@ TEST_CASE("bench: integer seed and bandwidth flags are read exactly or refused w
       {"compare --bucket-kb 9223372036854775808", "out of range"},
       {"comm --iters 1.5", "--iters"},
       {"comm --iters 0", "--iters"},
+      {"comm --repeats 0", "--repeats: 0 sweeps; give at least 1"},
+      {"compare --repeats -1", "--repeats: -1 sweeps; give at least 1"},
+      {"comm --repeats 2.5", "--repeats"},
       {"compare --warmup -1", "--warmup"},
       {"compare --alpha-us inf --beta-gbps 1", "--alpha-us"},
       {"compare --alpha-us 1 --beta-gbps inf", "--beta-gbps"},
@@ -359,6 +364,164 @@ TEST_CASE("bench: integer seed and bandwidth flags are read exactly or refused w
     INFO(slurp(log));
     CHECK(slurp(log).find(c.words) != std::string::npos);
   }
+}
+
+namespace {
+
+// What --backend auto resolves to here: cuda where a GPU is usable, else the simulated cpu devices.
+std::string auto_backend() { return dp::probe_cuda().count > 0 ? "cuda" : "cpu"; }
+
+// The recorded command run through /bin/sh's word splitting: the arguments it gives back, one a
+// line (argv[0] first).
+std::vector<std::string> shell_words(const std::string& command, const std::string& out) {
+  CHECK(std::system(("set -- " + command + "; printf '%s\n' \"$@\" > '" + out + "'").c_str()) == 0);
+  std::vector<std::string> words;
+  std::ifstream f(out);
+  for (std::string line; std::getline(f, line);) words.push_back(line);
+  return words;
+}
+
+// The "backend", "backend_requested", "device_names" a record keeps (in its config, or at the top).
+void check_backend(const json& rec, const std::vector<std::string>& names) {
+  CHECK(rec["backend"] == auto_backend());
+  CHECK(rec["backend_requested"] == "auto");
+  CHECK(rec["device_names"].get<std::vector<std::string>>() == names);
+}
+
+}  // namespace
+
+TEST_CASE("bench: records say the resolved backend and devices and a command that re-runs as typed") {
+  TempDir dir;
+  const std::string log = dir / "rec.log", spaced = dir / "with space";
+  fs::create_directories(spaced);
+  const std::string prefix = auto_backend() == "cuda" ? "cuda:" : "sim:";
+  const std::vector<std::string> names{prefix + "0", prefix + "1"};
+  struct Case {
+    std::string args;
+    bool in_config;  // compare and skew keep the backend in their config, comm at the top
+  };
+  const Case cases[] = {
+      {"compare --backend auto --gpus 0,1 --batch 16 --steps 1 --warmup 0 --repeats 1", true},
+      {"skew --backend auto --gpus 0,1 --batch 16", true},
+      {"comm --backend auto --gpus 0,1 --min-bytes 4K --max-bytes 8K --iters 1 --repeats 1", false},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.args);
+    const std::string path = spaced + "/r.json";
+    int rc = bench(c.args + " --json '" + path + "'", log);
+    INFO(slurp(log));
+    REQUIRE(rc == 0);
+    json j = load(path);
+    check_backend(c.in_config ? j["config"] : j, names);
+    // the path with a space comes back as one argument, after --json
+    const std::vector<std::string> words = shell_words(j["command"], dir / "words.txt");
+    REQUIRE(words.size() >= 3);
+    CHECK(words[0] == DP_BENCH_BIN);
+    CHECK(words.back() == path);
+    CHECK(words[words.size() - 2] == "--json");
+  }
+}
+
+TEST_CASE("bench: comm fits alpha-beta on each repeat and reports the median with its spread") {
+  TempDir dir;
+  const std::string log = dir / "comm.log";
+  int rc = bench(
+      "comm --gpus 0,1 --min-bytes 4K --max-bytes 4M --iters 3 --repeats 3 --json '" + (dir / "m.json") + "'", log);
+  const std::string out = slurp(log);
+  INFO(out);
+  REQUIRE(rc == 0);
+  json j = load(dir / "m.json");
+  CHECK(j["repeats"] == 3);
+  CHECK(out.find("fitted to each of 3 sweeps") != std::string::npos);
+  // As in the comm test above: no fit at all only on a badly overloaded machine.
+  if (j["alpha_beta"].is_null()) return;
+  const json& ab = j["alpha_beta"];
+  CHECK(ab["fit"] == "median");
+  CHECK(ab["repeats"] == 3);
+  REQUIRE(ab["per_repeat"].size() == 3);
+  for (const char* key : {"alpha_us", "beta_gbps"}) {
+    CAPTURE(key);
+    std::vector<double> v;
+    for (const json& r : ab["per_repeat"])
+      if (!r.is_null()) v.push_back(r[key].get<double>());
+    REQUIRE(int(v.size()) == ab["fitted"].get<int>());
+    std::sort(v.begin(), v.end());
+    const double med = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+    const double lo = ab["spread"][key]["min"], hi = ab["spread"][key]["max"], m = ab[key];
+    CHECK(lo <= m);
+    CHECK(m <= hi);
+    CHECK(lo == doctest::Approx(v.front()));
+    CHECK(hi == doctest::Approx(v.back()));
+    CHECK(m == doctest::Approx(med));
+  }
+  CHECK(out.find("(median over 3 repeats; min–max α ") != std::string::npos);
+  CHECK(out.find("repeat 3: ") != std::string::npos);
+}
+
+TEST_CASE("bench: compare's trace lays the strategies one after the other on one time line") {
+  TempDir dir;
+  const std::string log = dir / "trace.log";
+  int rc =
+      bench("compare --gpus 0,1 --batch 16 --steps 2 --warmup 1 --repeats 1 --trace '" + (dir / "t.json") + "'", log);
+  INFO(slurp(log));
+  REQUIRE(rc == 0);
+  std::map<int, std::pair<double, double>> extent;  // pid -> (first start, last end), µs
+  const json trace = load(dir / "t.json");
+  for (const json& e : trace["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const double ts = e["ts"], end = ts + e["dur"].get<double>();
+    auto [it, fresh] = extent.try_emplace(e["pid"].get<int>(), ts, end);
+    if (!fresh) it->second = {std::min(it->second.first, ts), std::max(it->second.second, end)};
+  }
+  REQUIRE(extent.size() == 2);
+  CHECK(extent[0].first >= 0);
+  CHECK(extent[1].first > extent[0].second);  // the second strategy starts after the first's last span
+}
+
+TEST_CASE("bench: compare and skew say in their help that the data is synthetic") {
+  TempDir dir;
+  const std::string log = dir / "help.log";
+  for (const char* sub : {"compare", "skew"}) {
+    CAPTURE(sub);
+    REQUIRE(bench(std::string(sub) + " --help", log) == 0);
+    const std::string out = slurp(log);
+    INFO(out);
+    CHECK(out.find("The data is synthetic: random images") != std::string::npos);
+    CHECK(out.find("loss and accuracy mean nothing") != std::string::npos);
+  }
+}
+
+TEST_CASE("bench: every plot says in its title that the devices were simulated") {
+  if (std::system("/usr/bin/python3 -c 'import matplotlib' > /dev/null 2>&1") != 0) {
+    MESSAGE("SKIPPED: /usr/bin/python3 cannot import matplotlib, so no plot to check");
+    return;
+  }
+  TempDir dir;
+  const std::string log = dir / "plot.log";
+  const std::string runs[] = {
+      "compare --batch 16 --steps 1 --warmup 0 --repeats 1 --sweep-devices 1,2",
+      "skew --gpus 0,1 --batch 16",
+      "comm --gpus 0,1 --min-bytes 4K --max-bytes 16K --iters 1 --repeats 2",
+  };
+  int pngs = 0;
+  for (const std::string& args : runs) {
+    CAPTURE(args);
+    const std::string plots = dir / ("plots" + std::to_string(pngs));
+    fs::create_directories(plots);
+    int rc = bench(args + " --plot '" + plots + "'", log);
+    INFO(slurp(log));
+    REQUIRE(rc == 0);
+    for (const auto& f : fs::directory_iterator(plots)) {
+      if (f.path().extension() != ".png") continue;
+      ++pngs;
+      CAPTURE(f.path().string());
+      // plot.py keeps the titles in the PNG's "Title" text chunk (uncompressed)
+      const std::string png = slurp(f.path().string());
+      CHECK(png.find("Title") != std::string::npos);
+      CHECK(png.find("simulated CPU devices (sim:0,sim:1)") != std::string::npos);
+    }
+  }
+  CHECK(pngs == 4);  // compare_phases, compare_scaling, skew_memory, comm_busbw
 }
 
 #endif  // DP_BENCH_BIN

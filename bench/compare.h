@@ -1,0 +1,54 @@
+// dp_bench compare's results, measured in compare.cpp and reported (table, JSON) in
+// compare_report.cpp.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench/bench.h"
+#include "bench/commands.h"
+
+namespace dp::bench {
+
+inline constexpr Sync kStrategies[] = {Sync::scatter, Sync::allreduce};
+
+// allreduce has no scatter and no broadcast phase.
+inline bool has_phase(Sync s, Phase p) { return s == Sync::scatter || (p != Phase::scatter && p != Phase::broadcast); }
+
+struct StrategyRun {
+  Sync sync;
+  std::vector<double> step_seconds;
+  double images_per_second = 0, loss = 0;
+  std::vector<std::array<double, kPhases>> phase_seconds;  // per device, per step
+  std::vector<CollectiveTraffic> collectives;              // the byte model
+  std::vector<Traffic> measured, predicted;
+  std::vector<LedgerSnapshot> ledgers;
+  std::vector<Bucket> buckets;
+  double comm_model_seconds = 0, comm_measured_seconds = 0;
+  bool match = true;
+  nlohmann::json trace;                          // its engine's events, times in µs from `origin`
+  std::chrono::steady_clock::time_point origin;  // just before its engine was built
+};
+
+struct DeviceCountRun {
+  int n = 0;
+  DeviceKind kind = DeviceKind::simulated;
+  std::vector<std::string> names;
+  std::vector<int> sizes;
+  AlphaBeta ab;
+  std::vector<StrategyRun> strategies;
+};
+
+// One set of devices: the header line, then a table with a column per strategy.
+void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOptions& o);
+// --sweep-devices: images/s per device count.
+void print_scaling(const std::vector<DeviceCountRun>& runs, int batch);
+// The record: command, config (run_config, with the resolved backend and devices), every run,
+// and the scaling over device counts.
+nlohmann::json compare_json(const CompareOptions& o, const ModelSpec& spec, const std::vector<DeviceCountRun>& runs,
+                            bool all_match);
+
+}  // namespace dp::bench
