@@ -12,6 +12,7 @@
 #include "engine/error.h"
 #include "engine/paths.h"
 #include "engine/report.h"
+#include "engine/trace.h"
 
 namespace dp::bench {
 namespace {
@@ -36,7 +37,6 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, Sync sync, const M
   const int n = int(devices.size());
   // The previous engine has freed everything: its peaks must not count for this one.
   for (Device* d : devices) d->ledger().reset_peak();
-  const auto origin = clock::now();  // the engine's span times count from its construction
   Engine engine(devices, spec, engine_config(sync, o));
   engine.set_params(init);
 
@@ -45,7 +45,7 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, Sync sync, const M
   for (int i = 0; i < o.warmup; ++i, ++step) engine.step(data.images(step), data.labels(step), o.batch);
   engine.reset_timing();
   StrategyRun run;
-  run.sync = sync, run.origin = origin;
+  run.sync = sync, run.origin = engine.start_time();  // the origin of the engine's span times
   for (int i = 0; i < o.steps; ++i, ++step) {
     auto t0 = clock::now();
     last = engine.step(data.images(step), data.labels(step), o.batch);
@@ -200,8 +200,8 @@ DeviceCountRun run_devices(const std::vector<Device*>& devices, const ModelSpec&
         run_strategy(devices, s, spec, o, data, init, run.ab, first_pid + int(run.strategies.size())));
   return run;
 }
-// Each engine times its spans from its own construction: shifted by how long after the first
-// engine each was built, the strategies lie one after the other on one time line.
+// Each engine times its spans from its own start: shifted by how long after the first engine's
+// start each started, the strategies lie one after the other on one time line.
 void append_trace(nlohmann::json& trace, const StrategyRun& s, std::chrono::steady_clock::time_point first) {
   const double shift_us = std::chrono::duration<double, std::micro>(s.origin - first).count();
   for (nlohmann::json e : s.trace) {

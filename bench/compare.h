@@ -30,7 +30,7 @@ struct StrategyRun {
   double comm_model_seconds = 0, comm_measured_seconds = 0;
   bool match = true;
   nlohmann::json trace;                          // its engine's events, times in µs from `origin`
-  std::chrono::steady_clock::time_point origin;  // just before its engine was built
+  std::chrono::steady_clock::time_point origin;  // its engine's start_time()
 };
 
 struct DeviceCountRun {

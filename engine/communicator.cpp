@@ -218,15 +218,8 @@ void Communicator::all_reduce(int rank, float* buf, int64_t count) {
   }
 }
 
-void Communicator::all_reduce_async(int rank, float* buf, int64_t count) {
-  pending_[rank].push_back(devices_[rank]->run_comm([this, rank, buf, count] {
-    try {
-      all_reduce(rank, buf, count);
-    } catch (...) {
-      abort();
-      throw;
-    }
-  }));
+void Communicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
+  submit_comm(rank, timing, [this, rank, buf, count] { all_reduce(rank, buf, count); });
 }
 
 void Communicator::wait(int rank) {

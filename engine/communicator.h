@@ -8,6 +8,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <future>
@@ -43,6 +44,13 @@ class Barrier {
   bool aborted_ = false;
 };
 
+// When a collective ran on a rank's communication thread: from the moment that thread began it
+// (waiting for its peers included) until it returned. Written by the communication thread, read by
+// the rank's compute thread after wait(), whose future orders the two.
+struct Interval {
+  std::chrono::steady_clock::time_point start, end;
+};
+
 // Chunk sizes that differ by at most one, larger first: 10 over 3 -> 4, 3, 3.
 std::vector<int64_t> even_chunks(int64_t count, int n);
 
@@ -75,8 +83,9 @@ class Communicator {
   // same bits. Each rank sends and receives 2 (n-1) chunks.
   virtual void all_reduce(int rank, float* buf, int64_t count);
   // Starts all_reduce on the rank's communication thread (buckets overlapping backward); wait()
-  // returns when every started one is done and rethrows the first failure.
-  virtual void all_reduce_async(int rank, float* buf, int64_t count);
+  // returns when every started one is done and rethrows the first failure. With `timing` (a trace is
+  // on) the communication thread stamps it, which must outlive the wait().
+  virtual void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr);
   virtual void wait(int rank);
 
   // Called when a rank fails: every rank waiting in, or later entering, a collective throws Aborted.
@@ -92,6 +101,21 @@ class Communicator {
   void tally(int rank, Collective c, int64_t sent_bytes, int64_t received_bytes) {
     traffic_[rank][int(c)].sent += sent_bytes;
     traffic_[rank][int(c)].received += received_bytes;
+  }
+  // Runs fn on the rank's communication thread, stamping `timing` around it when given; a failure
+  // aborts every rank's collectives, and wait() rethrows it.
+  template <class F>
+  void submit_comm(int rank, Interval* timing, F fn) {
+    pending_[rank].push_back(devices_[rank]->run_comm([this, timing, fn = std::move(fn)] {
+      try {
+        if (timing) timing->start = std::chrono::steady_clock::now();
+        fn();
+        if (timing) timing->end = std::chrono::steady_clock::now();
+      } catch (...) {
+        abort();
+        throw;
+      }
+    }));
   }
   float* scratch(int rank, int64_t floats);  // comm buffer on the rank's device, grown on demand
   void sync_and_wait(int rank);              // finish the rank's queued copies, then barrier

@@ -21,14 +21,18 @@ int main(int argc, char** argv) {
   try {
     dp::TrainOptions opt;
     if (!dp::parse_train_args(argc, argv, opt)) return 0;
-    dp::TrainResult r = dp::train(opt);
+    bool ok = true;
+    if (opt.eval)  // --eval --load FILE: the checkpoint on the test set, nothing trained
+      dp::evaluate_checkpoint(opt);
+    else
+      ok = dp::train(opt).verify_ok;
     // A signal after the run's last safe point, as it was returning: everything had been written.
     if (int sig = dp::signal_received()) {
       std::fprintf(stderr, "dp_train: %s as the run ended; every output was written\n",
                    dp::describe_signal(sig).c_str());
       return 128 + sig;
     }
-    return r.verify_ok ? 0 : 1;
+    return ok ? 0 : 1;
   } catch (const dp::UsageError& e) {
     std::fprintf(stderr, "dp_train: %s\n", e.what());
     return 2;

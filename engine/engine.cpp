@@ -70,6 +70,8 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       cfg_(cfg),
       phase_seconds_(devices_.size()),
       spans_(devices_.size()),
+      bucket_spans_(devices_.size()),
+      eval_spans_(devices_.size()),
       step_traffic_(devices_.size()),
       t0_(std::chrono::steady_clock::now()) {
   if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
@@ -128,6 +130,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     }
     if (cur.layers > 0) buckets_.push_back(cur);
   }
+  if (cfg_.trace) bucket_timing_.assign(devices_.size(), std::vector<Interval>(buckets_.size()));
 }
 
 Engine::~Engine() {
@@ -176,15 +179,31 @@ void Engine::timed(int rank, Phase p, F&& f) {
   devices_[rank]->synchronize();  // a phase ends when its device work has
   auto end = std::chrono::steady_clock::now();
   phase_seconds_[rank][int(p)] += std::chrono::duration<double>(end - start).count();
-  if (cfg_.trace) {
-    auto us = [&](auto t) { return std::chrono::duration<double, std::micro>(t - t0_).count(); };
-    spans_[rank].push_back({p, step_, us(start), us(end)});
+  if (cfg_.trace) spans_[rank].push_back({p, step_, us_since_start(start), us_since_start(end)});
+}
+
+// After wait(): every bucket's all-reduce has returned and its stamps are this thread's to read. A
+// bucket the communicator did not run (nothing to reduce) left its interval unstamped.
+void Engine::record_buckets(int rank) {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Interval& t = bucket_timing_[rank][b];
+    if (t.end != std::chrono::steady_clock::time_point{})
+      bucket_spans_[rank].push_back({step_, int(b), us_since_start(t.start), us_since_start(t.end)});
+    t = {};
   }
 }
 
 void Engine::reset_timing() {
   for (auto& p : phase_seconds_) p = {};
   for (auto& s : spans_) s.clear();
+  for (auto& s : bucket_spans_) s.clear();
+  for (auto& s : eval_spans_) s.clear();
+  host_spans_.clear();
+}
+
+void Engine::host_span(std::string name, double start_us, double end_us,
+                       std::vector<std::pair<std::string, double>> args) {
+  if (cfg_.trace) host_spans_.push_back({std::move(name), start_us, end_us, std::move(args)});
 }
 
 StepResult Engine::step(const float* x, const int32_t* y, int n) {
@@ -296,7 +315,8 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
   auto on_ready = [&](int layer) {
     int b = layer_bucket_[layer];
     if (b >= 0 && --remaining[b] == 0)
-      comm_->all_reduce_async(r, rep.grads.f() + buckets_[b].offset, buckets_[b].count);
+      comm_->all_reduce_async(r, rep.grads.f() + buckets_[b].offset, buckets_[b].count,
+                              cfg_.trace ? &bucket_timing_[r][b] : nullptr);
   };
   timed(r, Phase::backward, [&] {
     if (mine > 0) {
@@ -315,12 +335,14 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
     else
       comm_->wait(r);
   });
+  if (cfg_.trace && !buckets_.empty()) record_buckets(r);
   timed(r, Phase::optimizer, [&] {
     ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
   });
 }
 
 StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
+  const double start_us = now_us();  // the span covers scatter's broadcast too
   const int64_t D = spec_.input_size(), C = spec_.classes;
   if (cfg_.sync == Sync::scatter)
     run_all([&](int r) { comm_->broadcast(r, replicas_[r]->params.f(), spec_.param_count, 0); });
@@ -355,6 +377,7 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
       correct[r] += int64_t(stats[1]);
       done += m;
     }
+    if (cfg_.trace) eval_spans_[r].push_back({step_, sizes[r], start_us, now_us()});
   });
   StepResult res;
   res.n = n;

@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/communicator.h"
@@ -44,6 +45,23 @@ struct Span {
   Phase phase;
   int64_t step;
   double start_us, end_us;  // since the engine started
+};
+
+// The spans that are not step phases, recorded only when tracing (trace.h lays them out).
+struct BucketSpan {  // one bucket's all-reduce on the rank's communication thread
+  int64_t step;
+  int bucket;
+  double start_us, end_us;
+};
+struct EvalSpan {  // one evaluate() on the device
+  int64_t step;    // steps trained before it
+  int images;      // this device's share
+  double start_us, end_us;
+};
+struct HostSpan {  // the trainer's own: an epoch, a save
+  std::string name;
+  double start_us, end_us;
+  std::vector<std::pair<std::string, double>> args;
 };
 
 struct EngineConfig {
@@ -94,7 +112,18 @@ class Engine {
   // Seconds per phase, summed over the steps so far, per device; the spans when tracing.
   const std::vector<std::array<double, kPhases>>& phase_seconds() const { return phase_seconds_; }
   const std::vector<std::vector<Span>>& spans() const { return spans_; }
+  const std::vector<std::vector<BucketSpan>>& bucket_spans() const { return bucket_spans_; }
+  const std::vector<std::vector<EvalSpan>>& eval_spans() const { return eval_spans_; }
+  const std::vector<HostSpan>& host_spans() const { return host_spans_; }
+  // Drops the phase seconds and every span.
   void reset_timing();
+  // The clock every span is on: microseconds since start_time(), when the engine was built.
+  std::chrono::steady_clock::time_point start_time() const { return t0_; }
+  double now_us() const { return us_since_start(std::chrono::steady_clock::now()); }
+  // A span on the trace's host lane, e.g. host_span("epoch 3", t, now_us(), {{"images", 60000}});
+  // kept only when tracing. Called from the thread that drives the engine, between its calls.
+  void host_span(std::string name, double start_us, double end_us,
+                 std::vector<std::pair<std::string, double>> args = {});
   // Traffic of the most recent full-batch step (n == config().batch), per device.
   Traffic step_traffic(int rank) const { return step_traffic_[rank]; }
   int64_t steps() const { return step_; }
@@ -104,6 +133,10 @@ class Engine {
   void run_all(const std::function<void(int rank)>& fn);
   template <class F>
   void timed(int rank, Phase p, F&& f);
+  double us_since_start(std::chrono::steady_clock::time_point t) const {
+    return std::chrono::duration<double, std::micro>(t - t0_).count();
+  }
+  void record_buckets(int rank);
   void step_scatter(int rank, const float* x, const int32_t* y, const std::vector<int>& sizes);
   void step_allreduce(int rank, const float* x, const int32_t* y, const std::vector<int>& sizes);
 
@@ -116,6 +149,10 @@ class Engine {
   std::vector<int> layer_bucket_;  // layer index -> bucket index
   std::vector<std::array<double, kPhases>> phase_seconds_;
   std::vector<std::vector<Span>> spans_;
+  std::vector<std::vector<Interval>> bucket_timing_;  // per rank, per bucket: this step's, when tracing
+  std::vector<std::vector<BucketSpan>> bucket_spans_;
+  std::vector<std::vector<EvalSpan>> eval_spans_;
+  std::vector<HostSpan> host_spans_;
   std::vector<Traffic> step_traffic_;
   std::chrono::steady_clock::time_point t0_;
   int64_t step_ = 0;

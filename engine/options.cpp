@@ -155,6 +155,9 @@ std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
 }
 
 void DeviceFlags::add(CLI::App& app) {
+  // In a "Devices" group of --help; the front end's own options keep the group they had.
+  const std::string group = app.option_defaults()->get_group();
+  app.option_defaults()->group("Devices");
   app.add_option("--gpus", gpus,
                  "Device ids, comma-separated, or all: every GPU (simulated devices where there is no GPU; all is " +
                      std::to_string(kDefaultSimulatedDevices) + " of them)")
@@ -165,6 +168,7 @@ void DeviceFlags::add(CLI::App& app) {
   app.add_option("--backend", backend, "auto | cpu | cuda")->capture_default_str();
   app.add_option("--device-memory", memory, "Memory cap per device: bytes, or with a suffix K, M, G, T (512M, 1.5G)");
   app.add_flag("--allow-shared-device", allow_shared, "Allow a repeated id: several replicas on one device");
+  app.option_defaults()->group(group);
 }
 
 DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
@@ -220,12 +224,42 @@ bool run_parser(CLI::App& app, int argc, const char* const* argv) {
   return true;
 }
 
-bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
-  CLI::App app("dp_train: data-parallel training of LeNet on (Fashion-)MNIST", "dp_train");
-  app.set_version_flag("--version", std::string("dp_train ") + version());
-  DeviceFlags dev;
-  dev.add(app);
-  std::string sync = "scatter", split = "even";
+namespace {
+
+// What --help ends with: what a script needs besides the flags.
+constexpr const char* kTrainFooter = R"(Exit codes:
+  0      done
+  1      a device failed, --verify failed, or a write failed (disk full, permission: the OS's reason is named)
+  2      bad input: the message says what is wrong and what is accepted
+  3      non-finite loss or gradients
+  128+N  stopped by signal N: 130 SIGINT, 143 SIGTERM, 129 SIGHUP
+
+Environment:
+  DP_CPU_KERNELS=reference|avx2|avx512
+         the CPU kernel set to use at most (default: the best this CPU runs; asking for more gets that)
+  DP_GRACE_SECONDS=S
+         seconds a signalled run gets to finish its step and save before it exits anyway (default 10)
+
+Examples:
+  dp_train --gpus 0,1 --batch 256 --epochs 10                 # nn.DataParallel style on two devices
+  dp_train --gpus 0,1 --sync allreduce --bucket-kb 64         # DDP style, buckets overlapped with backward
+  dp_train --epochs 1 --save ck.st && dp_train --eval --load ck.st   # train and save, then evaluate)";
+
+// Flags CLI11 would wrap or round silently, taken as text and parsed exactly after it is done.
+struct TrainText {
+  std::string sync = "scatter", split = "even", lr, momentum, weight_decay, seed;
+  bool no_shuffle = false;
+};
+
+void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
+  app.add_option("--sync", t.sync, "scatter (nn.DataParallel) | allreduce (DDP)")->capture_default_str();
+  app.add_option("--split", t.split, "even | chunk (torch.chunk)")->capture_default_str();
+  app.add_option("--bucket-kb", o.bucket_kb,
+                 "allreduce: gradient bucket size in KiB, overlapped with backward (0: off)")
+      ->transform(exact_integer<int64_t>());
+}
+
+void add_training(CLI::App& app, TrainOptions& o, TrainText& t) {
   app.add_option("--model", o.model, "lenet | lenet5")->capture_default_str();
   app.add_option("--batch", o.batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
   auto* epochs =
@@ -233,56 +267,109 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   app.add_option("--steps", o.steps, "Train this many steps instead of whole epochs")
       ->excludes(epochs)
       ->transform(exact_integer<int64_t>());
-  // Numbers CLI11 would wrap or round silently are taken as text and parsed exactly below.
-  std::string lr = fmt_float(o.lr), momentum = fmt_float(o.momentum), weight_decay = fmt_float(o.weight_decay);
-  std::string seed = std::to_string(o.seed);
-  app.add_option("--lr", lr, "Learning rate")->capture_default_str()->type_name("FLOAT");
-  app.add_option("--momentum", momentum, "SGD momentum")->capture_default_str()->type_name("FLOAT");
-  app.add_option("--weight-decay", weight_decay, "L2 weight decay (PyTorch SGD's)")
+  t.lr = fmt_float(o.lr), t.momentum = fmt_float(o.momentum), t.weight_decay = fmt_float(o.weight_decay);
+  t.seed = std::to_string(o.seed);
+  app.add_option("--lr", t.lr, "Learning rate")->capture_default_str()->type_name("FLOAT");
+  app.add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str()->type_name("FLOAT");
+  app.add_option("--weight-decay", t.weight_decay, "L2 weight decay (PyTorch SGD's)")
       ->capture_default_str()
       ->type_name("FLOAT");
-  app.add_option("--seed", seed, "Seed for initialisation and shuffling (0 to 2^64-1)")
+  app.add_option("--seed", t.seed, "Seed for initialisation and shuffling (0 to 2^64-1)")
       ->capture_default_str()
       ->type_name("UINT");
-  bool no_shuffle = false;
-  app.add_flag("--no-shuffle", no_shuffle, "Keep the file order");
+  app.add_flag("--no-shuffle", t.no_shuffle, "Keep the file order");
+  app.add_flag("--verify", o.verify, "Also run the steps on one device and compare the weights at the end");
+}
+
+void add_data(CLI::App& app, TrainOptions& o) {
   app.add_option("--data", o.data, "Directory of IDX files (gzip'd or raw)")->capture_default_str();
   app.add_option("--limit-train", o.limit_train, "Use only the first N training images (0: all)")
       ->transform(exact_integer<int64_t>());
   app.add_option("--limit-test", o.limit_test, "Use only the first N test images (0: all)")
       ->transform(exact_integer<int64_t>());
-  app.add_option("--sync", sync, "scatter (nn.DataParallel) | allreduce (DDP)")->capture_default_str();
-  app.add_option("--split", split, "even | chunk (torch.chunk)")->capture_default_str();
-  app.add_option("--bucket-kb", o.bucket_kb,
-                 "allreduce: gradient bucket size in KiB, overlapped with backward (0: off)")
-      ->transform(exact_integer<int64_t>());
-  // An empty path given explicitly ("--save ''", an unset shell variable) is refused, not taken as "not given".
-  const CLI::Validator path(
-      [](std::string& p) { return p.empty() ? std::string("an empty path; give a file name") : std::string(); }, "",
-      "non-empty path");
-  app.add_option("--load", o.load, "Initialise the weights from a safetensors checkpoint")->check(path);
-  app.add_option("--save", o.save, "Write a safetensors checkpoint at the end (and with --save-every)")->check(path);
+}
+
+// An empty path given explicitly ("--save ''", an unset shell variable) is refused, not taken as "not given".
+const CLI::Validator kPath(
+    [](std::string& p) { return p.empty() ? std::string("an empty path; give a file name") : std::string(); }, "",
+    "non-empty path");
+
+void add_checkpoints(CLI::App& app, TrainOptions& o) {
+  app.add_option("--load", o.load, "Initialise the weights from a safetensors checkpoint")->check(kPath);
+  app.add_flag("--eval", o.eval, "Evaluate the --load checkpoint on the test set and exit; no training");
+  app.add_option("--save", o.save, "Write a safetensors checkpoint at the end (and with --save-every)")->check(kPath);
   app.add_option("--save-every", o.save_every, "Also save every N steps")->transform(exact_integer<int64_t>());
-  app.add_option("--resume", o.resume, "Continue exactly from a checkpoint written by --save")->check(path);
-  app.add_option("--report", o.report, "Write a JSON report of the run")->check(path);
-  app.add_option("--trace", o.trace, "Write a Chrome trace (one lane per device, a span per phase)")->check(path);
-  app.add_flag("--verify", o.verify, "Also run the steps on one device and compare the weights at the end");
-  app.add_flag("--quiet", o.quiet, "Print only errors");
+  app.add_option("--resume", o.resume, "Continue exactly from a checkpoint written by --save")->check(kPath);
+}
+
+void add_output(CLI::App& app, TrainOptions& o) {
+  app.add_option("--report", o.report, "Write a JSON report of the run")->check(kPath);
+  app.add_option("--trace", o.trace, "Write a Chrome trace (one lane per device, a span per phase)")->check(kPath);
+  app.add_option("--log", o.log, "Stream JSON Lines records as training goes (pd.read_json(FILE, lines=True))")
+      ->check(kPath);
+  app.add_option("--log-every", o.log_every, "With --log: a step record every N steps")
+      ->capture_default_str()
+      ->transform(exact_integer<int64_t>());
+  app.add_flag("--quiet", o.quiet, "Print only errors (and --eval's result line)");
+}
+
+// Each add_* above in its --help group, in the order they are shown.
+void add_train_options(CLI::App& app, TrainOptions& o, TrainText& t, DeviceFlags& dev) {
+  dev.add(app);
+  app.option_defaults()->group("Strategy");
+  add_strategy(app, o, t);
+  app.option_defaults()->group("Training");
+  add_training(app, o, t);
+  app.option_defaults()->group("Data");
+  add_data(app, o);
+  app.option_defaults()->group("Checkpoints");
+  add_checkpoints(app, o);
+  app.option_defaults()->group("Output");
+  add_output(app, o);
+}
+
+// The flag-to-flag rules CLI11 cannot say: --log-every needs --log, and --eval, which trains nothing,
+// refuses the options of a training run rather than ignoring them.
+void check_combinations(const CLI::App& app, const TrainOptions& o) {
+  if (o.eval) {
+    std::string given;
+    int n = 0;
+    for (const char* f :
+         {"--save", "--save-every", "--resume", "--verify", "--steps", "--epochs", "--log", "--log-every", "--trace"})
+      if (app.count(f)) given += std::string(n++ ? ", " : "") + f;
+    if (n > 0)
+      throw UsageError("--eval: " + given + (n > 1 ? " only make" : " only makes") +
+                       " sense for training; --eval evaluates the --load checkpoint without training: drop " +
+                       (n > 1 ? "them" : "it"));
+  }
+  if (app.count("--log-every") && o.log.empty()) throw UsageError("--log-every: needs --log FILE to say where");
+}
+
+}  // namespace
+
+bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
+  CLI::App app("dp_train: data-parallel training of LeNet on (Fashion-)MNIST", "dp_train");
+  app.set_version_flag("--version", std::string("dp_train ") + version());
+  app.footer(kTrainFooter);
+  DeviceFlags dev;
+  TrainText t;
+  add_train_options(app, o, t, dev);
   if (!run_parser(app, argc, argv)) return false;
   o.command_line = shell_command_line(argc, argv);
   o.started_at = utc_timestamp(std::chrono::system_clock::now());
-  o.lr = parse_float(lr, "--lr");
-  o.momentum = parse_float(momentum, "--momentum");
-  o.weight_decay = parse_float(weight_decay, "--weight-decay");
-  o.seed = parse_seed(seed, "--seed");
+  o.lr = parse_float(t.lr, "--lr");
+  o.momentum = parse_float(t.momentum, "--momentum");
+  o.weight_decay = parse_float(t.weight_decay, "--weight-decay");
+  o.seed = parse_seed(t.seed, "--seed");
   o.devices = dev.finish(app);
-  o.sync = parse_sync(sync);
-  o.split = parse_split(split);
-  o.shuffle = !no_shuffle;
+  o.sync = parse_sync(t.sync);
+  o.split = parse_split(t.split);
+  o.shuffle = !t.no_shuffle;
   if (app.count("--steps") == 0)
     o.steps = 0;
   else if (o.steps <= 0)
     throw UsageError("--steps: " + std::to_string(o.steps) + " is not a step count; give at least 1");
+  check_combinations(app, o);
   return true;
 }
 

@@ -178,7 +178,8 @@ void refuse_same_files(const std::vector<NamedPath>& outputs) {
 
 void check_output_paths(const TrainOptions& o) {
   std::vector<NamedPath> outputs, inputs;
-  for (auto [flag, p] : {std::pair{"--save", &o.save}, {"--report", &o.report}, {"--trace", &o.trace}})
+  for (auto [flag, p] :
+       {std::pair{"--save", &o.save}, {"--report", &o.report}, {"--trace", &o.trace}, {"--log", &o.log}})
     if (!p->empty()) outputs.push_back({flag, *p, final_target(*p)});
   for (auto [flag, p] : {std::pair{"--load", &o.load}, {"--resume", &o.resume}})
     if (!p->empty()) inputs.push_back({flag, *p, *p});

@@ -14,7 +14,7 @@ namespace dp {
 struct TrainOptions;
 
 // Refuses, with a UsageError naming the flags, before anything is trained or written: an output
-// (--save, --report, --trace) that exists and is not a regular file, whose directory is missing or
+// (--save, --report, --trace, --log) that exists and is not a regular file, whose directory is missing or
 // not writable, two outputs that are the same file, and an output that is an input (--load,
 // --resume, a file of the --data directory). --save may name the --resume checkpoint: continuing
 // a run in place is what --resume is for.

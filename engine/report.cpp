@@ -184,28 +184,6 @@ std::string device_table(Engine& e) {
          skew_line(e);
 }
 
-nlohmann::json trace_json(Engine& e) {
-  nlohmann::json events = nlohmann::json::array();
-  events.push_back({{"name", "process_name"},
-                    {"ph", "M"},
-                    {"pid", 0},
-                    {"args", {{"name", std::string("dp ") + sync_name(e.config().sync)}}}});
-  for (int r = 0; r < e.size(); ++r) {
-    events.push_back(
-        {{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", r}, {"args", {{"name", e.device(r).name()}}}});
-    for (const Span& s : e.spans()[r])
-      events.push_back({{"name", phase_name(s.phase, e.config().sync)},
-                        {"cat", "phase"},
-                        {"ph", "X"},
-                        {"pid", 0},
-                        {"tid", r},
-                        {"ts", s.start_us},
-                        {"dur", s.end_us - s.start_us},
-                        {"args", {{"step", s.step}}}});
-  }
-  return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
-}
-
 void write_json(const std::string& path, const nlohmann::json& j) {
   std::string text = j.dump(2) + "\n";
   write_file_atomically(path, {text});

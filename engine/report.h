@@ -1,5 +1,5 @@
-// Machine-readable records of a run: the JSON report (--report), the run configuration every JSON
-// record shares (dp_bench's too), and the Chrome trace (--trace).
+// Machine-readable records of a run: the JSON report (--report) and the run configuration every JSON
+// record shares (dp_bench's too). The Chrome trace (--trace) is trace.h's.
 #pragma once
 
 #include <chrono>
@@ -41,8 +41,6 @@ nlohmann::json device_report(Engine& engine);
 // The per-device table dp_train prints at the end: the peak and, in one column per category, the
 // bytes at that moment (peak_by_category: the columns add up to the peak), then bytes per step.
 std::string device_table(Engine& engine);
-// Chrome trace-event JSON: one process, one lane (tid) per device, one complete event per phase.
-nlohmann::json trace_json(Engine& engine);
 // Writes beside the target then renames (write_file_atomically), so a reader never sees half a file.
 void write_json(const std::string& path, const nlohmann::json& j);
 

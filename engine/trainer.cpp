@@ -14,10 +14,12 @@
 
 #include "engine/data.h"
 #include "engine/error.h"
+#include "engine/log.h"
 #include "engine/paths.h"
 #include "engine/progress.h"
 #include "engine/report.h"
 #include "engine/resume.h"
+#include "engine/trace.h"
 
 namespace dp {
 namespace {
@@ -39,6 +41,8 @@ void check_options(const TrainOptions& o) {
     throw UsageError("--bucket-kb: buckets are an all-reduce feature; add --sync allreduce");
   if (o.save_every < 0) throw UsageError("--save-every: must be >= 0");
   if (o.save_every > 0 && o.save.empty()) throw UsageError("--save-every: needs --save FILE to say where");
+  if (o.log_every < 1)
+    throw UsageError("--log-every: " + std::to_string(o.log_every) + " is not a step count; give at least 1");
   // Everything written at the end is checked before training: an unwritable path must not cost a run,
   // and no output may destroy another output or an input.
   check_output_paths(o);
@@ -73,11 +77,13 @@ struct DataSets {
   Dataset train, test;
 };
 
+// Either set, each held to the same checks: the model's image size and label range.
+Dataset load_set(const TrainOptions& o, const ModelSpec& spec, const char* prefix, int64_t limit) {
+  return load_idx(o.data, prefix, limit, spec.classes, ImageShape{spec.in_h, spec.in_w, spec.name});
+}
+
 DataSets load_data(const TrainOptions& o, const ModelSpec& spec) {
-  // The test set is held to the training set's checks: the model's image size and label range.
-  const ImageShape shape{spec.in_h, spec.in_w, spec.name};
-  DataSets d{load_idx(o.data, "train", o.limit_train, spec.classes, shape),
-             load_idx(o.data, "t10k", o.limit_test, spec.classes, shape)};
+  DataSets d{load_set(o, spec, "train", o.limit_train), load_set(o, spec, "t10k", o.limit_test)};
   if (d.train.count == 0)
     throw UsageError(o.data + ": the training set has no images (--limit-train keeps the first N of them)");
   return d;
@@ -96,8 +102,6 @@ std::vector<Device*> pointers(const DeviceSet& set) {
   for (auto& d : set.devices) out.push_back(d.get());
   return out;
 }
-
-const char* backend_name(const Device& d) { return d.kind() == DeviceKind::cuda ? "cuda" : "cpu"; }
 
 // A device the split leaves without samples (batch < devices, or torch.chunk's trailing devices)
 // idles under scatter, as in nn.DataParallel; said once, for the full batch.
@@ -207,8 +211,15 @@ std::string nonfinite_step(const StepResult& r, Engine& engine, int64_t global_s
 class Run {
  public:
   Run(const TrainOptions& o, const Schedule& plan, Engine& engine, CheckpointSaver& saver, SignalGuard& signals,
-      int64_t step)
-      : o_(o), plan_(plan), engine_(engine), saver_(saver), signals_(signals), first_step_(step), step_(step) {
+      TrainLog* log, int64_t step)
+      : o_(o),
+        plan_(plan),
+        engine_(engine),
+        saver_(saver),
+        signals_(signals),
+        log_(log),
+        first_step_(step),
+        step_(step) {
     signals_.kept(kept());
   }
 
@@ -259,6 +270,7 @@ class Run {
   Engine& engine_;
   CheckpointSaver& saver_;
   SignalGuard& signals_;
+  TrainLog* log_;  // null without --log
   int64_t first_step_, step_;
   bool report_written_ = false, trace_written_ = false;
 };
@@ -285,6 +297,11 @@ Interrupted Run::interrupted(int sig) {
       skipped.push_back(std::string(name) + " " + *path);
   }
   if (!skipped.empty()) what += "; " + skipped[0] + (skipped.size() > 1 ? " and " + skipped[1] : "") + " not written";
+  if (log_) {  // its records are on disk as they come; the steps since the last one get theirs now
+    io([&] { log_->flush(engine_.phase_seconds()); });
+    what += "; log " + log_->path() +
+            (log_->last_step() > 0 ? " kept up to step " + std::to_string(log_->last_step()) : " has no step records");
+  }
   return Interrupted(sig, what);
 }
 
@@ -306,6 +323,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     const std::vector<int64_t> order = epoch_order(data.train.count, o_.seed, epoch, o_.shuffle);
     EpochMeter meter(int(epoch) + 1);
+    const double epoch_start_us = engine_.now_us();
     progress.begin_epoch(meter.epoch(), plan_.epochs, plan_.per_epoch, step_ % plan_.per_epoch);
     // A resumed run starts mid-epoch; every later epoch starts at a multiple of per_epoch, at step 0.
     for (int64_t s = step_ % plan_.per_epoch; s < plan_.per_epoch && step_ < plan_.total_steps; ++s) {
@@ -322,13 +340,20 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
       }
       meter.add(r);
       progress.update(s + 1, r.n, meter.loss());
+      if (log_) io([&] { log_->step(step_, meter.epoch(), r, engine_.phase_seconds(), step_ >= plan_.total_steps); });
       if (o_.save_every > 0 && step_ % o_.save_every == 0) save();
       stop_if_signalled();
     }
     EpochRecord rec = meter.finish();
+    // The trace's host lane: the epoch's steps (its evaluation is a span on each device's lane).
+    engine_.host_span("epoch " + std::to_string(rec.epoch), epoch_start_us, engine_.now_us(),
+                      {{"steps", double(rec.steps)}, {"images", double(rec.images)}});
     signals_.stage(Stage::evaluation);
     if (step_ >= plan_.total_steps) test_point("final-eval");
+    const auto eval_start = std::chrono::steady_clock::now();
     evaluate(engine_, data.test, rec);
+    const double eval_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - eval_start).count();
+    if (log_) io([&] { log_->epoch(rec, step_, eval_seconds); });
     progress.clear();
     if (speak()) print_epoch(rec, plan_.epochs);
     std::fflush(stdout);
@@ -365,7 +390,7 @@ TrainResult train(const TrainOptions& opt) {
   // Refuses a step count it cannot run before any device starts.
   const Schedule plan = schedule(opt, data.train.count);
   DeviceSet devs = make_devices(opt.devices);
-  const RunIdentity id = run_identity(opt, data.train, backend_name(*devs.devices[0]), int(devs.devices.size()));
+  const RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), int(devs.devices.size()));
   const Resumed resumed = resume_checkpoint(opt, spec, id);  // step 0 and no weights without --resume
 
   if (!opt.quiet) std::printf("%s\n", devs.notice.c_str());
@@ -381,7 +406,9 @@ TrainResult train(const TrainOptions& opt) {
 
   if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, plan, resumed.global_step);
   CheckpointSaver saver(opt, spec, id, plan.per_epoch);
-  Run run(opt, plan, engine, saver, signals, resumed.global_step);
+  std::optional<TrainLog> log;  // opened (truncated) as training starts
+  if (!opt.log.empty()) log.emplace(opt.log, opt.log_every, opt.lr, opt.sync, engine.phase_seconds());
+  Run run(opt, plan, engine, saver, signals, log ? &*log : nullptr, resumed.global_step);
   run.stop_if_signalled();  // one that came during the setup: nothing trained, nothing saved
   TrainResult result;
   run.epochs(data, verify ? &*verify : nullptr, result);
@@ -406,6 +433,63 @@ TrainResult train(const TrainOptions& opt) {
                [&] { write_json(opt.report, train_report(opt, spec, plan.epochs, plan.total_steps, result, engine)); });
   if (!opt.trace.empty()) run.output(Stage::trace, [&] { write_json(opt.trace, trace_json(engine)); });
   run.stop_if_signalled();
+  return result;
+}
+
+namespace {
+
+// --eval's --report: what was evaluated (the checkpoint, the config with the resolved backend and
+// devices, the provenance a training report has) and the result, with each device's memory.
+nlohmann::json eval_report(const TrainOptions& o, const ModelSpec& spec, Engine& engine, const EvalResult& r) {
+  nlohmann::json config = run_config(o, spec, 0);  // no training steps
+  nlohmann::json names = nlohmann::json::array();
+  for (int d = 0; d < engine.size(); ++d) names.push_back(engine.device(d).name());
+  config.update({{"data", o.data},
+                 {"limit_test", o.limit_test},
+                 {"gpus", o.devices.ids},
+                 {"strategy", sync_name(o.sync)},
+                 {"backend_requested", o.devices.backend},
+                 {"backend", kind_name(engine.device(0).kind())},
+                 {"device_names", names}});
+  return {{"kind", "evaluation"},
+          {"version", version()},
+          {"command_line", o.command_line},
+          {"started_at", o.started_at},
+          {"checkpoint", o.load},
+          {"config", config},
+          {"images", r.images},
+          {"test_loss", r.test_loss},
+          {"test_accuracy", r.test_accuracy},
+          {"devices", device_report(engine)}};
+}
+
+}  // namespace
+
+EvalResult evaluate_checkpoint(const TrainOptions& opt) {
+  SignalGuard signals(grace_seconds());  // a signal stops it before the report, with 128 + signal
+  if (opt.load.empty())
+    throw UsageError("--eval: evaluates a checkpoint without training; give --load FILE (one --save wrote)");
+  check_options(opt);
+  const ModelSpec spec = make_model(opt.model);
+  const std::vector<float> params = load_checkpoint(opt.load, spec).params;  // refused before any device starts
+  const Dataset test = load_set(opt, spec, "t10k", opt.limit_test);
+  if (test.count == 0) throw UsageError(opt.data + ": the test set has no images; --eval has nothing to evaluate");
+  DeviceSet devs = make_devices(opt.devices);
+  if (!opt.quiet) std::printf("%s\n", devs.notice.c_str());
+  // Evaluated in chunks of the batch a run with these options trains with (up to the set's size).
+  Engine engine(pointers(devs), spec, engine_config(opt, test.count));
+  engine.set_params(params);
+  EpochRecord rec;
+  evaluate(engine, test, rec);
+  const EvalResult result{test.count, rec.test_loss, rec.test_accuracy};
+  // Printed even with --quiet: it is what --eval was asked for.
+  std::printf("test acc %.4f  test loss %.4f  (%lld images, %s, from %s)\n", result.test_accuracy, result.test_loss,
+              (long long)result.images, spec.name.c_str(), opt.load.c_str());
+  std::fflush(stdout);
+  if (int sig = signals.pending())
+    throw Interrupted(sig, describe_signal(sig) + " after the evaluation" +
+                               (opt.report.empty() ? "" : "; report " + opt.report + " not written"));
+  if (!opt.report.empty()) write_json(opt.report, eval_report(opt, spec, engine, result));
   return result;
 }
 

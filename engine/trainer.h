@@ -29,6 +29,9 @@ struct TrainOptions {
   int64_t bucket_kb = 0;
   std::string load, save, resume, report, trace;
   int64_t save_every = 0;
+  std::string log;         // --log: JSON Lines records of the run (log.h)
+  int64_t log_every = 10;  // a step record every this many steps
+  bool eval = false;       // --eval: evaluate the --load checkpoint on the test set instead of training
   bool verify = false;
   bool quiet = false;
   // Provenance for the report, set by parse_train_args: the command as a shell would re-run it and
@@ -53,6 +56,16 @@ struct TrainResult {
 
 // Throws UsageError for bad input, DeviceError / NumericalError for failures during training.
 TrainResult train(const TrainOptions& opt);
+
+struct EvalResult {
+  int64_t images = 0;
+  double test_loss = 0, test_accuracy = 0;
+};
+
+// --eval: the --load checkpoint evaluated on the test set by the devices and engine a run would
+// train on (data-parallel inference), without training. Prints "test acc ... test loss ..." and
+// writes the --report of the evaluation where one is asked for. Throws as train() does.
+EvalResult evaluate_checkpoint(const TrainOptions& opt);
 
 // The hint a diverged run's message ends with: " (try a smaller --lr)", or the --weight-decay one
 // when lr * weight_decay is past 2 (1 + momentum), where the decay alone makes the weights grow.

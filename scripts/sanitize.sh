@@ -3,8 +3,8 @@
 #   build-asan: -fsanitize=address,undefined, the whole suite (dp_train, which the CLI, resume and
 #               signal tests start, is instrumented too);
 #   build-tsan: -fsanitize=thread, the tests that exercise the threads: engine, collectives, faults,
-#               resume and signals (the kernel, gradcheck and golden suites are single-threaded
-#               arithmetic and slow under TSan).
+#               resume, signals and the trace (spans stamped on the communication thread); the
+#               kernel, gradcheck and golden suites are single-threaded arithmetic and slow under TSan.
 # Any report fails the run. Usage: scripts/sanitize.sh [asan|tsan]   (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,5 +31,5 @@ if [ "$what" = all ] || [ "$what" = tsan ]; then
   build build-tsan thread
   # BLIS runs on the calling thread (the serial build; one thread per simulated device), so its
   # internals stay off the report; tests/tsan.supp lists what is suppressed and why.
-  build-tsan/dp_tests --test-case='*strateg*,*replica*,*bytes per step*,*fault*,*device-memory*,*batch smaller*,*ledger*,*all_reduce*,*broadcast*,*aborted*,*even_chunks*,*resume*,*SIGINT*,*killed*,*diverging*,*dp_train*,blas:*,signals*'
+  build-tsan/dp_tests --test-case='*strateg*,*replica*,*bytes per step*,*fault*,*device-memory*,*batch smaller*,*ledger*,*all_reduce*,*broadcast*,*aborted*,*even_chunks*,*resume*,*SIGINT*,*killed*,*diverging*,*dp_train*,blas:*,signals*,trace:*'
 fi

@@ -56,6 +56,11 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
   CommandResult r = run_command(kTrain + " --data " + dir / "nowhere" + " --quiet");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("nowhere") != std::string::npos);
+  // A misspelt kernel set is refused, not silently replaced by the best one.
+  r = run_command("DP_CPU_KERNELS=avx3 " + kTrain + data + " --quiet --steps 1 --backend cpu");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("DP_CPU_KERNELS: 'avx3' is not a kernel set; use reference, avx2 or avx512") !=
+        std::string::npos);
 }
 
 TEST_CASE("dp_train: a short run learns, saves, reloads, reports and traces") {
@@ -113,4 +118,39 @@ TEST_CASE("dp_train: a non-finite loss stops with exit 3 naming the step and the
   CHECK(r.exit_code == 3);
   CHECK(r.output.find("step ") != std::string::npos);
   CHECK(r.output.find("non-finite") != std::string::npos);
+}
+
+TEST_CASE("dp_train --help: options in groups, then the exit codes, the environment and examples") {
+  CommandResult r = run_command(kTrain + " --help");
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  // Each group's heading, and the flags under it, in the order shown.
+  const std::vector<std::pair<std::string, std::string>> groups = {
+      {"Devices:", "--gpus"},    {"Strategy:", "--sync"},    {"Training:", "--batch"},
+      {"Data:", "--limit-test"}, {"Checkpoints:", "--eval"}, {"Output:", "--log-every"},
+  };
+  size_t at = 0;
+  for (auto& [heading, flag] : groups) {
+    CAPTURE(heading);
+    const size_t h = r.output.find("\n" + heading + "\n", at);
+    REQUIRE(h != std::string::npos);
+    CHECK(r.output.find(flag, h) != std::string::npos);
+    at = h;
+  }
+  for (const char* words :
+       {"Exit codes:", "non-finite loss", "130 SIGINT", "143 SIGTERM", "129 SIGHUP",
+        "DP_CPU_KERNELS=reference|avx2|avx512", "DP_GRACE_SECONDS", "(default 10)", "dp_train --gpus 0,1 --batch 256",
+        "--sync allreduce --bucket-kb", "--save ck.st && dp_train --eval --load ck.st"}) {
+    CAPTURE(words);
+    CHECK(r.output.find(words, at) != std::string::npos);  // after the options
+  }
+  CHECK(r.output.find("DP_TEST_AT") == std::string::npos);  // a test hook, not for users
+#ifdef DP_BENCH_BIN
+  // dp_bench shares the device flags: its help still lists them, in their group
+  CommandResult b = run_command(std::string(DP_BENCH_BIN) + " compare --help");
+  INFO(b.output);
+  CHECK(b.exit_code == 0);
+  CHECK(b.output.find("Devices:") != std::string::npos);
+  CHECK(b.output.find("--gpus") != std::string::npos);
+#endif
 }

@@ -39,7 +39,7 @@ class NcclCommunicator final : public Communicator {
   ~NcclCommunicator() override;
 
   void all_reduce(int rank, float* buf, int64_t count) override;
-  void all_reduce_async(int rank, float* buf, int64_t count) override;
+  void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr) override;
   void wait(int rank) override;
 
  private:
@@ -116,7 +116,10 @@ void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
   DP_NCCL_CHECK(ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], gpu(rank).stream()));
 }
 
-void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count) {
+// The timing is the host's view: from the communication thread reaching the barrier to ncclAllReduce
+// returning, i.e. when the collective was enqueued, not when the GPU ran it (which follows on the comm
+// stream and ends, at the latest, within the engine's all-reduce phase, which synchronises).
+void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
   if (size() == 1 || count == 0) return;
   tally_ring(rank, count);
   RankEvents& ev = events_[rank];
@@ -124,16 +127,11 @@ void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count) {
   cudaEvent_t ready = ev.ready[ev.used++].get();
   CudaDevice& dev = gpu(rank);
   DP_CUDA_CHECK(cudaEventRecord(ready, dev.stream()));  // after the bucket's gradient kernels
-  pending_[rank].push_back(dev.run_comm([this, rank, buf, count, ready, &dev] {
-    try {
-      barrier_.arrive_and_wait();
-      DP_CUDA_CHECK(cudaStreamWaitEvent(dev.comm_stream(), ready, 0));
-      DP_NCCL_CHECK(ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], dev.comm_stream()));
-    } catch (...) {
-      abort();
-      throw;
-    }
-  }));
+  submit_comm(rank, timing, [this, rank, buf, count, ready, &dev] {
+    barrier_.arrive_and_wait();
+    DP_CUDA_CHECK(cudaStreamWaitEvent(dev.comm_stream(), ready, 0));
+    DP_NCCL_CHECK(ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], dev.comm_stream()));
+  });
 }
 
 void NcclCommunicator::wait(int rank) {

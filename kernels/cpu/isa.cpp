@@ -3,8 +3,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "kernels/cpu/fast.h"
+#include "kernels/error.h"
 
 namespace dp::cpu {
 
@@ -38,11 +40,12 @@ const char* isa_name(Isa isa) {
 
 Isa detect_isa() {
   Isa best = isa_supported(Isa::avx512) ? Isa::avx512 : isa_supported(Isa::avx2) ? Isa::avx2 : Isa::reference;
-  if (const char* want = std::getenv("DP_CPU_KERNELS")) {
-    for (Isa i : {Isa::reference, Isa::avx2, Isa::avx512})
-      if (std::strcmp(want, isa_name(i)) == 0 && int(i) < int(best)) best = i;
-  }
-  return best;
+  const char* want = std::getenv("DP_CPU_KERNELS");
+  if (!want || !*want) return best;
+  for (Isa i : {Isa::reference, Isa::avx2, Isa::avx512})
+    if (std::strcmp(want, isa_name(i)) == 0) return int(i) < int(best) ? i : best;  // at most what the CPU runs
+  throw UsageError(std::string("DP_CPU_KERNELS: '") + want +
+                   "' is not a kernel set; use reference, avx2 or avx512 (or unset it for the best this CPU runs)");
 }
 
 }  // namespace dp::cpu

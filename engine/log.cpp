@@ -1,0 +1,100 @@
+#include "engine/log.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "engine/error.h"
+#include "engine/report.h"
+
+namespace dp {
+namespace {
+
+// Per phase, by its name for the strategy: the mean milliseconds per step of `steps` on device 0
+// ("device0") and the largest over the devices ("max"): the device the others wait for.
+nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& before, int64_t steps, Sync sync) {
+  nlohmann::ordered_json device0, most;
+  for (int p = 0; p < kPhases; ++p) {
+    double top = 0;
+    for (size_t r = 0; r < now.size(); ++r) top = std::max(top, now[r][p] - before[r][p]);
+    const char* name = phase_name(Phase(p), sync);
+    device0[name] = 1e3 * (now[0][p] - before[0][p]) / double(steps);
+    most[name] = 1e3 * top / double(steps);
+  }
+  return {{"device0", device0}, {"max", most}};
+}
+
+}  // namespace
+
+TrainLog::TrainLog(const std::string& path, int64_t every, float lr, Sync sync, const PhaseSeconds& phases)
+    : path_(path), every_(every), lr_(json_float(lr)), sync_(sync), interval_phases_(phases) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd_ < 0) throw IoError(path + ": cannot open the log: " + std::strerror(errno));
+}
+
+TrainLog::~TrainLog() { ::close(fd_); }
+
+// Each record reaches the file (unbuffered) before training goes on: a reader (tail -f, a crashed
+// run's owner) sees every record written so far. A record the system refuses part of is cut off
+// again, so the file stays whole lines that all parse.
+void TrainLog::write_line(const std::string& line) {
+  for (size_t done = 0; done < line.size();) {
+    const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) {
+      const int err = errno;
+      if (::ftruncate(fd_, written_) == 0) ::lseek(fd_, written_, SEEK_SET);
+      throw IoError(path_ + ": writing the log failed: " + std::strerror(err) + " (the records before it are kept)");
+    }
+    done += size_t(w);
+  }
+  written_ += off_t(line.size());
+}
+
+void TrainLog::step(int64_t step, int epoch, const StepResult& r, const PhaseSeconds& phases, bool last) {
+  ++steps_, images_ += r.n, loss_sum_ += r.loss * r.n;
+  last_step_ = step, epoch_ = epoch;
+  if (last || step % every_ == 0) flush(phases);
+}
+
+void TrainLog::flush(const PhaseSeconds& phases) {
+  if (steps_ == 0) return;
+  const Clock::time_point now = Clock::now();
+  const double seconds = std::chrono::duration<double>(now - interval_start_).count() - paused_;
+  nlohmann::ordered_json j = {{"kind", "step"},
+                              {"step", last_step_},
+                              {"epoch", epoch_},
+                              {"loss", images_ ? loss_sum_ / double(images_) : 0.0},
+                              {"images_per_second", seconds > 0 ? double(images_) / seconds : 0.0},
+                              {"elapsed_s", std::chrono::duration<double>(now - start_).count()},
+                              {"lr", lr_},
+                              {"phase_ms", phase_ms(phases, interval_phases_, steps_, sync_)}};
+  write_line(j.dump() + "\n");
+  recorded_step_ = last_step_;
+  steps_ = images_ = 0;
+  loss_sum_ = paused_ = 0;
+  interval_start_ = now;
+  interval_phases_ = phases;
+}
+
+void TrainLog::epoch(const EpochRecord& rec, int64_t step, double eval_seconds) {
+  // NaN (an empty test set) is written as null, as the report writes it.
+  nlohmann::ordered_json j = {{"kind", "epoch"},
+                              {"step", step},
+                              {"epoch", rec.epoch},
+                              {"train_loss", rec.train_loss},
+                              {"train_accuracy", rec.train_accuracy},
+                              {"test_loss", rec.test_loss},
+                              {"test_accuracy", rec.test_accuracy},
+                              {"images_per_second", rec.images_per_second},
+                              {"seconds", rec.seconds},
+                              {"eval_seconds", eval_seconds}};
+  write_line(j.dump() + "\n");
+  paused_ += eval_seconds;  // inside the interval under way, or at the start of the next one
+}
+
+}  // namespace dp

@@ -1,0 +1,66 @@
+// --log: the run as JSON Lines (one object per line), written and flushed record by record so that
+// `tail -f` follows it, an interrupted run keeps what was written, and pandas reads it whole with
+// pd.read_json(path, lines=True). Two kinds of record, told apart by "kind":
+//   step:  every N global steps and after the last: the mean loss and the images per second over the
+//          steps since the previous record, the time since training started, the learning rate, and
+//          per phase the mean milliseconds per step on device 0 and the largest mean over the devices;
+//   epoch: at each epoch's end, the figures of its epoch line (a missing test accuracy as null).
+#pragma once
+
+#include <sys/types.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/trainer.h"
+
+namespace dp {
+
+// Engine::phase_seconds(): per device, the seconds spent in each phase so far.
+using PhaseSeconds = std::vector<std::array<double, kPhases>>;
+
+class TrainLog {
+ public:
+  // Opens `path`, truncating it; the clock of elapsed_s starts here, and the phase times count from
+  // `phases`. Throws IoError naming the path and the OS's reason where the system refuses.
+  TrainLog(const std::string& path, int64_t every, float lr, Sync sync, const PhaseSeconds& phases);
+  ~TrainLog();
+  TrainLog(const TrainLog&) = delete;
+  TrainLog& operator=(const TrainLog&) = delete;
+
+  // After global step `step` (1-based, in 1-based `epoch`): a step record when `step` is a multiple of
+  // `every` or the run's last. Throws IoError (disk full, ...) naming the path and the reason.
+  void step(int64_t step, int epoch, const StepResult& r, const PhaseSeconds& phases, bool last);
+  // The step record of the steps since the last record, if there are any: a run stopped between two.
+  void flush(const PhaseSeconds& phases);
+  // After an epoch's evaluation, which took `eval_seconds`: those are not training time, so the next
+  // step record's images per second leaves them out.
+  void epoch(const EpochRecord& rec, int64_t step, double eval_seconds);
+
+  const std::string& path() const { return path_; }
+  int64_t last_step() const { return recorded_step_; }  // of the last step record; 0 before the first
+
+ private:
+  void write_line(const std::string& line);
+
+  using Clock = std::chrono::steady_clock;
+  std::string path_;
+  int fd_ = -1;
+  off_t written_ = 0;  // bytes of the whole records written
+  int64_t every_;
+  double lr_;
+  Sync sync_;
+  Clock::time_point start_ = Clock::now(), interval_start_ = start_;
+  PhaseSeconds interval_phases_;
+  // The interval since the last step record: its steps, images, sum of loss * images, and the
+  // evaluation time inside it.
+  int64_t steps_ = 0, images_ = 0, last_step_ = 0, recorded_step_ = 0;
+  int epoch_ = 0;
+  double loss_sum_ = 0, paused_ = 0;
+};
+
+}  // namespace dp

@@ -1,0 +1,86 @@
+// dp_train --eval --load FILE: the checkpoint scored on the test set by the devices a run trains on,
+// nothing trained; the same accuracy and loss as the final epoch of the run that saved it, a small
+// --report, and the options of a training run refused by name.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "tests/util.h"
+
+using namespace dp::test;
+
+namespace {
+
+const std::string kTrain = DP_TRAIN_BIN;
+
+}  // namespace
+
+TEST_CASE("eval: --eval --load scores the checkpoint as the run that saved it did, on the same devices") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 192, 100);
+  const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --devices 2";
+  const std::string ck = dir / "ck.st";
+  CommandResult trained = run_command(base + " --epochs 2 --quiet --save " + ck + " --report " + dir / "r.json");
+  INFO(trained.output);
+  REQUIRE(trained.exit_code == 0);
+  const nlohmann::json last = read_json(dir / "r.json")["epochs"].back();
+
+  for (std::string sync : {"scatter", "allreduce"}) {
+    CAPTURE(sync);
+    CommandResult r =
+        run_command(base + " --sync " + sync + " --eval --load " + ck + " --report " + dir / ("e-" + sync + ".json"));
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    std::smatch m;
+    REQUIRE(
+        std::regex_search(r.output, m, std::regex(R"(test acc (\S+)  test loss (\S+)  \((\d+) images, lenet, from )")));
+    char want[32];
+    std::snprintf(want, sizeof want, "%.4f", last["test_accuracy"].get<double>());
+    CHECK(m[1].str() == want);
+    CHECK(m[3].str() == "100");
+    CHECK(r.output.find("from " + ck + ")") != std::string::npos);
+    CHECK(r.output.find("epoch ") == std::string::npos);  // nothing trained
+    const nlohmann::json e = read_json(dir / ("e-" + sync + ".json"));
+    CHECK(e["kind"] == "evaluation");
+    CHECK(e["checkpoint"] == ck);
+    CHECK(e["images"] == 100);
+    CHECK(e["test_accuracy"] == last["test_accuracy"]);  // the same weights, devices and batches
+    CHECK(e["test_loss"].get<double>() == doctest::Approx(last["test_loss"].get<double>()).epsilon(1e-6));
+    CHECK(e["devices"].size() == 2);
+    CHECK(e["config"]["strategy"] == sync);
+  }
+}
+
+TEST_CASE("eval: --eval without --load, or with the options of a training run, exits 2 naming them") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 32);
+  const std::string ck = dir / "ck.st";
+  const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 ";
+  REQUIRE(run_command(base + "--steps 1 --quiet --save " + ck).exit_code == 0);
+  struct Case {
+    std::string args, words;
+  };
+  const std::vector<Case> cases = {
+      {"--eval", "give --load FILE"},
+      {"--eval --load " + ck + " --save " + dir / "x.st", "--eval: --save only makes sense for training"},
+      {"--eval --load " + ck + " --save-every 2", "--save-every"},
+      {"--eval --load " + ck + " --resume " + ck, "--resume"},
+      {"--eval --load " + ck + " --verify", "--verify"},
+      {"--eval --load " + ck + " --steps 3", "--steps"},
+      {"--eval --load " + ck + " --epochs 10", "--epochs"},
+      {"--eval --load " + ck + " --log " + dir / "l.jsonl", "--log"},
+      {"--eval --load " + ck + " --steps 3 --log " + dir / "l.jsonl", "--steps, --log only make sense"},
+      {"--eval --load " + dir / "missing.st", "missing.st"},
+      {"--eval --load " + ck + " --model lenet5", "lenet5"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.args);
+    CommandResult r = run_command(base + c.args);
+    CAPTURE(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK(r.output.find(c.words) != std::string::npos);
+    CHECK(r.output.find("test acc") == std::string::npos);
+  }
+}
