@@ -56,6 +56,14 @@ VerifyResult Verifier::compare(Engine& run, int batch) {
   v.ok = v.max_diff <= v.tolerance;
   std::printf("verify: largest weight difference from 1 device after %lld steps: %.3g (tolerance %.3g) %s\n",
               (long long)v.steps, v.max_diff, v.tolerance, v.ok ? "ok" : "FAILED");
+  // The bound adds up each step's rounding; it does not follow rounding as training amplifies it,
+  // which after some tens of steps outgrows it (lenet, 4 devices, lr 0.1: 3.5e-6 after 20 steps,
+  // 0.04 after 50). A failure over many steps says little: say so.
+  if (!v.ok && v.steps > kVerifiedSteps)
+    std::printf(
+        "verify: over %lld steps rounding differences grow with the training dynamics past this bound, "
+        "which only adds them up; verify over at most %d steps (--steps %d)\n",
+        (long long)v.steps, kVerifiedSteps, kVerifiedSteps);
   return v;
 }
 

@@ -15,6 +15,9 @@ namespace dp {
 // The bound on the largest weight difference between two runs that differ only in the order
 // gradients are summed (see verify.cpp for the derivation).
 double summation_tolerance(int64_t steps, int batch, float lr, float momentum);
+// The bound holds over this many steps; past some tens of steps the training dynamics amplify the
+// rounding differences beyond it, and a failed --verify says so.
+inline constexpr int kVerifiedSteps = 20;
 
 struct VerifyResult {
   int64_t steps = 0;
