@@ -7,7 +7,7 @@
 # writes its output back, so a figure cannot drift from the code.
 #
 #   scripts/readme_figures.sh                 # build, run every figure (~15 min), rewrite README.md
-#   scripts/readme_figures.sh --only compare  # one figure
+#   scripts/readme_figures.sh --only compare  # one figure (--only a,b: several)
 #   scripts/readme_figures.sh --check         # every dp_train/dp_bench line of the README's shell
 #                                             # blocks and figures, at small sizes; README untouched
 #
@@ -87,10 +87,11 @@ cp "$readme" "$tmp"
 mapfile -t figures < <(sed -n 's/^<!-- figure \([a-z0-9_-]*\): \(.*\) -->$/\1\t\2/p' "$readme")
 for fig in "${figures[@]}"; do
   name=${fig%%$'\t'*} cmd=${fig#*$'\t'}
-  [ -n "$only" ] && [ "$name" != "$only" ] && continue
+  [ -n "$only" ] && [[ ",$only," != *",$name,"* ]] && continue
   echo "figure $name: $cmd" >&2
   run_line "$cmd" > "$scratch/$name.out"
-  { echo '```text'; cat "$scratch/$name.out"; echo '```'; echo "<sub>\$ $cmd — $stamp</sub>"; } > "$scratch/$name.block"
+  load=$(cut -d' ' -f1 /proc/loadavg)  # other work on the machine makes the times loose: say how much
+  { echo '```text'; cat "$scratch/$name.out"; echo '```'; echo "<sub>\$ $cmd — $stamp; load average $load at the end</sub>"; } > "$scratch/$name.block"
   awk -v name="$name" -v block="$scratch/$name.block" '
     $0 ~ "^<!-- figure " name ": " { print; while ((getline l < block) > 0) print l; skip = 1; next }
     skip && /^<!-- \/figure -->$/ { skip = 0 }
