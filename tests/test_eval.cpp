@@ -59,10 +59,7 @@ TEST_CASE("eval: --eval without --load, or with the options of a training run, e
   const std::string ck = dir / "ck.st";
   const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 ";
   REQUIRE(run_command(base + "--steps 1 --quiet --save " + ck).exit_code == 0);
-  struct Case {
-    std::string args, words;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<Refusal> cases = {
       {"--eval", "give --load FILE"},
       {"--eval --load " + ck + " --save " + dir / "x.st", "--eval: --save only makes sense for training"},
       {"--eval --load " + ck + " --save-every 2", "--save-every"},
@@ -75,12 +72,5 @@ TEST_CASE("eval: --eval without --load, or with the options of a training run, e
       {"--eval --load " + dir / "missing.st", "missing.st"},
       {"--eval --load " + ck + " --model lenet5", "lenet5"},
   };
-  for (const Case& c : cases) {
-    CAPTURE(c.args);
-    CommandResult r = run_command(base + c.args);
-    CAPTURE(r.output);
-    CHECK(r.exit_code == 2);
-    CHECK(r.output.find(c.words) != std::string::npos);
-    CHECK(r.output.find("test acc") == std::string::npos);
-  }
+  check_refusals(base, cases, "test acc");
 }

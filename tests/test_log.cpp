@@ -97,10 +97,7 @@ TEST_CASE("log: a path that cannot take the log is refused before training, with
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 32);
   const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --steps 2 ";
-  struct Case {
-    std::string args, words;
-  };
-  const std::vector<Case> cases = {
+  const std::vector<Refusal> cases = {
       {"--log " + dir / "missing/run.jsonl", "--log " + dir / "missing/run.jsonl"},
       {"--log " + dir.path.string(), "is a directory"},
       {"--log " + dir / "same.json" + " --report " + dir / "same.json", "are the same file"},
@@ -109,14 +106,7 @@ TEST_CASE("log: a path that cannot take the log is refused before training, with
       {"--log " + dir / "run.jsonl" + " --log-every 0", "--log-every: 0 is not a step count"},
       {"--log-every 3", "--log-every: needs --log FILE"},
   };
-  for (const Case& c : cases) {
-    CAPTURE(c.args);
-    CommandResult r = run_command(base + c.args);
-    CAPTURE(r.output);
-    CHECK(r.exit_code == 2);
-    CHECK(r.output.find(c.words) != std::string::npos);
-    CHECK(r.output.find("epoch 1/") == std::string::npos);  // nothing trained
-  }
+  check_refusals(base, cases, "epoch 1/");
   CHECK_FALSE(std::filesystem::exists(dir / "run.jsonl"));
 }
 

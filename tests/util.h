@@ -144,6 +144,24 @@ inline CommandResult run_command(const std::string& cmd) {
   return r;
 }
 
+// A command line's arguments and words its output must contain: the refusals tests table.
+struct Refusal {
+  std::string args, words;
+};
+
+// Each refusal's arguments after `base` exit 2 with its words in the output and without `absent`
+// (a sign that the run went ahead: "epoch 1/", "test acc").
+inline void check_refusals(const std::string& base, const std::vector<Refusal>& refusals, const std::string& absent) {
+  for (const Refusal& c : refusals) {
+    CAPTURE(c.args);
+    CommandResult r = run_command(base + c.args);
+    CAPTURE(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK(r.output.find(c.words) != std::string::npos);
+    CHECK(r.output.find(absent) == std::string::npos);
+  }
+}
+
 // `sh -c "exec CMD"` in the background with SIGPIPE at its default (whatever this process does with
 // it), stdout onto `stdout_fd` when given; killed if still running at destruction.
 struct Spawned {
