@@ -30,7 +30,8 @@ struct Fwd {
     const float* bias;  // (K)
     float* yb;          // (K, P, L)
   };
-  static constexpr auto kRows = S::kRows, kCols = S::kCols;
+  static constexpr auto kRows = S::kFwdRows, kCols = S::kFwdCols;
+  static constexpr bool kColsOuter = S::kFwdPositionsOuter;
   template <int R, int C>
   static void run(const Args& a, int k0, int p0) {
     using V = typename S::V;
@@ -49,11 +50,20 @@ struct Fwd {
         const int64_t row = (int64_t(c) * d.hp + i) * d.wp * L;
         for (int j = 0; j < d.kw; ++j, wt += R) {
           const int64_t tap = row + int64_t(j) * L;
-          V xv[C];
-          DP_UNROLL for (int q = 0; q < C; ++q) xv[q] = S::load(xq[q] + tap);
-          DP_UNROLL for (int r = 0; r < R; ++r) {
-            const V wv = S::set1(wt[r]);
-            DP_UNROLL for (int q = 0; q < C; ++q) acc[r][q] = S::fma(wv, xv[q], acc[r][q]);
+          if constexpr (R < C) {  // R weights, then one input vector at a time: R*C + R + 1 registers
+            V wv[R];
+            DP_UNROLL for (int r = 0; r < R; ++r) wv[r] = S::set1(wt[r]);
+            DP_UNROLL for (int q = 0; q < C; ++q) {
+              const V xv = S::load(xq[q] + tap);
+              DP_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = S::fma(wv[r], xv, acc[r][q]);
+            }
+          } else {  // C input vectors, then one weight at a time: R*C + C + 1
+            V xv[C];
+            DP_UNROLL for (int q = 0; q < C; ++q) xv[q] = S::load(xq[q] + tap);
+            DP_UNROLL for (int r = 0; r < R; ++r) {
+              const V wv = S::set1(wt[r]);
+              DP_UNROLL for (int q = 0; q < C; ++q) acc[r][q] = S::fma(wv, xv[q], acc[r][q]);
+            }
           }
         }
       }
@@ -97,11 +107,20 @@ struct Dgrad {
         DP_UNROLL for (int r = 0; r < R; ++r) DP_UNROLL for (int q = 0; q < C; ++q) acc[r][q] = S::zero();
         const float* dyk = a.dyb + int64_t(p0) * L;
         for (int k = 0; k < d.k; ++k, dyk += kstride, wt += R) {
-          V dv[C];
-          DP_UNROLL for (int q = 0; q < C; ++q) dv[q] = S::load(dyk + q * L);
-          DP_UNROLL for (int r = 0; r < R; ++r) {
-            const V wv = S::set1(wt[r]);
-            DP_UNROLL for (int q = 0; q < C; ++q) acc[r][q] = S::fma(wv, dv[q], acc[r][q]);
+          if constexpr (R < C) {  // as Fwd's: the order that needs fewer registers
+            V wv[R];
+            DP_UNROLL for (int r = 0; r < R; ++r) wv[r] = S::set1(wt[r]);
+            DP_UNROLL for (int q = 0; q < C; ++q) {
+              const V dv = S::load(dyk + q * L);
+              DP_UNROLL for (int r = 0; r < R; ++r) acc[r][q] = S::fma(wv[r], dv, acc[r][q]);
+            }
+          } else {
+            V dv[C];
+            DP_UNROLL for (int q = 0; q < C; ++q) dv[q] = S::load(dyk + q * L);
+            DP_UNROLL for (int r = 0; r < R; ++r) {
+              const V wv = S::set1(wt[r]);
+              DP_UNROLL for (int q = 0; q < C; ++q) acc[r][q] = S::fma(wv, dv[q], acc[r][q]);
+            }
           }
         }
         const int64_t tap = (int64_t(i) * d.wp + j) * L;

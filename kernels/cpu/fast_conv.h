@@ -30,6 +30,7 @@ std::array<int64_t, 6> regions(const ConvShape& s) {
   auto whole = [](int64_t n) { return (n + S::L - 1) / S::L * S::L; };
   int most_rows = 0;  // the tallest tile: K and C are padded to whole tiles
   for (int r : S::kRows) most_rows = std::max(most_rows, r);
+  for (int r : S::kFwdRows) most_rows = std::max(most_rows, r);
   for (int r : S::kDirectRows) most_rows = std::max(most_rows, r);
   const int64_t xb = whole(int64_t(s.c) * (s.h + 2 * s.pad) * (s.w + 2 * s.pad) * S::L);
   return {xb,

@@ -19,11 +19,22 @@ struct Simd {
   using V = __m256;
   using Mask = __m256;  // all ones or all zeros per lane
 
-  // Register tiles (see kernels/cpu/fast_simd_avx512.h), of the 16 ymm registers: 4x2+2+1 = 11,
-  // 3x3+3+1 = 13, 2x4+4+1 = 13, 1x7+7+1 = 15; direct: 3x2+2+1 = 9, 2x4+4+1 = 13, 1x4+4+1 = 9.
-  static constexpr std::array<int, 4> kRows{4, 3, 2, 1}, kCols{2, 3, 4, 7};
+  // Register tiles (see kernels/cpu/fast_simd_avx512.h) of the 16 ymm registers. A tile of R rows x C
+  // columns needs R*C accumulators + min(R, C) operands + 1 (fast_blocked.h loads the smaller side
+  // first), so 12 accumulators fit: 4x3, 3x4, 2x6, 6x2 (15-16 registers). The 8 of the former 2x4 and
+  // 4x2 were too few to hide the FMA latency (2 per cycle, 4-5 cycles). Measured with dp_train on a
+  // 2-core EPYC (Zen, AVX2), lenet 1 device, against the tiles {4x2, 3x3, 2x4, 1x7} for all three
+  // passes: these 1.06x. Data gradient: 4x3 for LeNet's conv2 (20 input channels), 3x4 for LeNet-5's.
+  static constexpr std::array<int, 4> kRows{4, 3, 2, 6}, kCols{3, 4, 6, 2};
+  // Forward: 5x2 for LeNet's 50 output channels (no padding row; 10 accumulators, and the window of 2
+  // positions, 20 x 5 x 6 vectors, stays in L1 while every row block runs over it), 4x3 for LeNet-5's
+  // 16: 1.08x over the shared 2x6 above. Position blocks outer: 1.06x over output channels outer.
+  static constexpr std::array<int, 4> kFwdRows{5, 4, 6, 3}, kFwdCols{2, 3, 2, 4};
+  static constexpr bool kFwdPositionsOuter = true;
+  // Direct forward (a first layer's rows of up to 4 vectors): 3x2+2+1 = 9, 2x4+4+1 = 13, 1x4+4+1 = 9.
   static constexpr std::array<int, 4> kDirectRows{3, 2, 1, 1}, kDirectCols{2, 4, 4, 4};
-  static constexpr std::array<int, 4> kWgradRows{4, 3, 2, 1}, kWgradCols{2, 3, 4, 7};
+  // Weight gradient: 5x2 (LeNet's conv2), 4x3 (LeNet-5's conv2, LeNet's conv1), 3x4 (LeNet-5's conv1).
+  static constexpr std::array<int, 4> kWgradRows{5, 4, 3, 6}, kWgradCols{2, 3, 4, 2};
 
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
@@ -31,9 +42,16 @@ struct Simd {
   static __m256i first(int m) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
-  // The first m lanes; the others read as zero and are never touched in memory.
-  static V load_n(const float* p, int m) { return _mm256_maskload_ps(p, first(m)); }
-  static void store_n(float* p, V v, int m) { _mm256_maskstore_ps(p, first(m), v); }
+  // The first m lanes; the others read as zero and are never touched in memory. A whole vector takes
+  // the plain load and store: on AMD's Zen the masked store is microcoded, ~10x a store (unpool_act,
+  // the first layer's rows and the pooling store whole vectors most of the time).
+  static V load_n(const float* p, int m) { return m >= L ? load(p) : _mm256_maskload_ps(p, first(m)); }
+  static void store_n(float* p, V v, int m) {
+    if (m >= L)
+      store(p, v);
+    else
+      _mm256_maskstore_ps(p, first(m), v);
+  }
   static V set1(float a) { return _mm256_set1_ps(a); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b, one rounding

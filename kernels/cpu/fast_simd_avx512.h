@@ -23,6 +23,8 @@ struct Simd {
   // rows x cols accumulators + cols operands + 1 broadcast must fit the 32 zmm registers: 8x3+3+1 = 28,
   // 6x4+4+1 = 29, 5x5+5+1 = 31, 4x6+6+1 = 31. The direct forward's rows x (up to 2) vectors: at most 27.
   static constexpr std::array<int, 4> kRows{8, 6, 5, 4}, kCols{3, 4, 5, 6};
+  static constexpr std::array<int, 4> kFwdRows = kRows, kFwdCols = kCols;  // the forward's: the same
+  static constexpr bool kFwdPositionsOuter = false;                        // see fast_simd_avx2.h
   static constexpr std::array<int, 4> kDirectRows{12, 10, 8, 6}, kDirectCols{2, 2, 2, 2};
   // The weight gradient's: 5x5 (LeNet's conv2, 50 output channels), 4x6 (LeNet-5's, 16: the output
   // gradients of 4 channels stay in L1, 99 GFLOP/s against 55 for 8x3, measured), 6x4, 8x3.

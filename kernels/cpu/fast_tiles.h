@@ -119,10 +119,21 @@ void pack_forward_weights(const float* w, int k, int taps, int rows, float* wk) 
         wk[int64_t(k0) * taps + int64_t(t) * rows + r] = k0 + r < k ? w[int64_t(k0 + r) * taps + t] : 0.0f;
 }
 
-// Runs kernel K over rows [0, rows) x columns [0, cols) in tiles of K::kRows[option] x K::kCols[option].
+// Runs kernel K over rows [0, rows) x columns [0, cols) in tiles of K::kRows[option] x K::kCols[option],
+// row blocks outer unless K says `kColsOuter = true` (then a column block's inputs stay in L1 while
+// every row block runs over them).
 template <class K>
 void tiles(const typename K::Args& a, int option, int rows, int cols) {
   const int R = K::kRows[option], C = K::kCols[option];
+  bool cols_outer = false;
+  if constexpr (requires { K::kColsOuter; }) cols_outer = K::kColsOuter;
+  if (cols_outer) {
+    for (int c0 = 0; c0 < cols; c0 += C) {
+      const TileFn<K> fn = tile<K>(option, std::min(C, cols - c0));
+      for (int r0 = 0; r0 < rows; r0 += R) fn(a, r0, c0);
+    }
+    return;
+  }
   for (int r0 = 0; r0 < rows; r0 += R)
     for (int c0 = 0; c0 < cols; c0 += C) tile<K>(option, std::min(C, cols - c0))(a, r0, c0);
 }
