@@ -115,6 +115,20 @@ void note_idle_devices(const TrainOptions& o, int batch, int devices) {
                                         : "their shards are empty and they add zero gradients");
 }
 
+// Sizes past what the data holds are clamped, as a user asking for "at most N" expects, and said.
+void note_clamped_sizes(const TrainOptions& o, const DataSets& d) {
+  auto more_than = [&](const std::string& flag, int64_t asked, int64_t count, const std::string& images) {
+    std::printf("note: %s %lld is more than the %lld %s; %s\n", flag.c_str(), (long long)asked, (long long)count,
+                images.c_str(), flag == "--batch" ? "every step trains on all of them" : "all of them are used");
+  };
+  const std::string in = " images in " + o.data;
+  if (o.limit_train > d.train.count) more_than("--limit-train", o.limit_train, d.train.count, "training" + in);
+  if (o.limit_test > d.test.count) more_than("--limit-test", o.limit_test, d.test.count, "test" + in);
+  if (o.batch > d.train.count)
+    more_than("--batch", o.batch, d.train.count,
+              o.limit_train == d.train.count ? "training images --limit-train keeps" : "training" + in);
+}
+
 // --resume's weights, --load's, or fresh ones drawn from --seed.
 std::vector<float> initial_params(const TrainOptions& o, const ModelSpec& spec, const Resumed& resumed) {
   if (!o.resume.empty()) return resumed.checkpoint.params;
@@ -396,6 +410,7 @@ TrainResult train(const TrainOptions& opt) {
   if (!opt.quiet) std::printf("%s\n", devs.notice.c_str());
   const EngineConfig ec = engine_config(opt, data.train.count);
   Engine engine(pointers(devs), spec, ec);
+  if (!opt.quiet) note_clamped_sizes(opt, data);
   if (!opt.quiet) note_idle_devices(opt, ec.batch, engine.size());
   const std::vector<float> init = initial_params(opt, spec, resumed);
   const std::vector<float>& momentum = resumed.checkpoint.momentum;

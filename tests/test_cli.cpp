@@ -154,3 +154,21 @@ TEST_CASE("dp_train --help: options in groups, then the exit codes, the environm
   CHECK(b.output.find("--gpus") != std::string::npos);
 #endif
 }
+
+TEST_CASE("dp_train: sizes past the data are clamped with a one-line note") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 32);
+  const std::string base = kTrain + " --backend cpu --devices 1 --steps 1 --data " + dir.path.string();
+  CommandResult r = run_command(base + " --batch 100 --limit-train 70000 --limit-test 50");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("note: --limit-train 70000 is more than the 64 training images in " + dir.path.string() +
+                      "; all of them are used") != std::string::npos);
+  CHECK(r.output.find("note: --limit-test 50 is more than the 32 test images") != std::string::npos);
+  CHECK(r.output.find("note: --batch 100 is more than the 64 training images in") != std::string::npos);
+  r = run_command(base + " --batch 40 --limit-train 20");
+  CHECK(r.output.find("note: --batch 40 is more than the 20 training images --limit-train keeps") != std::string::npos);
+  r = run_command(base + " --batch 32 --limit-train 64");  // nothing clamped: nothing said
+  CHECK(r.exit_code == 0);
+  CHECK(r.output.find("note:") == std::string::npos);
+}
