@@ -287,6 +287,10 @@ void add_data(CLI::App& app, TrainOptions& o) {
       ->transform(exact_integer<int64_t>());
   app.add_option("--limit-test", o.limit_test, "Use only the first N test images (0: all)")
       ->transform(exact_integer<int64_t>());
+  app.add_option("--workers", o.workers,
+                 "Batches assembled by a loader thread while the step before trains (1), or between steps (0)")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
 }
 
 // An empty path given explicitly ("--save ''", an unset shell variable) is refused, not taken as "not given".
@@ -334,8 +338,8 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
   if (o.eval) {
     std::string given;
     int n = 0;
-    for (const char* f :
-         {"--save", "--save-every", "--resume", "--verify", "--steps", "--epochs", "--log", "--log-every", "--trace"})
+    for (const char* f : {"--save", "--save-every", "--resume", "--verify", "--steps", "--epochs", "--log",
+                          "--log-every", "--trace", "--workers"})
       if (app.count(f)) given += std::string(n++ ? ", " : "") + f;
     if (n > 0)
       throw UsageError("--eval: " + given + (n > 1 ? " only make" : " only makes") +

@@ -85,6 +85,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                  {"data", o.data},
                  {"limit_train", o.limit_train},
                  {"limit_test", o.limit_test},
+                 {"workers", o.workers},
                  {"gpus", o.devices.all ? nlohmann::json("all") : nlohmann::json(o.devices.ids)},
                  {"strategy", sync_name(o.sync)}});
   // What --backend resolved to (auto picks cuda or the simulated cpu devices), not what was asked.
@@ -115,6 +116,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                       {"train_loss", result.train_loss},
                       {"test_accuracy", result.test_accuracy},
                       {"images_per_second", result.images_per_second},
+                      {"load_wait_seconds", result.load_wait_seconds},
                       {"devices", device_report(engine)},
                       {"notes", device_notes()}};
   if (o.verify)

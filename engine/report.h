@@ -28,9 +28,10 @@ std::string utc_timestamp(std::chrono::system_clock::time_point t);
 // warm-up, skew its categories.
 nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t steps);
 
-// dp_train's --report: the config (run_config plus epochs, data, devices and strategy, with the
-// backend the run resolved to in place of the requested one), the version, command line and start
-// time, the epochs, the final figures, every device's memory and traffic, and the --verify result.
+// dp_train's --report: the config (run_config plus epochs, data, workers, devices and strategy, with
+// the backend the run resolved to in place of the requested one), the version, command line and start
+// time, the epochs, the final figures (load_wait_seconds among them), every device's memory and
+// traffic, and the --verify result.
 nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int epochs, int64_t steps,
                             const TrainResult& result, Engine& engine);
 

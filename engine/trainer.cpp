@@ -10,10 +10,12 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <tuple>
 
 #include "engine/data.h"
 #include "engine/error.h"
+#include "engine/loader.h"
 #include "engine/log.h"
 #include "engine/paths.h"
 #include "engine/progress.h"
@@ -36,6 +38,13 @@ void check_options(const TrainOptions& o) {
   if (!std::isfinite(o.weight_decay) || o.weight_decay < 0) throw UsageError("--weight-decay: must be >= 0");
   if (o.limit_train < 0 || o.limit_test < 0)
     throw UsageError("--limit-train/--limit-test: must be >= 0 (0 keeps every sample)");
+  if (o.workers < 0)
+    throw UsageError("--workers: " + std::to_string(o.workers) +
+                     " is not a number of loader threads; give 0 (each batch assembled between steps) or 1");
+  if (o.workers > kMaxWorkers)
+    throw UsageError("--workers: " + std::to_string(o.workers) +
+                     " loader threads would be no faster than 1: a batch is a gather from the data set in memory, "
+                     "which one thread assembles well within a step; give 0 or 1");
   if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");
   if (o.bucket_kb > 0 && o.sync != Sync::allreduce)
     throw UsageError("--bucket-kb: buckets are an all-reduce feature; add --sync allreduce");
@@ -144,24 +153,6 @@ void print_resuming(const TrainOptions& o, const Schedule& s, int64_t global_ste
               (long long)(global_step % s.per_epoch), (long long)s.per_epoch,
               global_step >= s.total_steps ? "; that is already the last step, nothing to train" : "");
 }
-
-// The host side of one batch: up to `batch` rows from `first` on, gathered in epoch order.
-struct HostBatch {
-  std::vector<float> x;    // (n, D)
-  std::vector<int32_t> y;  // (n)
-  int n = 0;
-  void fill(const Dataset& d, const std::vector<int64_t>& order, int64_t first, int batch) {
-    const int64_t D = d.image_size();
-    n = int(std::min<int64_t>(batch, d.count - first));
-    x.resize(size_t(n * D));
-    y.resize(size_t(n));
-    for (int i = 0; i < n; ++i) {
-      int64_t s = order[size_t(first + i)];
-      std::copy_n(d.images.begin() + s * D, D, x.begin() + i * D);
-      y[i] = d.labels[s];
-    }
-  }
-};
 
 // An epoch's running sums, and its record once the last step is in; the clock runs from construction.
 class EpochMeter {
@@ -278,6 +269,7 @@ class Run {
   }
   std::string kept() const { return o_.save.empty() ? "no checkpoint saved (no --save given)" : saver_.kept(); }
   Interrupted interrupted(int sig);
+  const HostBatch& next_batch(BatchLoader& loader);
 
   const TrainOptions& o_;
   const Schedule& plan_;
@@ -287,7 +279,22 @@ class Run {
   TrainLog* log_;  // null without --log
   int64_t first_step_, step_;
   bool report_written_ = false, trace_written_ = false;
+  double load_wait_us_ = 0;
 };
+
+// The step's batch, and the trainer's wait for it: the report's load_wait_seconds and, when tracing,
+// a "load wait" span on the host lane per step (with --workers 0 the wait is the batch's assembly).
+const HostBatch& Run::next_batch(BatchLoader& loader) {
+  const double start_us = engine_.now_us();
+  const HostBatch& batch = loader.next();
+  const double end_us = engine_.now_us();
+  load_wait_us_ += end_us - start_us;
+  if (engine_.config().trace) engine_.host_span("load wait", start_us, end_us, {{"step", double(step_ + 1)}});
+  if (batch.step != step_)  // the loader and the loop walk the same plan; a mismatch is a bug here
+    throw std::logic_error("loader: batch of step " + std::to_string(batch.step) + " for step " +
+                           std::to_string(step_));
+  return batch;
+}
 
 // Saves the finished step's weights unless nothing was trained, then names what is written and not.
 Interrupted Run::interrupted(int sig) {
@@ -333,9 +340,10 @@ void summarize(TrainResult& result) {
 // The epochs, a step at a time: after every step and every epoch's evaluation, a safe point.
 void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   Progress progress(!o_.quiet);  // cleared when this returns or throws
-  HostBatch batch;
+  // Its thread is joined when this returns or throws, after at most the batch it is filling.
+  BatchLoader loader(data.train, {o_.batch, plan_.per_epoch, step_, plan_.total_steps, o_.seed, o_.shuffle},
+                     o_.workers);
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
-    const std::vector<int64_t> order = epoch_order(data.train.count, o_.seed, epoch, o_.shuffle);
     EpochMeter meter(int(epoch) + 1);
     const double epoch_start_us = engine_.now_us();
     progress.begin_epoch(meter.epoch(), plan_.epochs, plan_.per_epoch, step_ % plan_.per_epoch);
@@ -343,7 +351,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
     for (int64_t s = step_ % plan_.per_epoch; s < plan_.per_epoch && step_ < plan_.total_steps; ++s) {
       signals_.stage(Stage::step);
       test_point("step", step_ + 1);
-      batch.fill(data.train, order, s * o_.batch, o_.batch);
+      const HostBatch& batch = next_batch(loader);
       StepResult r = engine_.step(batch.x.data(), batch.y.data(), batch.n);
       if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);
       ++step_;
@@ -372,6 +380,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
     if (speak()) print_epoch(rec, plan_.epochs);
     std::fflush(stdout);
     result.epochs.push_back(rec);
+    result.load_wait_seconds = load_wait_us_ / 1e6;
     stop_if_signalled();
   }
 }

@@ -23,6 +23,7 @@ struct TrainOptions {
   bool shuffle = true;
   std::string data = "/usr/share/datasets/fashion-mnist";
   int64_t limit_train = 0, limit_test = 0;
+  int workers = 1;  // --workers: 0 assembles each batch between steps, 1 on a loader thread (loader.h)
   DeviceConfig devices;
   Sync sync = Sync::scatter;
   Split split = Split::even;
@@ -51,6 +52,7 @@ struct TrainResult {
   std::vector<EpochRecord> epochs;
   double train_loss = 0, test_accuracy = 0, images_per_second = 0;  // test_accuracy: NaN as above
   double verify_max_diff = -1, verify_tolerance = 0;                // -1: not verified
+  double load_wait_seconds = 0;  // the trainer's wait for its batches (--workers 0: their assembly)
   bool verify_ok = true;
 };
 

@@ -4,8 +4,9 @@
 #               signal tests start, is instrumented too) but the README check, which runs on the
 #               full data set what the suite runs on small synthetic sets;
 #   build-tsan: -fsanitize=thread, the tests that exercise the threads: engine, collectives, faults,
-#               resume, signals and the trace (spans stamped on the communication thread); the
-#               kernel, gradcheck and golden suites are single-threaded arithmetic and slow under TSan.
+#               resume, signals, the trace (spans stamped on the communication thread) and the
+#               loader thread; the kernel, gradcheck and golden suites are single-threaded arithmetic
+#               and slow under TSan.
 # Any report fails the run. Usage: scripts/sanitize.sh [asan|tsan]   (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,5 +33,5 @@ if [ "$what" = all ] || [ "$what" = tsan ]; then
   build build-tsan thread
   # BLIS runs on the calling thread (the serial build; one thread per simulated device), so its
   # internals stay off the report; tests/tsan.supp lists what is suppressed and why.
-  build-tsan/dp_tests --test-case='*strateg*,*replica*,*bytes per step*,*fault*,*device-memory*,*batch smaller*,*ledger*,*all_reduce*,*broadcast*,*aborted*,*even_chunks*,*resume*,*SIGINT*,*killed*,*diverging*,*dp_train*,blas:*,signals*,trace:*'
+  build-tsan/dp_tests --test-case='*strateg*,*replica*,*bytes per step*,*fault*,*device-memory*,*batch smaller*,*ledger*,*all_reduce*,*broadcast*,*aborted*,*even_chunks*,*resume*,*SIGINT*,*killed*,*diverging*,*dp_train*,blas:*,signals*,trace:*,loader:*'
 fi

@@ -147,9 +147,13 @@ TEST_CASE("trace: without --bucket-kb the all-reduce is one phase span, and ther
   write_synthetic_dataset(dir.path.string(), 4 * kBatch, kTest);
   Trace t = train_trace(dir.path.string(), "");
   for (auto& [tid, name] : t.lanes) CHECK(name.find("comm") == std::string::npos);
-  int all_reduces = 0, evaluates = 0, epochs = 0;
+  int all_reduces = 0, evaluates = 0, epochs = 0, load_waits = 0;
   for (const json& e : t.spans) {
     CHECK(e["name"].get<std::string>().find("bucket") == std::string::npos);
+    if (t.lanes.at(e["tid"].get<int>()) == "host" && e["name"] == "load wait") {  // the trainer's, one a step
+      CHECK(e["args"]["step"] == ++load_waits);
+      continue;
+    }
     if (t.lanes.at(e["tid"].get<int>()) == "host") {  // the trainer's epoch spans, on the host lane
       CHECK(e["name"] == "epoch " + std::to_string(++epochs));
       CHECK(e["args"]["steps"].get<int>() > 0);
@@ -162,6 +166,7 @@ TEST_CASE("trace: without --bucket-kb the all-reduce is one phase span, and ther
   CHECK(all_reduces == 2 * kSteps);
   CHECK(evaluates == 2);
   CHECK(epochs == 1);  // 3 steps of the 4 an epoch has
+  CHECK(load_waits == kSteps);
 }
 
 TEST_CASE("trace: trace_json shifts every ts by the offset, and host spans get a lane of their own") {

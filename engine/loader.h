@@ -1,0 +1,83 @@
+// The input pipeline of a training run, as PyTorch's DataLoader with its workers: the host side of
+// each batch (the epoch order's gather of image rows and labels) assembled by a loader thread while
+// the step before it trains (--workers 1), or by the trainer itself between steps (--workers 0).
+// Either way the batches are the same, in the same order: which rows a step gets depends only on its
+// global step, never on timing.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "engine/data.h"
+
+namespace dp {
+
+// The host side of one batch, in a buffer allocated once for the largest batch.
+struct HostBatch {
+  std::vector<float> x;    // (capacity, D): the first n rows are this batch
+  std::vector<int32_t> y;  // (capacity)
+  int n = 0;
+  int64_t step = -1;  // the global step (0-based) it is for
+};
+
+// Which batches a run takes: those of global steps [first_step, end_step), step s being rows
+// (s % per_epoch) * batch onward of epoch s / per_epoch's order (epoch_order(count, seed, epoch,
+// shuffle)); an epoch's last batch holds what is left.
+struct LoaderPlan {
+  int batch = 0;
+  int64_t per_epoch = 0, first_step = 0, end_step = 0;
+  uint64_t seed = 0;
+  bool shuffle = true;
+};
+
+// More than one loader thread would not pay: a batch is a gather from a data set already in memory,
+// a fraction of a millisecond against a step's tens (README.md, dp_train's --workers).
+inline constexpr int kMaxWorkers = 1;
+
+// The batches of a plan, one next() per step. With one worker, two staging buffers: while the trainer
+// holds step k's, the loader thread fills step k+1's; next() hands k's back and takes k+1's. Nothing
+// is allocated per step (an epoch's order is drawn once per epoch).
+// The staging buffers are where the CUDA path's pinned (cudaHostAlloc'd) memory belongs, so that the
+// upload in Engine::step can be a true async copy overlapping the step before it; a buffer then goes
+// back to the loader only once its upload's event has completed (today Engine::step returns after
+// the step, upload included, so handing it back at the next next() is already safe).
+class BatchLoader {
+ public:
+  // `data` must outlive the loader; workers is 0 (fill in next()) or 1 (a loader thread).
+  BatchLoader(const Dataset& data, const LoaderPlan& plan, int workers);
+  // Stops the loader thread and joins it, whatever it was doing: an exception or a signal unwinding
+  // the run waits at most for the one batch being filled.
+  ~BatchLoader();
+  BatchLoader(const BatchLoader&) = delete;
+  BatchLoader& operator=(const BatchLoader&) = delete;
+
+  // The next step's batch, waiting for it if the loader thread is behind; valid until the next call,
+  // which hands its buffer back. Rethrows what the loader thread threw; throws std::logic_error past
+  // the plan's last step.
+  const HostBatch& next();
+
+ private:
+  void fill(HostBatch& b, int64_t step);
+  void load();  // the loader thread
+
+  const Dataset& data_;
+  const LoaderPlan plan_;
+  const int workers_;
+  HostBatch slots_[2];          // step k's batch is in slots_[k % 2]
+  std::vector<int64_t> order_;  // (count): the epoch order of order_epoch_, the filler's own
+  int64_t order_epoch_ = -1;
+  int64_t taken_ = 0;  // batches next() has returned; the last of them is the trainer's
+  // Shared with the loader thread, under mu_: batches filled, batches handed back, stop, its failure.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t filled_ = 0, released_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: started once everything above is in place
+};
+
+}  // namespace dp
