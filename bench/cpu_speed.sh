@@ -12,7 +12,7 @@
 # machine other processes are using, pass --quiet-wait 120 to wait for quiet moments before each
 # measurement; each line reports how many cores the other processes used meanwhile ("bg").
 set -euo pipefail
-here=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd -P "$(dirname "$0")/.." && pwd)  # -P: the repository, also when bench/ is reached by a link
 build=${BUILD:-$here/build-cpu-speed}
 cmake -S "$here" -B "$build" -DDP_CUDA=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$build" --target dp_train -j"$(nproc)" >/dev/null

@@ -34,6 +34,7 @@ fi
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 ln -s "$build" "$scratch/build"
+ln -s "$here/bench" "$scratch/bench"
 mkdir "$scratch/docs"
 cp "$here"/docs/*.py "$scratch/docs/"
 
@@ -82,6 +83,7 @@ if [ "$mode" = check ]; then
 fi
 
 stamp="measured $(machine); simulated devices"
+failed=()
 tmp=$scratch/README.new
 cp "$readme" "$tmp"
 mapfile -t figures < <(sed -n 's/^<!-- figure \([a-z0-9_-]*\): \(.*\) -->$/\1\t\2/p' "$readme")
@@ -89,7 +91,11 @@ for fig in "${figures[@]}"; do
   name=${fig%%$'\t'*} cmd=${fig#*$'\t'}
   [ -n "$only" ] && [[ ",$only," != *",$name,"* ]] && continue
   echo "figure $name: $cmd" >&2
-  run_line "$cmd" > "$scratch/$name.out"
+  if ! run_line "$cmd" > "$scratch/$name.out"; then  # the others are still written; the exit says it
+    cat "$scratch/$name.out" >&2
+    failed+=("$name")
+    continue
+  fi
   load=$(cut -d' ' -f1 /proc/loadavg)  # other work on the machine makes the times loose: say how much
   { echo '```text'; cat "$scratch/$name.out"; echo '```'; echo "<sub>\$ $cmd — $stamp; load average $load at the end</sub>"; } > "$scratch/$name.block"
   awk -v name="$name" -v block="$scratch/$name.block" '
@@ -101,3 +107,7 @@ done
 cp "$scratch"/docs/*.png "$here/docs/" 2> /dev/null || true
 cp "$tmp" "$readme"
 echo "README.md rewritten: ${#figures[@]} figure(s)$([ -n "$only" ] && echo " (only $only)")" >&2
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "readme_figures.sh: these figures failed and were left as they were: ${failed[*]}" >&2
+  exit 1
+fi
