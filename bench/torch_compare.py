@@ -3,9 +3,9 @@
 
 One run measures, for each model (lenet, lenet5) at batch 256 (SGD lr 0.1 momentum 0.9, cross-entropy,
 the same data for both):
-  1 core : PyTorch with torch.set_num_threads(1)       vs dp_train --gpus 0 --threads 1
+  1 core : PyTorch with torch.set_num_threads(1)       vs dp_train --gpus 0
   2 cores: PyTorch's better of 2 threads and DDP (gloo, 2 processes on 127.0.0.1, 1 thread each)
-           vs dp_train --devices 2 --threads 1 --sync allreduce, and vs dp's own 1-core figure
+           vs dp_train --devices 2 --sync allreduce, and vs dp's own 1-core figure
 and prints images/s, GFLOP/s, the fraction of the cores' FP32 peak and the ratios against the targets
 (1 core: dp >= 1.5x PyTorch; 2 cores: dp >= 2.5x PyTorch's best and >= 1.8x dp's 1-core figure).
 
@@ -274,7 +274,7 @@ def run_dp(args, binary, model, devices, seconds, rate_guess):
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         placement = ["--gpus", "0"] if devices == 1 else ["--devices", str(devices), "--sync", "allreduce"]
-        cmd = [binary, "--backend", "cpu", *placement, "--threads", "1", "--model", model, "--batch", str(args.batch),
+        cmd = [binary, "--backend", "cpu", *placement, "--model", model, "--batch", str(args.batch),
                "--steps", str(steps), "--lr", "0.1", "--momentum", "0.9", "--data", args.data, "--limit-test", "256",
                "--report", report, "--quiet"]
         _, bg = measure(cmd)
