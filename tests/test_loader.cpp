@@ -45,17 +45,6 @@ void check_batch(const HostBatch& b, const Dataset& d, const LoaderPlan& p, int6
   }
 }
 
-// The tensors of two checkpoints, bit for bit (the metadata holds the command line, which differs).
-void check_same_tensors(const std::string& got_path, const std::string& want_path) {
-  INFO("got " << got_path << ", want " << want_path);
-  SafeTensors got = read_safetensors(got_path), want = read_safetensors(want_path);
-  REQUIRE(got.order == want.order);
-  for (auto& name : want.order) {
-    CAPTURE(name);
-    CHECK(got.tensors.at(name).data == want.tensors.at(name).data);
-  }
-}
-
 }  // namespace
 
 TEST_CASE("loader: both worker counts hand out the plan's batches, mid-epoch start and end, partial last batch") {

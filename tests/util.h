@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "engine/checkpoint.h"
 #include "engine/device.h"
 
 extern char** environ;
@@ -142,6 +143,17 @@ inline CommandResult run_command(const std::string& cmd) {
   int status = pclose(p);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
+}
+
+// The tensors of two checkpoints, bit for bit (the metadata holds the command line, which differs).
+inline void check_same_tensors(const std::string& got_path, const std::string& want_path) {
+  INFO("got " << got_path << ", want " << want_path);
+  SafeTensors got = read_safetensors(got_path), want = read_safetensors(want_path);
+  REQUIRE(got.order == want.order);
+  for (auto& name : want.order) {
+    CAPTURE(name);
+    CHECK(got.tensors.at(name).data == want.tensors.at(name).data);
+  }
 }
 
 // A command line's arguments and words its output must contain: the refusals tests table.
