@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """Golden reference data for dp's C++ tests.
 
-This script writes tests/golden/<model>.safetensors for the two models dp
-implements ("lenet" and "lenet5").  dp's C++ tests load these files and compare
+This script writes tests/golden/<model>.safetensors for the models dp
+implements ("lenet", "lenet5" and "lenet-bn"), and tests/golden/batchnorm.safetensors
+for the BatchNorm layer alone.  dp's C++ tests load these files and compare
 dp's forward pass (logits, loss), backward pass (per-parameter gradients) and a
 3-step SGD trajectory (momentum + weight decay) against PyTorch, starting from
 exactly the same initial weights and the same fixed input batch.
@@ -25,6 +26,39 @@ Header __metadata__ (all strings): model, lr, momentum, weight_decay, N, steps,
 seed_init, seed_x, params (comma-separated parameter names in PyTorch order),
 torch_version, generator.
 
+lenet-bn (LeNetBN below: conv1 1->20 k3, bn1 = BatchNorm2d(20), relu,
+avgpool 2, conv2 20->50 k5, bn2 = BatchNorm2d(50), relu, avgpool 2, flatten,
+fc1 800->128, bn3 = BatchNorm1d(128), relu, fc2 128->10; 129464 parameters)
+runs in training mode throughout: logits, loss and grad.* use the batch's
+statistics.  Its parameters, in module order: conv1.weight, conv1.bias,
+bn1.weight, bn1.bias, conv2.*, bn2.*, fc1.*, bn3.*, fc2.* (bn*.weight is gamma,
+initialised to 1, bn*.bias beta, to 0; the running statistics start at
+PyTorch's 0 and 1).  Besides the tensors above, its file holds the buffers
+after the 3 SGD steps (3 training-mode forwards), after the step3.<param>
+tensors and before loss3:
+  step3.<bn>.running_mean         [C] float32, for bn in bn1, bn2, bn3
+  step3.<bn>.running_var          [C] float32 (from the unbiased batch variance)
+  step3.<bn>.num_batches_tracked  [] int64, 3
+and the metadata also has bn_eps ("1e-05"), bn_momentum ("0.1") and buffers
+(comma-separated buffer names in PyTorch order).
+
+tests/golden/batchnorm.safetensors: the layer alone, for a BatchNorm2d on
+(4, 5, 3, 3) (prefix "bn2d.") and a BatchNorm1d on (6, 7) (prefix "bn1d."),
+each with eps = 1e-3 and momentum = 0.2 (not PyTorch's defaults, so that a
+wrong eps or momentum shows), torch.manual_seed(7) before the first:
+  <p>.x                  input, a different mean and spread per channel
+  <p>.weight, <p>.bias   gamma, beta [C]
+  <p>.running_mean0      [C] running statistics before the forward
+  <p>.running_var0       [C]
+  <p>.dy                 the output gradient fed to backward
+  <p>.y                  training-mode output (batch statistics)
+  <p>.dx, <p>.dweight, <p>.dbias   its gradients for dy
+  <p>.running_mean       [C] running statistics after that forward
+  <p>.running_var        [C]
+  <p>.y_eval             evaluation-mode output of x with those running stats
+Metadata: layer ("batchnorm"), eps, momentum, seed, cases ("bn2d,bn1d"),
+torch_version, generator.
+
 Everything is computed on CPU in float32 with torch.set_num_threads(1).
 The safetensors files are written by hand (no `safetensors` package needed):
 8-byte little-endian header length, JSON header padded with spaces to a
@@ -34,11 +68,16 @@ Regenerate (from the repo root; needs Debian's python3 with torch):
 
     /usr/bin/python3 bench/make_golden.py            # write, then verify
     /usr/bin/python3 bench/make_golden.py --check    # verify only
+    /usr/bin/python3 bench/make_golden.py --models lenet-bn batchnorm   # just these
+
+(lenet and lenet5 were written with torch 1.13 on another machine; recomputing
+them here need not give the same bits, so rewrite them only on purpose.)
 
 --check parses every file's header, checks that data offsets are contiguous,
 cover the data section exactly and match dtype*shape, reloads the tensors and
 compares them bit-exactly with a fresh recomputation (plus a few internal
-consistency checks).  It exits non-zero on any mismatch.
+consistency checks; for batchnorm, every tensor against the formulas of
+kernels/ops.h evaluated in float64).  It exits non-zero on any mismatch.
 """
 
 import argparse
@@ -76,10 +115,33 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "docs"))
 from load_into_pytorch import LeNet, LeNet5  # noqa: E402
 
 
+class LeNetBN(nn.Module):
+    """dp's lenet-bn: lenet with BatchNorm after conv1, conv2 (2d) and fc1 (1d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 20, 3)
+        self.bn1 = nn.BatchNorm2d(20)
+        self.conv2 = nn.Conv2d(20, 50, 5)
+        self.bn2 = nn.BatchNorm2d(50)
+        self.fc1 = nn.Linear(800, 128)
+        self.bn3 = nn.BatchNorm1d(128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):  # (N, 1, 28, 28)
+        x = F.avg_pool2d(F.relu(self.bn1(self.conv1(x))), 2)  # (N, 20, 26, 26) -> (N, 20, 13, 13)
+        x = F.avg_pool2d(F.relu(self.bn2(self.conv2(x))), 2)  # (N, 50, 9, 9) -> (N, 50, 4, 4)
+        x = F.relu(self.bn3(self.fc1(torch.flatten(x, 1))))  # (N, 800) -> (N, 128)
+        return self.fc2(x)  # (N, 10)
+
+
 MODELS = {
     "lenet": (LeNet, 129068),
     "lenet5": (LeNet5, 61706),
+    "lenet-bn": (LeNetBN, 129464),
 }
+# Files of one layer each: name -> (compute, internal consistency check).
+LAYERS = {}  # filled in below the layer functions
 
 
 def make_model(name):
@@ -133,6 +195,9 @@ def compute(name):
         opt.step()
     for n, p in model.named_parameters():
         out.append(("step3." + n, p.detach().clone()))
+    buffers = [n for n, _ in model.named_buffers()]  # none in lenet and lenet5
+    for n, b in model.named_buffers():
+        out.append(("step3." + n, b.detach().clone()))
     out.append(("loss3", torch.cat(losses)))
 
     meta = {
@@ -148,7 +213,112 @@ def compute(name):
         "torch_version": torch.__version__,
         "generator": GENERATOR,
     }
+    if buffers:  # lenet-bn only: lenet and lenet5 keep their metadata byte for byte
+        bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        assert all(m.eps == bns[0].eps and m.momentum == bns[0].momentum for m in bns)
+        meta["bn_eps"] = repr(bns[0].eps)
+        meta["bn_momentum"] = repr(bns[0].momentum)
+        meta["buffers"] = ",".join(buffers)
     return out, meta
+
+
+# --- the BatchNorm layer alone --------------------------------------------------------------------
+
+BN_EPS = 1e-3
+BN_MOMENTUM = 0.2
+SEED_BN = 7
+BN_CASES = [("bn2d", nn.BatchNorm2d, (4, 5, 3, 3)), ("bn1d", nn.BatchNorm1d, (6, 7))]
+
+
+def compute_batchnorm():
+    """One training-mode forward and backward of BatchNorm2d and BatchNorm1d, then evaluation."""
+    torch.manual_seed(SEED_BN)
+    out = []
+    for prefix, cls, shape in BN_CASES:
+        c = shape[1]
+        per_channel = [1, c] + [1] * (len(shape) - 2)  # broadcasts a (C) vector over x
+        spread = (0.5 + torch.rand(c)).reshape(per_channel)
+        offset = (2 * torch.randn(c)).reshape(per_channel)
+        x = torch.randn(shape) * spread + offset
+        weight = 1 + 0.5 * torch.randn(c)
+        bias = 0.5 * torch.randn(c)
+        running_mean0 = 0.3 * torch.randn(c)
+        running_var0 = 0.5 + torch.rand(c)
+        dy = torch.randn(shape)
+
+        layer = cls(c, eps=BN_EPS, momentum=BN_MOMENTUM)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+            layer.bias.copy_(bias)
+            layer.running_mean.copy_(running_mean0)
+            layer.running_var.copy_(running_var0)
+        layer.train()
+        xg = x.clone().requires_grad_(True)
+        y = layer(xg)
+        y.backward(dy)
+        layer.eval()
+        with torch.no_grad():
+            y_eval = layer(x)
+        for n, t in [("x", x), ("weight", weight), ("bias", bias), ("running_mean0", running_mean0),
+                     ("running_var0", running_var0), ("dy", dy), ("y", y), ("dx", xg.grad),
+                     ("dweight", layer.weight.grad), ("dbias", layer.bias.grad),
+                     ("running_mean", layer.running_mean), ("running_var", layer.running_var),
+                     ("y_eval", y_eval)]:
+            out.append((prefix + "." + n, t.detach().clone()))
+    meta = {
+        "layer": "batchnorm",
+        "eps": repr(BN_EPS),
+        "momentum": repr(BN_MOMENTUM),
+        "seed": str(SEED_BN),
+        "cases": ",".join(p for p, _, _ in BN_CASES),
+        "torch_version": torch.__version__,
+        "generator": GENERATOR,
+    }
+    return out, meta
+
+
+def batchnorm_consistency(gd):
+    """Every output against kernels/ops.h's formulas in float64: the semantics dp implements."""
+    errors = []
+    for prefix, _, shape in BN_CASES:
+        t = {k[len(prefix) + 1:]: v.double() for k, v in gd.items() if k.startswith(prefix + ".")}
+        dims = [0] + list(range(2, len(shape)))
+        per_channel = [1, shape[1]] + [1] * (len(shape) - 2)
+        count = t["x"].numel() // shape[1]
+
+        def ch(v):
+            return v.reshape(per_channel)
+
+        mean = t["x"].mean(dims)
+        var = ((t["x"] - ch(mean)) ** 2).mean(dims)  # biased
+        inv_std = 1 / torch.sqrt(var + BN_EPS)
+        xhat = (t["x"] - ch(mean)) * ch(inv_std)
+        sum_dy = t["dy"].sum(dims)
+        sum_dy_xhat = (t["dy"] * xhat).sum(dims)
+        want = {
+            "y": xhat * ch(t["weight"]) + ch(t["bias"]),
+            "dbias": sum_dy,
+            "dweight": sum_dy_xhat,
+            "dx": ch(t["weight"] * inv_std)
+            * (t["dy"] - ch(sum_dy / count) - xhat * ch(sum_dy_xhat / count)),
+            "running_mean": (1 - BN_MOMENTUM) * t["running_mean0"] + BN_MOMENTUM * mean,
+            "running_var": (1 - BN_MOMENTUM) * t["running_var0"]
+            + BN_MOMENTUM * var * count / (count - 1),  # unbiased
+            "y_eval": (t["x"] - ch(t["running_mean"])) / ch(torch.sqrt(t["running_var"] + BN_EPS))
+            * ch(t["weight"]) + ch(t["bias"]),
+        }
+        for n, w in want.items():
+            d = (t[n] - w).abs().max().item()
+            if d > 1e-4 * max(1.0, w.abs().max().item()):
+                errors.append(f"{prefix}.{n}: differs from the float64 formula by {d:.3g}")
+    return errors
+
+
+LAYERS["batchnorm"] = (compute_batchnorm, batchnorm_consistency)
+
+
+def compute_any(name):
+    return LAYERS[name][0]() if name in LAYERS else compute(name)
 
 
 def st_dtype(t):
@@ -236,7 +406,7 @@ def read_safetensors(path):
 def check(name):
     path = os.path.join(OUT_DIR, name + ".safetensors")
     got, meta = read_safetensors(path)
-    want, want_meta = compute(name)
+    want, want_meta = compute_any(name)
     errors = []
     gnames = [n for n, _ in got]
     wnames = [n for n, _ in want]
@@ -252,14 +422,18 @@ def check(name):
         elif not torch.equal(g, w):
             errors.append(f"{n}: values differ (max abs diff "
                           f"{(g.double() - w.double()).abs().max().item():.3g})")
-    for k in ("model", "lr", "momentum", "weight_decay", "N", "generator"):
+    keys = ("model", "lr", "momentum", "weight_decay", "N", "generator") if name in MODELS else \
+        ("layer", "eps", "momentum", "seed", "cases", "generator")
+    for k in keys:
         if meta.get(k) != want_meta[k]:
             errors.append(f"metadata {k}: {meta.get(k)!r} vs {want_meta[k]!r}")
     if meta.get("torch_version") != torch.__version__:
         print(f"  note: file made with torch {meta.get('torch_version')}, "
               f"checking with {torch.__version__}")
     # Internal consistency, independent of the recomputation.
-    if not errors:
+    if not errors and name in LAYERS:
+        errors += LAYERS[name][1](gd)
+    elif not errors:
         if not torch.equal(gd["loss"], gd["loss3"][:1]):
             errors.append("loss != loss3[0]")
         ref = F.cross_entropy(gd["logits"].double(), gd["y"]).item()
@@ -272,12 +446,18 @@ def check(name):
         nparams = sum(t.numel() for n, t in got if n.startswith("init."))
         if nparams != MODELS[name][1]:
             errors.append(f"{nparams} init parameters, expected {MODELS[name][1]}")
+        for n, t in got:
+            if n.endswith(".num_batches_tracked") and t.item() != STEPS:
+                errors.append(f"{n} = {t.item()}, expected {STEPS}")
     size = os.path.getsize(path)
     if errors:
         print(f"FAIL {path} ({size} bytes)")
         for e in errors:
             print("  " + e)
         return False
+    if name in LAYERS:
+        print(f"OK   {path} ({size} bytes, {len(got)} tensors)")
+        return True
     print(f"OK   {path} ({size} bytes, {len(got)} tensors) "
           f"loss={gd['loss'].item():.9g} loss3={[float(v) for v in gd['loss3']]}")
     return True
@@ -287,8 +467,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
                     help="only verify existing files against a recomputation")
-    ap.add_argument("--models", nargs="*", default=list(MODELS),
-                    choices=list(MODELS))
+    ap.add_argument("--models", nargs="*", default=list(MODELS) + list(LAYERS),
+                    choices=list(MODELS) + list(LAYERS))
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -298,7 +478,7 @@ def main():
     if not args.check:
         os.makedirs(OUT_DIR, exist_ok=True)
         for name in args.models:
-            tensors, meta = compute(name)
+            tensors, meta = compute_any(name)
             path = os.path.join(OUT_DIR, name + ".safetensors")
             write_safetensors(path, tensors, meta)
             print(f"wrote {path} ({os.path.getsize(path)} bytes)")

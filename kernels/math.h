@@ -17,6 +17,9 @@ namespace dp::math {
 // exp that picks expf for float in device code as well as on the host.
 DP_HD float exp_(float x) { return expf(x); }
 DP_HD double exp_(double x) { return ::exp(x); }
+// sqrt likewise (both correctly rounded: nvcc's default -prec-sqrt=true, IEEE on the host).
+DP_HD float sqrt_(float x) { return sqrtf(x); }
+DP_HD double sqrt_(double x) { return ::sqrt(x); }
 
 template <class T>
 DP_HD T relu(T x) {
@@ -65,6 +68,61 @@ template <class T>
 DP_HD T xent_grad(T z, T row_max, T log_sum, bool is_label, T scale) {
   T p = exp_(z - row_max - log_sum);
   return (p - (is_label ? T(1) : T(0))) * scale;
+}
+
+// ---- BatchNorm (PyTorch's BatchNorm1d/2d, affine), per channel of (N, C, HW) tensors --------------
+// The kernels (kernels/cpu/batchnorm.cpp, kernels/cuda/batchnorm.cu) sum over N and HW per channel in
+// double, calling the per-element formulas below with T = double; the element-wise ops run in T.
+
+// One element's term in the channel sums: x itself (for the mean), or its squared deviation from the
+// mean (for the variance, two-pass: no cancellation of E[x^2] - E[x]^2).
+template <class T>
+DP_HD T bn_sum_term(T x, T mean, bool deviation) {
+  const T d = x - mean;
+  return deviation ? d * d : x;
+}
+
+// 1 / sqrt(var + eps): the channel's scale; var is biased (training) or the running one (evaluation).
+template <class T>
+DP_HD T bn_inv_std(T var, T eps) {
+  return T(1) / sqrt_(var + eps);
+}
+
+template <class T>
+DP_HD T bn_xhat(T x, T mean, T inv_std) {
+  return (x - mean) * inv_std;
+}
+
+// y = xhat * gamma + beta.
+template <class T>
+DP_HD T bn_normalize(T x, T mean, T inv_std, T gamma, T beta) {
+  return bn_xhat(x, mean, inv_std) * gamma + beta;
+}
+
+// The training-mode input gradient, with mean_dy = sum(dy) / count and mean_dy_xhat = sum(dy xhat) /
+// count over the channel's count values (all replicas' for SyncBatchNorm):
+//   dx = gamma inv_std (dy - mean_dy - xhat mean_dy_xhat)
+// (d/dx of the normalisation through the batch mean and the batch variance both; PyTorch's
+// batch_norm_backward).
+template <class T>
+DP_HD T bn_backward_dx(T x, T mean, T inv_std, T gamma, T dy, T mean_dy, T mean_dy_xhat) {
+  return gamma * inv_std * (dy - mean_dy - bn_xhat(x, mean, inv_std) * mean_dy_xhat);
+}
+
+// A channel sum over count values as a mean.
+template <class T>
+DP_HD T bn_mean_of(T sum, int64_t count) {
+  return sum / T(count);
+}
+
+// PyTorch's running statistics: an exponential moving average with weight `momentum` on the batch,
+// the variance unbiased (var * count / (count - 1), count > 1) although the normalisation uses the
+// biased one.
+template <class T>
+DP_HD void bn_update_running(T& running_mean, T& running_var, T mean, T var, int64_t count, T momentum) {
+  const T unbiased = var * T(count) / T(count - 1);
+  running_mean = (T(1) - momentum) * running_mean + momentum * mean;
+  running_var = (T(1) - momentum) * running_var + momentum * unbiased;
 }
 
 }  // namespace dp::math

@@ -96,6 +96,35 @@ class Ops {
   virtual void linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx,
                                float* dw, float* db) = 0;
 
+  // BatchNorm (PyTorch's BatchNorm1d/2d, affine; kernels/cpu/batchnorm.cpp, kernels/cuda/batchnorm.cu).
+  // x, y, dy, dx: (N, C, HW) contiguous (HW = 1 for BatchNorm1d on (N, C)); per-channel buffers (C).
+  // The engine composes the five, with an all-reduce of the per-channel sums between them for
+  // SyncBatchNorm; `count` is the number of values per channel the statistics are over (N * HW on one
+  // replica, the global count over all replicas for SyncBatchNorm). The channel sums are accumulated
+  // in double and in a fixed order on every backend: deterministic, and exact to about one rounding.
+  //
+  // Per-channel sums over N and HW, times scale: of x when mean is null, else of (x - mean)^2. out (C)
+  // overwritten (zeros when n == 0). scale 1/count makes them the mean and the biased variance; on
+  // each replica, 1/(the global count) makes them partial sums that add up to the global ones.
+  virtual void bn_channel_sums(int n, int c, int hw, const float* x, const float* mean, float scale, float* out) = 0;
+  // y = (x - mean) / sqrt(var + eps) * gamma + beta, per channel (training: the batch's mean and biased
+  // variance; evaluation: the running ones). y == x (in place) is allowed.
+  virtual void bn_normalize(int n, int c, int hw, const float* x, const float* mean, const float* var,
+                            const float* gamma, const float* beta, float eps, float* y) = 0;
+  // sums (2, C) overwritten: [0] = sum of dy, [1] = sum of dy * xhat, xhat = (x - mean) / sqrt(var + eps).
+  // These are d beta and d gamma.
+  virtual void bn_backward_sums(int n, int c, int hw, const float* x, const float* mean, const float* var, float eps,
+                                const float* dy, float* sums) = 0;
+  // dx = gamma / sqrt(var + eps) * (dy - sums[0] / count - xhat * sums[1] / count), the training-mode
+  // input gradient with batch statistics over `count` (>= 1) values per channel. dx == dy is allowed.
+  virtual void bn_backward_dx(int n, int c, int hw, const float* x, const float* mean, const float* var, float eps,
+                              const float* gamma, const float* dy, const float* sums, int64_t count, float* dx) = 0;
+  // running_mean = (1 - momentum) * running_mean + momentum * mean; running_var likewise with the
+  // unbiased var * count / (count - 1) (PyTorch's), for c channels. count > 1, as PyTorch requires
+  // ("Expected more than 1 value per channel when training"); fewer throws std::invalid_argument.
+  virtual void bn_update_running(int c, const float* mean, const float* var, int64_t count, float momentum,
+                                 float* running_mean, float* running_var) = 0;
+
   // Softmax cross-entropy over n rows. dlogits = (softmax - onehot) * scale; stats[0] += sum of
   // per-row losses * scale, stats[1] += number of rows whose argmax is the label (device memory).
   virtual void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,

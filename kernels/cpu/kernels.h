@@ -89,6 +89,52 @@ void linear_backward(int n, int in, int out,
                      T* dw,        // (OUT, IN)
                      T* db);       // (OUT)
 
+// BatchNorm (PyTorch's BatchNorm1d/2d, affine) on (N, C, HW) tensors, the Ops interface's five ops
+// (kernels/ops.h says what each computes). The channel sums accumulate in double whatever T, channel
+// by channel, samples and positions in order; the per-element formulas are math::bn_*.
+template <class T>
+void bn_channel_sums(int n, int c, int hw,
+                     const T* x,     // (N, C, HW)
+                     const T* mean,  // (C) or null
+                     T scale,        // applied to the double sum, before it is rounded to T
+                     T* out);        // (C)
+template <class T>
+void bn_normalize(int n, int c, int hw,
+                  const T* x,      // (N, C, HW)
+                  const T* mean,   // (C)
+                  const T* var,    // (C)
+                  const T* gamma,  // (C)
+                  const T* beta,   // (C)
+                  T eps,
+                  T* y);  // (N, C, HW), may be x
+template <class T>
+void bn_backward_sums(int n, int c, int hw,
+                      const T* x,     // (N, C, HW)
+                      const T* mean,  // (C)
+                      const T* var,   // (C)
+                      T eps,
+                      const T* dy,  // (N, C, HW)
+                      T* sums);     // (2, C): sum dy, sum dy * xhat
+template <class T>
+void bn_backward_dx(int n, int c, int hw,
+                    const T* x,     // (N, C, HW)
+                    const T* mean,  // (C)
+                    const T* var,   // (C)
+                    T eps,
+                    const T* gamma,  // (C)
+                    const T* dy,     // (N, C, HW)
+                    const T* sums,   // (2, C), bn_backward_sums' (all-reduced for SyncBatchNorm)
+                    int64_t count,
+                    T* dx);  // (N, C, HW), may be dy
+// count > 1, else std::invalid_argument.
+template <class T>
+void bn_update_running(int c,
+                       const T* mean,  // (C)
+                       const T* var,   // (C), biased
+                       int64_t count, T momentum,
+                       T* running_mean,  // (C)
+                       T* running_var);  // (C)
+
 // dlogits = (softmax - onehot) * scale; stats[0] += sum of per-row losses * scale, stats[1] += number
 // of rows whose argmax (the first maximum) is the label.
 template <class T>

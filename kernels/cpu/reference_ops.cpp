@@ -56,6 +56,25 @@ void ReferenceOps::linear_backward(int n, int in, int out, const float* x, const
                                    float* dw, float* db) {
   cpu::linear_backward(n, in, out, x, w, dy, dx, dw, db);
 }
+void ReferenceOps::bn_channel_sums(int n, int c, int hw, const float* x, const float* mean, float scale, float* out) {
+  cpu::bn_channel_sums(n, c, hw, x, mean, scale, out);
+}
+void ReferenceOps::bn_normalize(int n, int c, int hw, const float* x, const float* mean, const float* var,
+                                const float* gamma, const float* beta, float eps, float* y) {
+  cpu::bn_normalize(n, c, hw, x, mean, var, gamma, beta, eps, y);
+}
+void ReferenceOps::bn_backward_sums(int n, int c, int hw, const float* x, const float* mean, const float* var,
+                                    float eps, const float* dy, float* sums) {
+  cpu::bn_backward_sums(n, c, hw, x, mean, var, eps, dy, sums);
+}
+void ReferenceOps::bn_backward_dx(int n, int c, int hw, const float* x, const float* mean, const float* var, float eps,
+                                  const float* gamma, const float* dy, const float* sums, int64_t count, float* dx) {
+  cpu::bn_backward_dx(n, c, hw, x, mean, var, eps, gamma, dy, sums, count, dx);
+}
+void ReferenceOps::bn_update_running(int c, const float* mean, const float* var, int64_t count, float momentum,
+                                     float* running_mean, float* running_var) {
+  cpu::bn_update_running(c, mean, var, count, momentum, running_mean, running_var);
+}
 void ReferenceOps::softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale,
                                 float* dlogits, float* stats) {
   cpu::softmax_xent(n, classes, logits, labels, scale, dlogits, stats);

@@ -44,6 +44,15 @@ class ReferenceOps : public Ops {
   void linear_forward(int n, int in, int out, const float* x, const float* w, const float* b, float* y) override;
   void linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx, float* dw,
                        float* db) override;
+  void bn_channel_sums(int n, int c, int hw, const float* x, const float* mean, float scale, float* out) override;
+  void bn_normalize(int n, int c, int hw, const float* x, const float* mean, const float* var, const float* gamma,
+                    const float* beta, float eps, float* y) override;
+  void bn_backward_sums(int n, int c, int hw, const float* x, const float* mean, const float* var, float eps,
+                        const float* dy, float* sums) override;
+  void bn_backward_dx(int n, int c, int hw, const float* x, const float* mean, const float* var, float eps,
+                      const float* gamma, const float* dy, const float* sums, int64_t count, float* dx) override;
+  void bn_update_running(int c, const float* mean, const float* var, int64_t count, float momentum, float* running_mean,
+                         float* running_var) override;
   void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
                     float* stats) override;
   void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay) override;
