@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Loads a dp checkpoint into PyTorch and measures it on the Fashion-MNIST test set.
 
-A worked example of README's "Checkpoints load straight into PyTorch": the two models as PyTorch
+A worked example of README's "Checkpoints load straight into PyTorch": the three models as PyTorch
 modules with dp's parameter names (models/model.cpp), the checkpoint's optimizer.* tensors dropped,
 load_state_dict(strict=True), then the test images scaled as dp scales them (pixels / 255). The
 accuracy and mean cross-entropy it prints are dp_train's final "test acc" and test_loss for the same
@@ -69,7 +69,31 @@ class LeNet5(nn.Module):
         return self.fc3(x)  # (N, 10)
 
 
-MODELS = {"lenet": LeNet, "lenet5": LeNet5}
+class LeNetBN(nn.Module):
+    """dp's lenet-bn: lenet with BatchNorm after conv1, conv2 and fc1, each before its ReLU.
+
+    Its running statistics (bn*.running_mean, bn*.running_var, bn*.num_batches_tracked) are in the
+    checkpoint too, as PyTorch's state_dict holds them; model.eval() normalises with them, as dp
+    evaluates."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 20, 3)
+        self.bn1 = nn.BatchNorm2d(20)
+        self.conv2 = nn.Conv2d(20, 50, 5)
+        self.bn2 = nn.BatchNorm2d(50)
+        self.fc1 = nn.Linear(800, 128)
+        self.bn3 = nn.BatchNorm1d(128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):  # (N, 1, 28, 28)
+        x = F.avg_pool2d(F.relu(self.bn1(self.conv1(x))), 2)  # (N, 20, 26, 26) -> (N, 20, 13, 13)
+        x = F.avg_pool2d(F.relu(self.bn2(self.conv2(x))), 2)  # (N, 50, 9, 9) -> (N, 50, 4, 4)
+        x = F.relu(self.bn3(self.fc1(torch.flatten(x, 1))))  # (N, 800) -> (N, 128)
+        return self.fc2(x)  # (N, 10)
+
+
+MODELS = {"lenet": LeNet, "lenet5": LeNet5, "lenet-bn": LeNetBN}
 
 
 class Fail(Exception):

@@ -156,12 +156,65 @@ void save_checkpoint(const std::string& path, const ModelSpec& spec, const Check
     st.tensors[name] = std::move(t);
   };
   for (auto& p : spec.params) add(p.name, p, ckpt.params);
+  for (auto& b : spec.buffers) {
+    Tensor t{"F32", {b.channels}, {}};
+    auto* bytes = reinterpret_cast<const unsigned char*>(ckpt.buffers.data() + b.offset);
+    t.data.assign(bytes, bytes + b.channels * sizeof(float));
+    st.order.push_back(b.name);
+    st.tensors[b.name] = std::move(t);
+  }
+  for (auto& name : spec.batches_tracked_names()) {  // PyTorch's: a 0-dim int64 tensor
+    Tensor t{"I64", {}, std::vector<unsigned char>(8)};
+    for (int i = 0; i < 8; ++i) t.data[i] = (uint64_t(ckpt.batches_tracked) >> (8 * i)) & 0xff;
+    st.order.push_back(name);
+    st.tensors[name] = std::move(t);
+  }
   if (!ckpt.momentum.empty())
     for (auto& p : spec.params) add("optimizer." + p.name + ".momentum_buffer", p, ckpt.momentum);
   write_safetensors(path, st);
 }
 
-Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& spec, const std::string& path) {
+namespace {
+
+// The model's tensor names, for a refusal: "conv1.weight, conv1.bias, ..." (BatchNorm's buffers too).
+std::string expected_names(const ModelSpec& spec) {
+  std::string out;
+  auto add = [&](const std::string& n) { out += (out.empty() ? "" : ", ") + n; };
+  for (auto& p : spec.params) add(p.name);
+  for (auto& b : spec.buffers) add(b.name);
+  for (auto& n : spec.batches_tracked_names()) add(n);
+  return out;
+}
+
+// nn.DataParallel and DDP hold the model as .module, so a wrapped model's state_dict() names every
+// tensor "module.conv1.weight": when every name of the file but dp's own optimizer state has the
+// prefix, the copy returned has it stripped and `note` says so.
+SafeTensors strip_module_prefix(const SafeTensors& st, const std::string& path, std::string& note) {
+  const std::string prefix = "module.";
+  bool any = false;
+  for (auto& name : st.order) {
+    if (name.rfind("optimizer.", 0) == 0) continue;
+    if (name.rfind(prefix, 0) != 0) return st;
+    any = true;
+  }
+  if (!any) return st;
+  SafeTensors out;
+  out.metadata = st.metadata;
+  for (auto& name : st.order) {
+    std::string n = name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
+    if (out.tensors.count(n)) throw UsageError(path + ": tensor '" + n + "' is there with and without 'module.'");
+    out.order.push_back(n);
+    out.tensors[n] = st.tensors.at(name);
+  }
+  note = path + ": keys prefixed 'module.' (a model saved wrapped in nn.DataParallel or DDP); read without it";
+  return out;
+}
+
+}  // namespace
+
+Checkpoint checkpoint_from_safetensors(const SafeTensors& file, const ModelSpec& spec, const std::string& path) {
+  std::string note;
+  const SafeTensors st = strip_module_prefix(file, path, note);
   auto m = st.metadata.find("model");
   if (m != st.metadata.end() && m->second != spec.name)
     throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " +
@@ -173,38 +226,61 @@ Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& s
       return nullptr;
     return spec.find(name.substr(opt_prefix.size(), name.size() - opt_prefix.size() - opt_suffix.size()));
   };
+  const auto tracked = spec.batches_tracked_names();
   bool any_momentum = false;
   for (auto& name : st.order) {
-    if (spec.find(name)) continue;
+    if (spec.find(name) || spec.find_buffer(name) || std::count(tracked.begin(), tracked.end(), name)) continue;
     if (momentum_of(name)) {
       any_momentum = true;
       continue;
     }
-    throw UsageError(path + ": unexpected tensor '" + name + "' for model " + spec.name);
+    throw UsageError(path + ": unexpected tensor '" + name + "' for model " + spec.name + ", which has " +
+                     expected_names(spec) + (spec.has_batchnorm() ? "" : " (no BatchNorm: --model lenet-bn has it)"));
   }
   Checkpoint c;
+  c.note = note;
   c.metadata = st.metadata;
   c.params.assign(size_t(spec.param_count), 0.0f);
   // Momentum buffers are all there or all absent (a run with --momentum 0 has none).
   if (any_momentum) c.momentum.assign(size_t(spec.param_count), 0.0f);
-  auto take = [&](const std::string& name, const Param& p, std::vector<float>& flat) {
+  auto tensor = [&](const std::string& name, const std::string& dtype,
+                    const std::vector<int64_t>& shape) -> const Tensor& {
     auto it = st.tensors.find(name);
     if (it == st.tensors.end())
       throw UsageError(path + ": tensor '" + name + "' is missing; a " + spec.name + " checkpoint has it");
     const Tensor& t = it->second;
-    if (t.dtype != "F32") throw UsageError(path + ": tensor '" + name + "' is " + t.dtype + ", expected F32");
-    if (t.shape != p.shape)
+    if (t.dtype != dtype) throw UsageError(path + ": tensor '" + name + "' is " + t.dtype + ", expected " + dtype);
+    if (t.shape != shape)
       throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", " + spec.name + " needs " +
-                       shape_str(p.shape));
-    if (t.data.size() != size_t(p.size) * sizeof(float))
-      throw UsageError(path + ": tensor '" + name + "' holds " + std::to_string(t.data.size()) + " bytes, expected " +
-                       std::to_string(p.size * int64_t(sizeof(float))));
-    std::memcpy(flat.data() + p.offset, t.data.data(), t.data.size());
-    check_finite(flat.data() + p.offset, p.size, path, name);
+                       shape_str(shape));
+    return t;  // parse_safetensors checked that its bytes match its shape
   };
-  for (auto& p : spec.params) take(p.name, p, c.params);
+  auto take = [&](const std::string& name, const std::vector<int64_t>& shape, int64_t offset, int64_t size,
+                  std::vector<float>& flat) {
+    const Tensor& t = tensor(name, "F32", shape);
+    std::memcpy(flat.data() + offset, t.data.data(), size_t(size) * sizeof(float));
+    check_finite(flat.data() + offset, size, path, name);
+  };
+  for (auto& p : spec.params) take(p.name, p.shape, p.offset, p.size, c.params);
   if (any_momentum)
-    for (auto& p : spec.params) take(opt_prefix + p.name + opt_suffix, p, c.momentum);
+    for (auto& p : spec.params) take(opt_prefix + p.name + opt_suffix, p.shape, p.offset, p.size, c.momentum);
+  c.buffers.assign(size_t(spec.buffer_count), 0.0f);
+  for (auto& b : spec.buffers) {
+    take(b.name, {b.channels}, b.offset, b.channels, c.buffers);
+    if (b.name.ends_with(".running_var"))
+      for (int64_t i = 0; i < b.channels; ++i)
+        if (c.buffers[size_t(b.offset + i)] < 0)
+          throw UsageError(path + ": tensor " + b.name + " holds a negative variance at index " + std::to_string(i) +
+                           "; the checkpoint is damaged");
+  }
+  // Every layer's count is the same for a model trained as a whole: the first one's is kept.
+  if (!tracked.empty()) {
+    const Tensor& t = tensor(tracked[0], "I64", {});
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; --i) v = v << 8 | t.data[size_t(i)];
+    if (int64_t(v) < 0) throw UsageError(path + ": tensor " + tracked[0] + " is negative");
+    c.batches_tracked = int64_t(v);
+  }
   return c;
 }
 

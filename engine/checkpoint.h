@@ -1,6 +1,8 @@
 // Checkpoints as safetensors files: the weights under PyTorch's names and layouts (so
-// safetensors.torch.load_file + load_state_dict reads them), the optimizer's momentum buffers as
-// "optimizer.<name>.momentum_buffer", and the training position in the metadata.
+// safetensors.torch.load_file + load_state_dict reads them), BatchNorm's buffers as PyTorch's
+// state_dict holds them (running_mean, running_var: F32; num_batches_tracked: an I64 scalar), the
+// optimizer's momentum buffers as "optimizer.<name>.momentum_buffer", and the training position in
+// the metadata.
 #pragma once
 
 #include <cstdint>
@@ -35,13 +37,20 @@ void write_safetensors(const std::string& path, const SafeTensors& st);
 struct Checkpoint {
   std::vector<float> params;    // (P) the flat buffer
   std::vector<float> momentum;  // (P) or empty
+  std::vector<float> buffers;   // (R) BatchNorm's running statistics; empty without BatchNorm
+  int64_t batches_tracked = 0;  // BatchNorm's num_batches_tracked
   std::map<std::string, std::string> metadata;
+  // What loading changed in the file's names, for the caller to say once: a PyTorch model saved
+  // wrapped in nn.DataParallel or DDP prefixes every key with "module.", which loading strips.
+  std::string note;
 };
 
 void save_checkpoint(const std::string& path, const ModelSpec& spec, const Checkpoint& ckpt);
-// Checks the model ("this checkpoint is lenet5, you asked for lenet"), every parameter's name,
-// dtype and shape, that no tensor is foreign to the model and that every value of the weights and
-// momentum buffers is finite; throws UsageError naming the file (and the tensor and element).
+// Checks the model ("this checkpoint is lenet5, you asked for lenet"), every parameter's and
+// buffer's name, dtype and shape, that no tensor is foreign to the model (naming the first that is,
+// and the names the model has) and that every value of the weights, running statistics and momentum
+// buffers is finite (and every running variance >= 0); throws UsageError naming the file (and the
+// tensor and element). Keys all prefixed "module." (a wrapped model's state_dict) are read without it.
 Checkpoint load_checkpoint(const std::string& path, const ModelSpec& spec);
 // The same checks on a file already parsed (the fuzzer's entry point); `name` is what errors call it.
 Checkpoint checkpoint_from_safetensors(const SafeTensors& st, const ModelSpec& spec, const std::string& name);

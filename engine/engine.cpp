@@ -52,6 +52,7 @@ struct Engine::Replica {
   Buffer params;    // (P)
   Buffer grads;     // (P)
   Buffer momentum;  // (P) scatter: device 0 only; allreduce: every device; none at momentum 0
+  Buffer running;   // (R) BatchNorm's running statistics; none without BatchNorm
   std::unique_ptr<Network> net;
   Buffer input;    // (b, D) this device's chunk (not on device 0 under scatter: a view)
   Buffer labels;   // (b) allreduce only: the loss is local
@@ -90,6 +91,13 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     if (cfg_.momentum != 0.0f && owns_optimizer) {
       rep->momentum = dev.alloc_floats(P, Category::optimizer);
       dev.ops().fill(P, 0.0f, rep->momentum.f());
+    }
+    if (spec_.has_batchnorm()) {
+      rep->running = dev.alloc_floats(spec_.buffer_count, Category::parameters);
+      std::vector<float> init(size_t(spec_.buffer_count));
+      init_buffers(spec_, init.data());
+      dev.upload(rep->running.f(), init.data(), init.size() * sizeof(float));
+      dev.synchronize();  // init is a local
     }
     rep->net = std::make_unique<Network>(spec_, dev, eval_b);
     rep->stats = dev.alloc_floats(2, Category::outputs);
@@ -228,6 +236,7 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
     res.loss += stats[0];
     res.correct += int64_t(stats[1]);
   }
+  if (spec_.has_batchnorm()) ++batches_tracked_;
   if (n == cfg_.batch)
     for (int r = 0; r < size(); ++r) {
       Traffic t = comm_->total(r);
@@ -235,6 +244,22 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
     }
   ++step_;
   return res;
+}
+
+BatchNormPass Engine::batchnorm_pass(int r, int B) {
+  BatchNormPass bn;
+  bn.running = replicas_[r]->running.f();
+  if (cfg_.sync_bn) {
+    bn.global_n = B;
+    // With buckets the gradient all-reduces of backward are queued on the communication thread; the
+    // statistics' all-reduce joins that queue (every rank queues in the same order) and waits for it.
+    bn.all_reduce = [this, r](float* buf, int64_t count) {
+      if (buckets_.empty()) return comm_->all_reduce(r, buf, count);
+      comm_->all_reduce_async(r, buf, count);
+      comm_->wait(r);
+    };
+  }
+  return bn;
 }
 
 void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::vector<int>& sizes) {
@@ -256,10 +281,17 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
   });
   timed(r, Phase::scatter,
         [&] { comm_->scatter(r, r == 0 ? rep.full_input.f() : nullptr, rep.input.f(), in_counts, 0); });
-  timed(r, Phase::broadcast, [&] { comm_->broadcast(r, rep.params.f(), P, 0); });
+  timed(r, Phase::broadcast, [&] {
+    comm_->broadcast(r, rep.params.f(), P, 0);
+    if (broadcasts_buffers()) comm_->broadcast(r, rep.running.f(), spec_.buffer_count, 0);
+  });
   const float* logits = nullptr;
+  const BatchNormPass bn = batchnorm_pass(r, B);
   timed(r, Phase::forward, [&] {
-    if (mine > 0) logits = rep.net->forward(rep.params.f(), r == 0 ? rep.full_input.f() : rep.input.f(), mine);
+    if (mine > 0)
+      logits = rep.net->forward(rep.params.f(), r == 0 ? rep.full_input.f() : rep.input.f(), mine, &bn);
+    else
+      rep.net->forward_without_samples(&bn);
   });
   timed(r, Phase::gather_loss, [&] {
     comm_->gather(r, logits, rep.gathered.f(), out_counts, 0);
@@ -273,9 +305,9 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
   timed(r, Phase::backward, [&] {
     // A device without samples (batch smaller than the device count) contributes zeros.
     if (mine > 0)
-      rep.net->backward(rep.params.f(), rep.grads.f(), r == 0 ? rep.gathered_grad.f() : rep.dlogits.f(), mine);
+      rep.net->backward(rep.params.f(), rep.grads.f(), r == 0 ? rep.gathered_grad.f() : rep.dlogits.f(), mine, {}, &bn);
     else
-      ops.fill(P, 0.0f, rep.grads.f());
+      rep.net->backward_without_samples(rep.grads.f(), {}, &bn);
   });
   timed(r, Phase::reduce, [&] { comm_->reduce(r, rep.grads.f(), P, 0); });
   timed(r, Phase::optimizer, [&] {
@@ -300,9 +332,16 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
     dev.upload(rep.input.f(), x + int64_t(first) * D, size_t(mine * D) * sizeof(float));
     dev.upload(rep.labels.i32(), y + first, size_t(mine) * sizeof(int32_t));
   });
+  // DDP's broadcast_buffers: rank 0's running statistics to every replica before its forward.
+  if (broadcasts_buffers())
+    timed(r, Phase::broadcast, [&] { comm_->broadcast(r, rep.running.f(), spec_.buffer_count, 0); });
   const float* logits = nullptr;
+  const BatchNormPass bn = batchnorm_pass(r, B);
   timed(r, Phase::forward, [&] {
-    if (mine > 0) logits = rep.net->forward(rep.params.f(), rep.input.f(), mine);
+    if (mine > 0)
+      logits = rep.net->forward(rep.params.f(), rep.input.f(), mine, &bn);
+    else
+      rep.net->forward_without_samples(&bn);
   });
   // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly.
   timed(r, Phase::gather_loss, [&] {
@@ -319,15 +358,11 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
                               cfg_.trace ? &bucket_timing_[r][b] : nullptr);
   };
   timed(r, Phase::backward, [&] {
-    if (mine > 0) {
-      rep.net->backward(rep.params.f(), rep.grads.f(), rep.dlogits.f(), mine,
-                        buckets_.empty() ? std::function<void(int)>() : on_ready);
-    } else {
-      ops.fill(P, 0.0f, rep.grads.f());
-      dev.synchronize();
-      for (int i = int(spec_.layers.size()) - 1; i >= 0; --i)
-        if (spec_.layers[i].weight >= 0 && !buckets_.empty()) on_ready(i);
-    }
+    const auto ready = buckets_.empty() ? std::function<void(int)>() : on_ready;
+    if (mine > 0)
+      rep.net->backward(rep.params.f(), rep.grads.f(), rep.dlogits.f(), mine, ready, &bn);
+    else
+      rep.net->backward_without_samples(rep.grads.f(), ready, &bn);
   });
   timed(r, Phase::reduce, [&] {
     if (buckets_.empty())
@@ -346,6 +381,9 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
   const int64_t D = spec_.input_size(), C = spec_.classes;
   if (cfg_.sync == Sync::scatter)
     run_all([&](int r) { comm_->broadcast(r, replicas_[r]->params.f(), spec_.param_count, 0); });
+  // Evaluation is device 0's model on every device: its running statistics too.
+  if (broadcasts_buffers())
+    run_all([&](int r) { comm_->broadcast(r, replicas_[r]->running.f(), spec_.buffer_count, 0); });
   const std::vector<int> sizes = split_batch(n, size(), Split::even);
   std::vector<double> loss(size(), 0.0);
   std::vector<int64_t> correct(size(), 0);
@@ -353,6 +391,9 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
     Device& dev = *devices_[r];
     Replica& rep = *replicas_[r];
     Network& net = *rep.net;
+    BatchNormPass bn;
+    bn.training = false;
+    bn.running = rep.running.f();
     int first = 0;
     for (int q = 0; q < r; ++q) first += sizes[q];
     // Evaluation borrows the training buffers: inputs on every device but scatter's device 0,
@@ -370,7 +411,7 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
       dev.upload(in, x + int64_t(first + done) * D, size_t(m * D) * sizeof(float));
       dev.upload(lab, y + first + done, size_t(m) * sizeof(int32_t));
       dev.ops().fill(2, 0.0f, rep.stats.f());
-      dev.ops().softmax_xent(m, int(C), net.forward(rep.params.f(), in, m), lab, 1.0f, dl, rep.stats.f());
+      dev.ops().softmax_xent(m, int(C), net.forward(rep.params.f(), in, m, &bn), lab, 1.0f, dl, rep.stats.f());
       float stats[2];
       dev.download(stats, rep.stats.f(), sizeof stats);
       loss[r] += stats[0];
@@ -420,6 +461,26 @@ void Engine::set_momentum(const std::vector<float>& host) {
   run_all([&](int r) {
     if (!replicas_[r]->momentum) return;
     devices_[r]->upload(replicas_[r]->momentum.f(), host.data(), host.size() * sizeof(float));
+    devices_[r]->synchronize();
+  });
+}
+
+std::vector<float> Engine::buffers(int rank) {
+  std::vector<float> host(size_t(spec_.buffer_count));
+  if (host.empty()) return host;
+  devices_[rank]
+      ->run([&] { devices_[rank]->download(host.data(), replicas_[rank]->running.f(), host.size() * sizeof(float)); })
+      .get();
+  return host;
+}
+
+void Engine::set_buffers(const std::vector<float>& host) {
+  if (int64_t(host.size()) != spec_.buffer_count)
+    throw std::invalid_argument("set_buffers: " + std::to_string(host.size()) + " values for a model of " +
+                                std::to_string(spec_.buffer_count));
+  if (host.empty()) return;
+  run_all([&](int r) {
+    devices_[r]->upload(replicas_[r]->running.f(), host.data(), host.size() * sizeof(float));
     devices_[r]->synchronize();
   });
 }

@@ -70,6 +70,11 @@ struct EngineConfig {
   int batch = 256;  // the largest global batch a step will see; buffers are sized for it
   float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;
   int64_t bucket_kb = 0;  // allreduce: 0 = one all-reduce after backward
+  // BatchNorm across replicas. Off: each replica normalises its own samples, and device 0's running
+  // statistics are broadcast to every replica before each step (nn.DataParallel's replicas copy
+  // device 0's buffers; DDP's broadcast_buffers does the same): they are device 0's alone. On
+  // (SyncBatchNorm): the statistics of the whole global batch, in both strategies.
+  bool sync_bn = false;
   bool trace = false;
 };
 
@@ -95,6 +100,13 @@ class Engine {
   void set_params(const std::vector<float>& host);
   std::vector<float> momentum();  // empty when momentum is 0
   void set_momentum(const std::vector<float>& host);
+  // BatchNorm's running statistics (ModelSpec::buffers; empty without BatchNorm): device 0's, which
+  // a checkpoint keeps; setting them places them on every replica. batches_tracked is PyTorch's
+  // num_batches_tracked: training steps taken, counted on from what set_batches_tracked gave.
+  std::vector<float> buffers(int rank = 0);
+  void set_buffers(const std::vector<float>& host);
+  int64_t batches_tracked() const { return batches_tracked_; }
+  void set_batches_tracked(int64_t n) { batches_tracked_ = n; }
 
   // One training step over the host batch x (n, C, H, W), labels y (n).
   StepResult step(const float* x, const int32_t* y, int n);
@@ -139,6 +151,11 @@ class Engine {
   void record_buckets(int rank);
   void step_scatter(int rank, const float* x, const int32_t* y, const std::vector<int>& sizes);
   void step_allreduce(int rank, const float* x, const int32_t* y, const std::vector<int>& sizes);
+  // The BatchNorm pass of a training step on `rank` over a global batch of B.
+  BatchNormPass batchnorm_pass(int rank, int B);
+  // Without SyncBatchNorm, on a model with BatchNorm and more than one device: device 0's running
+  // statistics to every replica (counted as a broadcast).
+  bool broadcasts_buffers() const { return spec_.has_batchnorm() && !cfg_.sync_bn && size() > 1; }
 
   std::vector<Device*> devices_;
   ModelSpec spec_;
@@ -156,6 +173,7 @@ class Engine {
   std::vector<Traffic> step_traffic_;
   std::chrono::steady_clock::time_point t0_;
   int64_t step_ = 0;
+  int64_t batches_tracked_ = 0;
 };
 
 }  // namespace dp

@@ -18,7 +18,7 @@ Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
   int64_t widest = spec.input_size();
   size_t ws = 0;
   while (prefix_ < int(spec.layers.size()) && spec.layers[prefix_].kind != LayerKind::flatten &&
-         spec.layers[prefix_].kind != LayerKind::linear)
+         spec.layers[prefix_].kind != LayerKind::linear && spec.layers[prefix_].kind != LayerKind::batchnorm)
     ++prefix_;
   if (chunk < 0) chunk = dev.ops().preferred_chunk();
   if (chunk > 0 && max_batch > chunk) chunk_ = chunk;
@@ -43,6 +43,10 @@ Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
       ws = std::max(ws, dev.ops().conv2d_workspace_floats(conv_shape(l, i < prefix_ && chunk_ ? chunk_ : max_batch)));
     if (i < prefix_ && l.weight >= 0)
       prefix_params = std::max(prefix_params, spec.params[l.weight].size + spec.params[l.bias].size);
+    bn_stats_.push_back(l.kind == LayerKind::batchnorm ? dev.alloc_floats(2 * l.out_c, Category::activations)
+                                                       : Buffer());
+    if (l.kind == LayerKind::batchnorm && 2 * l.out_c > int64_t(bn_sums_.bytes() / sizeof(float)))
+      bn_sums_ = dev.alloc_floats(2 * l.out_c, Category::workspace);
   }
   grad_a_ = dev.alloc_floats(max_batch * widest, Category::activations);
   grad_b_ = dev.alloc_floats(max_batch * widest, Category::activations);
@@ -93,10 +97,63 @@ void Network::forward_layer(int i, const float* params, int first, int n) {
     case LayerKind::maxpool:
       ops.maxpool_forward(pool_shape(l, n), in, out, argmax_[i].i32() + int64_t(first) * l.out_size());
       break;
+    case LayerKind::batchnorm:
+      batchnorm_forward(i, params, n);
+      break;
     case LayerKind::flatten:
       break;
   }
   dev_.maybe_fail("forward");
+}
+
+void Network::batchnorm_forward(int i, const float* params, int n) {
+  Ops& ops = dev_.ops();
+  const Layer& l = spec_.layers[i];
+  if (!bn_ || !bn_->running) throw std::logic_error("Network: a BatchNorm layer needs a BatchNormPass");
+  const int c = l.out_c, hw = l.out_h * l.out_w;
+  const float* x = input(i);
+  const float* gamma = n > 0 ? params + spec_.params[l.weight].offset : nullptr;  // (C)
+  const float* beta = n > 0 ? params + spec_.params[l.bias].offset : nullptr;     // (C)
+  float* running_mean = bn_->running + spec_.buffers[l.running].offset;
+  float* running_var = bn_->running + spec_.buffers[l.running + 1].offset;
+  if (!bn_->training)
+    return ops.bn_normalize(n, c, hw, x, running_mean, running_var, gamma, beta, kBatchNormEps, acts_[i].f());
+  // Each replica's partial sums scaled by 1 / the global count add up to the global mean and variance.
+  const int64_t count = int64_t(bn_->all_reduce ? bn_->global_n : n) * hw;
+  const float scale = float(1.0 / double(count));
+  float* mean = bn_stats_[i].f();  // (C)
+  float* var = mean + c;           // (C)
+  auto sum = [&](float* out, const float* about) {
+    if (n > 0)
+      ops.bn_channel_sums(n, c, hw, x, about, scale, out);
+    else
+      ops.fill(c, 0.0f, out);
+    if (bn_->all_reduce) dev_.synchronize(), bn_->all_reduce(out, c);
+  };
+  sum(mean, nullptr);
+  sum(var, mean);
+  if (n > 0) ops.bn_normalize(n, c, hw, x, mean, var, gamma, beta, kBatchNormEps, acts_[i].f());
+  ops.bn_update_running(c, mean, var, count, kBatchNormMomentum, running_mean, running_var);
+}
+
+void Network::batchnorm_backward(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int n) {
+  Ops& ops = dev_.ops();
+  const Layer& l = spec_.layers[i];
+  const int c = l.out_c, hw = l.out_h * l.out_w;
+  const float *x = input(i), *mean = bn_stats_[i].f(), *var = mean + c;
+  float* sums = bn_sums_.f();  // (2, C): sum of dy (d beta), sum of dy * xhat (d gamma)
+  if (n > 0)
+    ops.bn_backward_sums(n, c, hw, x, mean, var, kBatchNormEps, dy, sums);
+  else
+    ops.fill(2 * c, 0.0f, sums);
+  // The parameter gradients are this replica's share, summed over replicas with the others.
+  dev_.copy(db, sums, size_t(c) * sizeof(float));
+  dev_.copy(dw, sums + c, size_t(c) * sizeof(float));
+  if (bn_->all_reduce) dev_.synchronize(), bn_->all_reduce(sums, 2 * c);
+  const int64_t count = int64_t(bn_->all_reduce ? bn_->global_n : n) * hw;
+  if (n > 0 && dx)
+    ops.bn_backward_dx(n, c, hw, x, mean, var, kBatchNormEps, params + spec_.params[l.weight].offset, dy, sums, count,
+                       dx);
 }
 
 void Network::forward_step(int i, const float* params, int first, int n) {
@@ -123,8 +180,9 @@ void Network::backward_step(int i, const float* params, const float* dy, float* 
   dev_.maybe_fail("backward");
 }
 
-const float* Network::forward(const float* params, const float* x, int n) {
+const float* Network::forward(const float* params, const float* x, int n, const BatchNormPass* bn) {
   input_ = x;
+  bn_ = bn;
   const int step = chunk_ ? chunk_ : n;
   for (int first = 0; first < n; first += step)
     for (int i : steps_) forward_step(i, params, first, std::min(step, n - first));
@@ -158,6 +216,9 @@ void Network::backward_layer(int i, const float* params, const float* dy, float*
     case LayerKind::maxpool:
       ops.maxpool_backward(pool_shape(l, n), dy, argmax_[i].i32() + int64_t(first) * l.out_size(), dx);
       break;
+    case LayerKind::batchnorm:
+      batchnorm_backward(i, params, dy, dx, dw, db, n);
+      break;
     case LayerKind::flatten:
       break;
   }
@@ -165,7 +226,8 @@ void Network::backward_layer(int i, const float* params, const float* dy, float*
 }
 
 void Network::backward(const float* params, float* grads, const float* dlogits, int n,
-                       const std::function<void(int)>& on_ready) {
+                       const std::function<void(int)>& on_ready, const BatchNormPass* bn) {
+  bn_ = bn;
   const float* dy = dlogits;  // gradient w.r.t. the current layer's output, (n, out_size)
   float* spare[2] = {grad_a_.f(), grad_b_.f()};
   int next = 0;
@@ -205,6 +267,27 @@ void Network::backward(const float* params, float* grads, const float* dlogits, 
       if (l.weight >= 0 && on_ready && first + m == n) on_ready(i);  // its last chunk
       if (dx) dyc = dx, nextc ^= 1;
     }
+  }
+}
+
+void Network::forward_without_samples(const BatchNormPass* bn) {
+  bn_ = bn;
+  if (!bn || !bn->all_reduce || !bn->training) return;
+  for (int i = 0; i < int(spec_.layers.size()); ++i)
+    if (spec_.layers[i].kind == LayerKind::batchnorm) batchnorm_forward(i, nullptr, 0);
+}
+
+void Network::backward_without_samples(float* grads, const std::function<void(int)>& on_ready,
+                                       const BatchNormPass* bn) {
+  bn_ = bn;
+  dev_.ops().fill(spec_.param_count, 0.0f, grads);
+  for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
+    const Layer& l = spec_.layers[i];
+    if (l.kind == LayerKind::batchnorm && bn && bn->all_reduce)
+      batchnorm_backward(i, nullptr, nullptr, nullptr, grads + spec_.params[l.weight].offset,
+                         grads + spec_.params[l.bias].offset, 0);
+    dev_.synchronize();
+    if (l.weight >= 0 && on_ready) on_ready(i);
   }
 }
 

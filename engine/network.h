@@ -13,6 +13,13 @@
 // A conv layer followed by an activation and average pooling (each of LeNet's and LeNet-5's) runs as
 // one op, Ops::conv2d_act_pool_forward / backward, which a backend may fuse: the conv layer's own
 // output buffer is then only the op's scratch (a chunk's worth when the prefix is chunked).
+//
+// A BatchNorm layer mixes the samples of a batch, so it ends the per-sample prefix. In training it
+// normalises with the batch's statistics (mean, then the biased variance about it: two passes, as
+// PyTorch's CPU kernel) and updates the running ones; in evaluation it uses the running ones
+// (BatchNormPass). With SyncBatchNorm the per-channel sums of both passes, and of the backward's two
+// gradient sums, are added over every replica before use (BatchNormPass::all_reduce), so each
+// replica normalises with the statistics of the whole global batch.
 #pragma once
 
 #include <functional>
@@ -23,35 +30,56 @@
 
 namespace dp {
 
+// What the BatchNorm layers of one pass need; a model without BatchNorm ignores it.
+struct BatchNormPass {
+  bool training = true;      // batch statistics, the running ones updated; false: the running ones
+  float* running = nullptr;  // (R) this replica's running statistics
+  // SyncBatchNorm: sums a buffer of per-channel partial sums over every replica, in place, all of
+  // them calling it with the same sizes in the same order. Empty: each replica uses its own samples.
+  std::function<void(float* buf, int64_t count)> all_reduce;
+  int global_n = 0;  // with all_reduce: the samples of every replica together
+};
+
 class Network {
  public:
   // chunk: samples per chunk of the prefix; 0: the whole batch at once; -1: what the device's Ops prefer.
   Network(const ModelSpec& spec, Device& device, int max_batch, int chunk = -1);
 
-  // x (n, C, H, W) -> logits (n, classes), which live in this network's activations.
-  const float* forward(const float* params /* (P) */, const float* x, int n);
+  // x (n, C, H, W) -> logits (n, classes), which live in this network's activations. A model with
+  // BatchNorm needs `bn`; its backward follows a training forward.
+  const float* forward(const float* params /* (P) */, const float* x, int n, const BatchNormPass* bn = nullptr);
   // dlogits (n, classes) -> grads (P), overwritten. After each parameterised layer's gradients are
   // written, on_ready(layer index) runs (the bucketed all-reduce starts from there).
   void backward(const float* params, float* grads, const float* dlogits, int n,
-                const std::function<void(int layer)>& on_ready = {});
+                const std::function<void(int layer)>& on_ready = {}, const BatchNormPass* bn = nullptr);
+  // A replica without samples this step (a batch smaller than the device count): zero gradients,
+  // and the collectives a pass with samples would join, in the same order: with SyncBatchNorm its
+  // partial sums are zeros, and it takes the global statistics into its running ones like the others.
+  void forward_without_samples(const BatchNormPass* bn);
+  void backward_without_samples(float* grads, const std::function<void(int layer)>& on_ready, const BatchNormPass* bn);
   int max_batch() const { return max_batch_; }
 
  private:
   const ModelSpec& spec_;
   Device& dev_;
   int max_batch_;
-  int prefix_ = 0;                // layers [0, prefix_) are the per-sample prefix
-  std::vector<int> steps_;        // the prefix as steps: first layer of each, 3 layers when fused
-  bool fused(int i) const;        // layers i, i+1, i+2 are conv, activation, average pooling
-  int chunk_ = 0;                 // samples per chunk of the prefix; 0: the whole batch at once
-  std::vector<Buffer> acts_;      // per layer: its output, (max_batch, out_size); none for flatten
-  std::vector<Buffer> argmax_;    // per max-pool layer: (max_batch, out_size) indices
-  Buffer grad_a_, grad_b_;        // ping-pong activation gradients, (max_batch, largest layer); with
-                                  // chunks, (max_batch, largest layer after the prefix)
-  Buffer chunk_a_, chunk_b_;      // with chunks: the prefix's ping-pong, (chunk_, largest prefix layer)
-  Buffer workspace_;              // conv scratch
-  Buffer chunk_grads_;            // a chunk's weight and bias gradients of one prefix layer, summed into grads
-  const float* input_ = nullptr;  // the x of the last forward
+  int prefix_ = 0;                     // layers [0, prefix_) are the per-sample prefix
+  std::vector<int> steps_;             // the prefix as steps: first layer of each, 3 layers when fused
+  bool fused(int i) const;             // layers i, i+1, i+2 are conv, activation, average pooling
+  int chunk_ = 0;                      // samples per chunk of the prefix; 0: the whole batch at once
+  std::vector<Buffer> acts_;           // per layer: its output, (max_batch, out_size); none for flatten
+  std::vector<Buffer> argmax_;         // per max-pool layer: (max_batch, out_size) indices
+  Buffer grad_a_, grad_b_;             // ping-pong activation gradients, (max_batch, largest layer); with
+                                       // chunks, (max_batch, largest layer after the prefix)
+  Buffer chunk_a_, chunk_b_;           // with chunks: the prefix's ping-pong, (chunk_, largest prefix layer)
+  Buffer workspace_;                   // conv scratch
+  Buffer chunk_grads_;                 // a chunk's weight and bias gradients of one prefix layer, summed into grads
+  const float* input_ = nullptr;       // the x of the last forward
+  std::vector<Buffer> bn_stats_;       // per batchnorm layer: the batch's mean and biased variance, (2, C)
+  Buffer bn_sums_;                     // a batchnorm backward's two gradient sums, (2, largest C)
+  const BatchNormPass* bn_ = nullptr;  // the pass in progress
+  void batchnorm_forward(int i, const float* params, int n);
+  void batchnorm_backward(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int n);
   const float* output(int layer) const;
   const float* input(int layer) const { return layer == 0 ? input_ : output(layer - 1); }
   // Layer i forward / backward on samples [first, first + n) of the batch. Backward reads dy and

@@ -243,6 +243,7 @@ Environment:
 Examples:
   dp_train --gpus 0,1 --batch 256 --epochs 10                 # nn.DataParallel style on two devices
   dp_train --gpus 0,1 --sync allreduce --bucket-kb 64         # DDP style, buckets overlapped with backward
+  dp_train --model lenet-bn --gpus 0,1 --sync allreduce --sync-bn   # DDP with SyncBatchNorm
   dp_train --epochs 1 --save ck.st && dp_train --eval --load ck.st   # train and save, then evaluate)";
 
 // Flags CLI11 would wrap or round silently, taken as text and parsed exactly after it is done.
@@ -257,10 +258,12 @@ void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
   app.add_option("--bucket-kb", o.bucket_kb,
                  "allreduce: gradient bucket size in KiB, overlapped with backward (0: off)")
       ->transform(exact_integer<int64_t>());
+  app.add_flag("--sync-bn", o.sync_bn,
+               "BatchNorm over the whole global batch (SyncBatchNorm), in either strategy; lenet-bn");
 }
 
 void add_training(CLI::App& app, TrainOptions& o, TrainText& t) {
-  app.add_option("--model", o.model, "lenet | lenet5")->capture_default_str();
+  app.add_option("--model", o.model, "lenet | lenet5 | lenet-bn (lenet with BatchNorm)")->capture_default_str();
   app.add_option("--batch", o.batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
   auto* epochs =
       app.add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str()->transform(exact_integer<int>());

@@ -73,6 +73,7 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
           {"seed", o.seed},
           {"split", split_name(o.split)},
           {"bucket_kb", o.bucket_kb},
+          {"sync_bn", o.sync_bn},
           {"backend", o.devices.backend},
           {"device_memory", o.devices.memory_cap}};
 }

@@ -96,6 +96,7 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
                    {"devices", std::to_string(devices)},
                    {"split", split_name(o.split)},
                    {"bucket_kb", std::to_string(o.bucket_kb)},
+                   {"sync_bn", o.sync_bn ? "1" : "0"},
                    {"backend", backend},
                    {"lr", exact(o.lr)},
                    {"momentum", exact(o.momentum)},
@@ -126,9 +127,9 @@ void CheckpointSaver::save(Engine& engine, int64_t global_step) {
   position["global_step"] = std::to_string(global_step);
   position["limit_train"] = std::to_string(o_.limit_train);
   position["dp_version"] = version();  // informational: loading neither needs nor checks it
-  Checkpoint c{engine.params(), engine.momentum(), position};
+  Checkpoint c{engine.params(), engine.momentum(), engine.buffers(), engine.batches_tracked(), position, {}};
   // Finite gradients times a huge --lr can still overflow the weights.
-  if (!all_finite(c.params) || !all_finite(c.momentum))
+  if (!all_finite(c.params) || !all_finite(c.momentum) || !all_finite(c.buffers))
     throw NumericalError("step " + std::to_string(global_step) +
                          ": the weights are no longer finite after the update; not saving them, " + kept() +
                          divergence_hint(o_));

@@ -103,7 +103,42 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   // Buffers are sized for the largest batch a step will see: never more than the training set.
   ec.sync = o.sync, ec.split = o.split, ec.batch = int(std::min<int64_t>(o.batch, train_count)), ec.lr = o.lr;
   ec.momentum = o.momentum, ec.weight_decay = o.weight_decay, ec.bucket_kb = o.bucket_kb, ec.trace = !o.trace.empty();
+  ec.sync_bn = o.sync_bn;
   return ec;
+}
+
+// BatchNorm in training divides by the count's variance less one: a replica normalising one sample
+// (PyTorch: "Expected more than 1 value per channel when training") is refused before any step, for
+// the full batch and, where the run gets there, the epoch's last, smaller one. With --sync-bn only
+// the global batch counts.
+void check_batchnorm(const TrainOptions& o, const ModelSpec& spec, const Schedule& plan, int64_t train_count,
+                     int devices) {
+  if (o.sync_bn && !spec.has_batchnorm())
+    throw UsageError("--sync-bn: model " + spec.name + " has no BatchNorm; the model with BatchNorm is lenet-bn");
+  if (!spec.has_batchnorm() || o.eval) return;
+  if (o.verify && !o.sync_bn && devices > 1)
+    throw UsageError(
+        "--verify: with BatchNorm each of the " + std::to_string(devices) +
+        " devices normalises its own samples, which one device on the full batch does not: the runs differ by "
+        "more than summation order. Add --sync-bn (then they match), or run --verify on one device");
+  const int64_t batch = std::min<int64_t>(o.batch, train_count);
+  const int64_t last = plan.total_steps >= plan.per_epoch ? train_count % batch : 0;
+  for (int64_t b : {batch, last}) {
+    if (b == 0) continue;
+    const std::string which = (b == batch ? "a batch of " : "the epoch's last batch of ") + std::to_string(b);
+    const auto sizes = split_batch(int(b), o.sync_bn ? 1 : devices, o.split);  // --sync-bn: the global batch
+    for (size_t d = 0; d < sizes.size(); ++d)
+      if (sizes[d] == 1)
+        throw UsageError("--model " + spec.name + ": " + which +
+                         (sizes.size() > 1 ? " over " + std::to_string(devices) + " devices gives device " +
+                                                 std::to_string(d) + " a shard of 1 sample"
+                                           : (b == 1 ? " sample" : "")) +
+                         ", and BatchNorm needs more than 1 value per channel in training; give a --batch or "
+                         "--limit-train that leaves " +
+                         (sizes.size() > 1 ? "every device 0 or at least 2 samples, or add --sync-bn (statistics "
+                                             "over the global batch)"
+                                           : "at least 2 samples in every batch"));
+  }
 }
 
 std::vector<Device*> pointers(const DeviceSet& set) {
@@ -138,13 +173,30 @@ void note_clamped_sizes(const TrainOptions& o, const DataSets& d) {
               o.limit_train == d.train.count ? "training images --limit-train keeps" : "training" + in);
 }
 
-// --resume's weights, --load's, or fresh ones drawn from --seed.
-std::vector<float> initial_params(const TrainOptions& o, const ModelSpec& spec, const Resumed& resumed) {
-  if (!o.resume.empty()) return resumed.checkpoint.params;
-  if (!o.load.empty()) return load_checkpoint(o.load, spec).params;
-  std::vector<float> init(size_t(spec.param_count));
-  init_params(spec, o.seed, init.data());
+// --resume's weights (with momentum), --load's, or fresh ones drawn from --seed, with BatchNorm's
+// running statistics.
+Checkpoint initial_state(const TrainOptions& o, const ModelSpec& spec, const Resumed& resumed) {
+  if (!o.resume.empty()) return resumed.checkpoint;
+  Checkpoint init;
+  if (!o.load.empty()) {
+    init = load_checkpoint(o.load, spec);
+    init.momentum.clear();  // --load starts the optimizer afresh
+    if (!init.note.empty() && !o.quiet) std::printf("note: %s\n", init.note.c_str());
+    return init;
+  }
+  init.params.resize(size_t(spec.param_count));
+  init_params(spec, o.seed, init.params.data());
+  init.buffers.resize(size_t(spec.buffer_count));
+  init_buffers(spec, init.buffers.data());
   return init;
+}
+
+// A state (weights, momentum, running statistics) onto every replica.
+void place(Engine& engine, const Checkpoint& state) {
+  engine.set_params(state.params);
+  if (!state.momentum.empty()) engine.set_momentum(state.momentum);
+  engine.set_buffers(state.buffers);
+  engine.set_batches_tracked(state.batches_tracked);
 }
 
 void print_resuming(const TrainOptions& o, const Schedule& s, int64_t global_step) {
@@ -413,6 +465,7 @@ TrainResult train(const TrainOptions& opt) {
   // Refuses a step count it cannot run before any device starts.
   const Schedule plan = schedule(opt, data.train.count);
   DeviceSet devs = make_devices(opt.devices);
+  check_batchnorm(opt, spec, plan, data.train.count, int(devs.devices.size()));
   const RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), int(devs.devices.size()));
   const Resumed resumed = resume_checkpoint(opt, spec, id);  // step 0 and no weights without --resume
 
@@ -421,12 +474,10 @@ TrainResult train(const TrainOptions& opt) {
   Engine engine(pointers(devs), spec, ec);
   if (!opt.quiet) note_clamped_sizes(opt, data);
   if (!opt.quiet) note_idle_devices(opt, ec.batch, engine.size());
-  const std::vector<float> init = initial_params(opt, spec, resumed);
-  const std::vector<float>& momentum = resumed.checkpoint.momentum;
-  engine.set_params(init);
-  if (!momentum.empty()) engine.set_momentum(momentum);
+  const Checkpoint init = initial_state(opt, spec, resumed);
+  place(engine, init);
   std::optional<Verifier> verify;  // --verify: the same steps on one device with the full batch
-  if (opt.verify) verify.emplace(opt.devices, spec, ec, init, momentum);
+  if (opt.verify) verify.emplace(opt.devices, spec, ec, init);
 
   if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, plan, resumed.global_step);
   CheckpointSaver saver(opt, spec, id, plan.per_epoch);
@@ -495,14 +546,16 @@ EvalResult evaluate_checkpoint(const TrainOptions& opt) {
     throw UsageError("--eval: evaluates a checkpoint without training; give --load FILE (one --save wrote)");
   check_options(opt);
   const ModelSpec spec = make_model(opt.model);
-  const std::vector<float> params = load_checkpoint(opt.load, spec).params;  // refused before any device starts
+  const Checkpoint state = load_checkpoint(opt.load, spec);  // refused before any device starts
+  if (!state.note.empty() && !opt.quiet) std::printf("note: %s\n", state.note.c_str());
   const Dataset test = load_set(opt, spec, "t10k", opt.limit_test);
   if (test.count == 0) throw UsageError(opt.data + ": the test set has no images; --eval has nothing to evaluate");
   DeviceSet devs = make_devices(opt.devices);
   if (!opt.quiet) std::printf("%s\n", devs.notice.c_str());
   // Evaluated in chunks of the batch a run with these options trains with (up to the set's size).
   Engine engine(pointers(devs), spec, engine_config(opt, test.count));
-  engine.set_params(params);
+  engine.set_params(state.params);
+  engine.set_buffers(state.buffers);
   EpochRecord rec;
   evaluate(engine, test, rec);
   const EvalResult result{test.count, rec.test_loss, rec.test_accuracy};

@@ -36,14 +36,15 @@ EngineConfig one_device(EngineConfig c) {
 }  // namespace
 
 Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run,
-                   const std::vector<float>& params, const std::vector<float>& momentum) {
+                   const Checkpoint& state) {
   DeviceConfig first = devices;
   first.ids = {devices.all ? 0 : devices.ids.at(0)};
   first.all = false;
   devices_ = make_devices(first);
   engine_ = std::make_unique<Engine>(std::vector<Device*>{devices_.devices[0].get()}, spec, one_device(run));
-  engine_->set_params(params);
-  if (!momentum.empty()) engine_->set_momentum(momentum);
+  engine_->set_params(state.params);
+  if (!state.momentum.empty()) engine_->set_momentum(state.momentum);
+  engine_->set_buffers(state.buffers);
 }
 
 VerifyResult Verifier::compare(Engine& run, int batch) {

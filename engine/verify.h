@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/checkpoint.h"
 #include "engine/device.h"
 #include "engine/engine.h"
 
@@ -28,10 +29,9 @@ struct VerifyResult {
 class Verifier {
  public:
   // The reference: the first device of `devices` alone, with the run's settings (`run`) less the
-  // strategy's (one replica, no buckets, no trace), starting from the same weights and momentum
-  // (empty: none).
-  Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run,
-           const std::vector<float>& params, const std::vector<float>& momentum);
+  // strategy's (one replica, no buckets, no trace), starting from the same state (weights, momentum
+  // where there is one, running statistics).
+  Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state);
   // The step the run just took, on the same batch x (n, C, H, W), labels y (n).
   void step(const float* x, const int32_t* y, int n) { engine_->step(x, y, n); }
   // The run's weights against the reference's after the same steps, `batch` the batch each step

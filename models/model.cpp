@@ -1,7 +1,9 @@
 #include "models/model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <utility>
 
 #include "kernels/error.h"
 
@@ -22,8 +24,8 @@ struct Builder {
     m.layers.push_back(l);
     return m.layers.back();
   }
-  int param(const std::string& name, std::vector<int64_t> shape, int64_t fan_in) {
-    Param p{name, std::move(shape), m.param_count, 1, int(m.layers.size()) - 1, fan_in};
+  int param(const std::string& name, std::vector<int64_t> shape, int64_t fan_in, float init = 0) {
+    Param p{name, std::move(shape), m.param_count, 1, int(m.layers.size()) - 1, fan_in, init};
     for (auto d : p.shape) p.size *= d;
     m.param_count += p.size;
     m.params.push_back(p);
@@ -48,6 +50,19 @@ struct Builder {
     m.layers.back().weight = wi, m.layers.back().bias = bi;
     c = out, h = 1, w = 1;
   }
+  // BatchNorm2d over the channels of (c, h, w), BatchNorm1d over the features of a flat layer.
+  void batchnorm(const std::string& name) {
+    Layer& l = push(LayerKind::batchnorm, name);
+    l.out_c = c, l.out_h = h, l.out_w = w;
+    int wi = param(name + ".weight", {c}, 0, 1.0f);
+    int bi = param(name + ".bias", {c}, 0, 0.0f);
+    const int layer = int(m.layers.size()) - 1;
+    m.layers.back().weight = wi, m.layers.back().bias = bi, m.layers.back().running = int(m.buffers.size());
+    for (auto [stat, init] : {std::pair{".running_mean", 0.0f}, std::pair{".running_var", 1.0f}}) {
+      m.buffers.push_back({name + stat, c, m.buffer_count, init, layer});
+      m.buffer_count += c;
+    }
+  }
   void act(LayerKind k) {
     Layer& l = push(k);
     l.out_c = c, l.out_h = h, l.out_w = w;
@@ -67,7 +82,7 @@ struct Builder {
 
 }  // namespace
 
-std::vector<std::string> model_names() { return {"lenet", "lenet5"}; }
+std::vector<std::string> model_names() { return {"lenet", "lenet5", "lenet-bn"}; }
 
 ModelSpec make_model(const std::string& name) {
   Builder b(name);
@@ -80,6 +95,20 @@ ModelSpec make_model(const std::string& name) {
     b.pool(LayerKind::avgpool, 2);  // (N, 50, 4, 4)
     b.flatten();                    // (N, 800)
     b.linear("fc1", 128);
+    b.act(LayerKind::relu);
+    b.linear("fc2", 10);  // (N, 10)
+  } else if (name == "lenet-bn") {
+    b.conv("conv1", 20, 3);  // (N, 20, 26, 26)
+    b.batchnorm("bn1");
+    b.act(LayerKind::relu);
+    b.pool(LayerKind::avgpool, 2);  // (N, 20, 13, 13)
+    b.conv("conv2", 50, 5);         // (N, 50, 9, 9)
+    b.batchnorm("bn2");
+    b.act(LayerKind::relu);
+    b.pool(LayerKind::avgpool, 2);  // (N, 50, 4, 4)
+    b.flatten();                    // (N, 800)
+    b.linear("fc1", 128);
+    b.batchnorm("bn3");  // BatchNorm1d(128)
     b.act(LayerKind::relu);
     b.linear("fc2", 10);  // (N, 10)
   } else if (name == "lenet5") {
@@ -96,7 +125,7 @@ ModelSpec make_model(const std::string& name) {
     b.act(LayerKind::sigmoid);
     b.linear("fc3", 10);  // (N, 10)
   } else {
-    throw UsageError("--model: unknown model '" + name + "'; accepted: lenet, lenet5");
+    throw UsageError("--model: unknown model '" + name + "'; accepted: lenet, lenet5, lenet-bn");
   }
   return b.m;
 }
@@ -107,9 +136,26 @@ const Param* ModelSpec::find(const std::string& n) const {
   return nullptr;
 }
 
+const BufferSpec* ModelSpec::find_buffer(const std::string& n) const {
+  for (auto& b : buffers)
+    if (b.name == n) return &b;
+  return nullptr;
+}
+
+std::vector<std::string> ModelSpec::batches_tracked_names() const {
+  std::vector<std::string> names;
+  for (auto& l : layers)
+    if (l.kind == LayerKind::batchnorm) names.push_back(l.name + ".num_batches_tracked");
+  return names;
+}
+
 void init_params(const ModelSpec& spec, uint64_t seed, float* params) {
   std::mt19937_64 gen(seed);
   for (auto& p : spec.params) {
+    if (p.fan_in == 0) {  // BatchNorm: no draw, so the other layers' values do not move
+      std::fill(params + p.offset, params + p.offset + p.size, p.init);
+      continue;
+    }
     double bound = 1.0 / std::sqrt(double(p.fan_in));
     // The 53-bit uniform from raw generator output: identical on every standard library.
     for (int64_t i = 0; i < p.size; ++i) {
@@ -117,6 +163,10 @@ void init_params(const ModelSpec& spec, uint64_t seed, float* params) {
       params[p.offset + i] = float((2.0 * u - 1.0) * bound);
     }
   }
+}
+
+void init_buffers(const ModelSpec& spec, float* buffers) {
+  for (auto& b : spec.buffers) std::fill(buffers + b.offset, buffers + b.offset + b.channels, b.init);
 }
 
 double train_flops_per_sample(const ModelSpec& spec) {

@@ -28,6 +28,7 @@ class DoubleNet {
     int64_t ws = 0;
     for (const Layer& l : spec.layers) {
       acts_.emplace_back(l.kind == LayerKind::flatten ? 0 : size_t(n * l.out_size()));
+      bn_stats_.emplace_back();
       argmax_.emplace_back(l.kind == LayerKind::maxpool ? size_t(n * l.out_size()) : 0);
       if (l.kind == LayerKind::conv) ws = std::max(ws, cpu::conv2d_workspace_size(conv_shape(l)));
     }
@@ -61,6 +62,17 @@ class DoubleNet {
         case LayerKind::maxpool:
           cpu::maxpool_forward(pool_shape(l), in, out, argmax_[i].data());
           break;
+        case LayerKind::batchnorm: {  // training: the batch's statistics, as engine/network.cpp
+          const int c = l.out_c, hw = l.out_h * l.out_w;
+          const double scale = 1.0 / double(int64_t(n_) * hw);
+          Vec& st = bn_stats_[i];  // mean (C), var (C)
+          st.assign(2 * size_t(c), 0.0);
+          cpu::bn_channel_sums(n_, c, hw, in, static_cast<const double*>(nullptr), scale, st.data());
+          cpu::bn_channel_sums(n_, c, hw, in, st.data(), scale, st.data() + c);
+          cpu::bn_normalize(n_, c, hw, in, st.data(), st.data() + c, weight(params, l), bias(params, l),
+                            double(kBatchNormEps), out);
+          break;
+        }
         case LayerKind::flatten:
           break;
       }
@@ -103,6 +115,17 @@ class DoubleNet {
         case LayerKind::maxpool:
           cpu::maxpool_backward(pool_shape(l), dy, argmax_[i].data(), dx);
           break;
+        case LayerKind::batchnorm: {
+          const int c = l.out_c, hw = l.out_h * l.out_w;
+          const double *mean = bn_stats_[i].data(), *var = mean + c;
+          Vec sums(2 * size_t(c));  // d beta, d gamma
+          cpu::bn_backward_sums(n_, c, hw, input(i), mean, var, double(kBatchNormEps), dy, sums.data());
+          std::copy(sums.begin(), sums.begin() + c, grads + spec_.params[l.bias].offset);
+          std::copy(sums.begin() + c, sums.end(), grads + spec_.params[l.weight].offset);
+          cpu::bn_backward_dx(n_, c, hw, input(i), mean, var, double(kBatchNormEps), weight(params, l), dy, sums.data(),
+                              int64_t(n_) * hw, dx);
+          break;
+        }
         case LayerKind::flatten:
           break;
       }
@@ -128,6 +151,7 @@ class DoubleNet {
   int n_;
   std::vector<Vec> acts_;                     // per layer: its output, (n, out_size); none for flatten
   std::vector<std::vector<int32_t>> argmax_;  // per max-pool layer: (n, out_size)
+  std::vector<Vec> bn_stats_;                 // per batchnorm layer: the batch's mean and variance, (2, C)
   Vec ws_;                                    // conv scratch
   const double* input_ = nullptr;
 
@@ -161,17 +185,18 @@ std::vector<int64_t> sample_coords(const ModelSpec& spec, std::mt19937_64& gen) 
   return {picked.begin(), picked.end()};
 }
 
-TEST_CASE("gradcheck: whole-model loss, lenet and lenet5") {
-  for (std::string name : {"lenet", "lenet5"}) {
+TEST_CASE("gradcheck: whole-model loss, lenet, lenet5 and lenet-bn (BatchNorm with the batch's statistics)") {
+  for (std::string name : {"lenet", "lenet5", "lenet-bn"}) {
     CAPTURE(name);
     const ModelSpec spec = make_model(name);
-    const int n = 2;
+    const int n = name == "lenet-bn" ? 3 : 2;  // BatchNorm1d over 2 samples normalises them to +-1: no gradient
     std::mt19937_64 gen(60);
     std::vector<float> init(static_cast<size_t>(spec.param_count));
     init_params(spec, 7, init.data());
     Vec params(init.begin(), init.end());               // (P)
     Vec x = uniform(n * spec.input_size(), 0, 1, gen);  // (N, C, H, W), pixel-like
-    std::vector<int32_t> labels = {3, 8};               // (N)
+    std::vector<int32_t> labels = {3, 8, 5};            // (N)
+    labels.resize(size_t(n));
     Vec dlogits = zeros(n * spec.classes), grads = zeros(spec.param_count);
 
     DoubleNet net(spec, n);
@@ -200,6 +225,8 @@ TEST_CASE("gradcheck: whole-model loss, lenet and lenet5") {
       kinks += p.kink;
     if (name == "lenet")
       CHECK(kinks >= b1.size / 2);  // a channel can be all on or all off
+    else if (name == "lenet-bn")
+      CHECK(kinks == 0);  // BatchNorm after conv1 subtracts the batch mean: a bias moves nothing
     else
       CHECK(kinks == 0);
 

@@ -94,6 +94,16 @@ TEST_CASE("pytorch: a lenet5 checkpoint from two devices scores in PyTorch what 
   check_model("lenet5", "--batch 64 --epochs 2 --lr 0.5 --devices 2 --sync allreduce", 150);
 }
 
+TEST_CASE(
+    "pytorch: a lenet-bn checkpoint (BatchNorm, SyncBatchNorm on two devices) scores in PyTorch what it did in dp") {
+  if (!have_torch()) {
+    MESSAGE("skipped: /usr/bin/python3 has no torch (Debian: apt install python3-torch)");
+    return;
+  }
+  // The running statistics travel in the checkpoint: PyTorch's eval() normalises with them as dp does.
+  check_model("lenet-bn", "--batch 32 --epochs 2 --lr 0.05 --devices 2 --sync allreduce --sync-bn", 200);
+}
+
 TEST_CASE("pytorch: a missing file or a checkpoint of the other model exits 2 and says why") {
   if (!have_torch()) {
     MESSAGE("skipped: /usr/bin/python3 has no torch (Debian: apt install python3-torch)");

@@ -54,8 +54,12 @@ TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 1 d
   struct Config {
     std::string name, flags;
   };
-  for (const Config& c : {Config{"1 device", "--devices 1"}, Config{"2-device scatter", "--devices 2 --sync scatter"},
-                          Config{"2-device allreduce", "--devices 2 --sync allreduce"}}) {
+  // lenet-bn: BatchNorm's running statistics and num_batches_tracked resume too.
+  for (const Config& c :
+       {Config{"1 device", "--devices 1"}, Config{"2-device scatter", "--devices 2 --sync scatter"},
+        Config{"2-device allreduce", "--devices 2 --sync allreduce"},
+        Config{"lenet-bn, 2-device allreduce", "--model lenet-bn --devices 2 --sync allreduce"},
+        Config{"lenet-bn, 2-device scatter, --sync-bn", "--model lenet-bn --devices 2 --sync scatter --sync-bn"}}) {
     CAPTURE(c.name);
     const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --lr 0.05 --quiet " + c.flags;
     auto run = [&](const std::string& args) {
