@@ -74,24 +74,31 @@ std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
 //   over even_chunks(c, n): at reduce-scatter step s (0 ≤ s < n−1) rank r sends chunk (r−s) mod n
 //   and receives chunk (r−1−s) mod n; at all-gather step s it sends chunk (r+1−s) mod n and
 //   receives chunk (r−s) mod n. Each way ≈ 2(n−1)/n·c·4 bytes (exact when n divides c).
-std::vector<CollectiveTraffic> step_collectives(Sync sync, const ModelSpec& spec, const std::vector<int>& sizes,
-                                                const std::vector<Bucket>& buckets) {
+//
+// naive (d2l's hand-written allreduce), per bucket of c floats: two phases, each an α-β collective
+// of its own (they run one after the other), both counted by the communicator as the all_reduce:
+//   reduce to device 0         device 0 receives (n−1)·c·4               device i sends c·4
+//   broadcast from device 0    device 0 sends (n−1)·c·4                  device i receives c·4
+//   so device 0 sends and receives (n−1)·c·4 bytes, every other device c·4 each way: device 0's
+//   share grows with n, as under scatter.
+std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
+                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets) {
   const int n = int(sizes.size());
   const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
   std::vector<CollectiveTraffic> out;
   if (n == 1) return out;
+  // root_sends: device 0 sends each device i its share(i) bytes; otherwise it receives them.
+  auto rooted = [&](Collective c, const std::string& what, bool root_sends, auto share) {
+    CollectiveTraffic ct{c, what, std::vector<Traffic>(static_cast<size_t>(n))};
+    for (int i = 1; i < n; ++i) {
+      int64_t b = share(i);
+      Traffic &root = ct.per_rank[0], &peer = ct.per_rank[i];
+      (root_sends ? root.sent : root.received) += b;
+      (root_sends ? peer.received : peer.sent) += b;
+    }
+    out.push_back(ct);
+  };
   if (sync == Sync::scatter) {
-    // root_sends: device 0 sends each device i its share(i) bytes; otherwise it receives them.
-    auto rooted = [&](Collective c, const std::string& what, bool root_sends, auto share) {
-      CollectiveTraffic ct{c, what, std::vector<Traffic>(static_cast<size_t>(n))};
-      for (int i = 1; i < n; ++i) {
-        int64_t b = share(i);
-        Traffic &root = ct.per_rank[0], &peer = ct.per_rank[i];
-        (root_sends ? root.sent : root.received) += b;
-        (root_sends ? peer.received : peer.sent) += b;
-      }
-      out.push_back(ct);
-    };
     rooted(Collective::scatter, "input chunks", true, [&](int i) { return sizes[i] * D * F; });
     rooted(Collective::broadcast, "parameters", true, [&](int) { return P * F; });
     rooted(Collective::gather, "logits", false, [&](int i) { return sizes[i] * C * F; });
@@ -100,9 +107,15 @@ std::vector<CollectiveTraffic> step_collectives(Sync sync, const ModelSpec& spec
   } else {
     std::vector<Bucket> bs = buckets;
     if (bs.empty()) bs.push_back({0, P, 0});
-    for (size_t b = 0; b < bs.size(); ++b)
-      out.push_back({Collective::all_reduce, buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b),
-                     ring_all_reduce_traffic(bs[b].count, n)});
+    for (size_t b = 0; b < bs.size(); ++b) {
+      const std::string what = buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b);
+      if (all_reduce == AllReduceAlgorithm::ring) {
+        out.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(bs[b].count, n)});
+      } else {
+        rooted(Collective::all_reduce, what + ": reduce to device 0", false, [&](int) { return bs[b].count * F; });
+        rooted(Collective::all_reduce, what + ": broadcast from device 0", true, [&](int) { return bs[b].count * F; });
+      }
+    }
   }
   return out;
 }

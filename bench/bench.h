@@ -44,9 +44,10 @@ struct CollectiveTraffic {
 // even_chunks(count, n)): what each rank sends and receives.
 std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n);
 
-// The collectives of one full training step and their bytes per rank (formulas in bench.cpp).
-std::vector<CollectiveTraffic> step_collectives(Sync sync, const ModelSpec& spec, const std::vector<int>& sizes,
-                                                const std::vector<Bucket>& buckets);
+// The collectives of one full training step and their bytes per rank (formulas in bench.cpp);
+// all_reduce picks the allreduce strategy's algorithm (scatter ignores it).
+std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
+                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets);
 std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n);
 
 // --- the alpha-beta model -------------------------------------------------------------------------

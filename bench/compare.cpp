@@ -1,6 +1,6 @@
-// dp_bench compare: scatter and allreduce on the same devices, model, batch, seeds and synthetic
-// data; step time, throughput, time per phase, bytes per device against the byte model, the
-// alpha-beta model's communication time, peak memory; optionally over several device counts.
+// dp_bench compare: scatter, naive (d2l's all-reduce) and allreduce on the same devices, model, batch,
+// seeds and synthetic data; step time, throughput, time per phase, bytes per device against the byte
+// model, the alpha-beta model's communication time, peak memory; optionally over several device counts.
 #include "bench/compare.h"
 
 #include <chrono>
@@ -23,21 +23,24 @@ bool is_comm_phase(Sync s, Phase p) {
   return p == Phase::scatter || p == Phase::broadcast || p == Phase::gather_loss || p == Phase::reduce;
 }
 
-EngineConfig engine_config(Sync sync, const CompareOptions& o) {
+EngineConfig engine_config(const Design& d, const CompareOptions& o) {
   EngineConfig ec;
-  ec.sync = sync, ec.split = o.split, ec.batch = o.batch, ec.lr = o.lr, ec.momentum = o.momentum;
-  ec.bucket_kb = sync == Sync::allreduce ? o.bucket_kb : 0;
+  ec.sync = d.sync, ec.split = o.split, ec.batch = o.batch, ec.lr = o.lr, ec.momentum = o.momentum;
+  ec.bucket_kb = d.sync == Sync::allreduce ? o.bucket_kb : 0;
+  ec.all_reduce = d.all_reduce;
   ec.trace = !o.trace.empty();
   return ec;
 }
 
-StrategyRun run_strategy(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, const CompareOptions& o,
-                         const SyntheticData& data, const std::vector<float>& init, const AlphaBeta& ab, int pid) {
+StrategyRun run_strategy(const std::vector<Device*>& devices, const Design& design, const ModelSpec& spec,
+                         const CompareOptions& o, const SyntheticData& data, const std::vector<float>& init,
+                         const AlphaBeta& ab, int pid) {
   using clock = std::chrono::steady_clock;
   const int n = int(devices.size());
   // The previous engine has freed everything: its peaks must not count for this one.
   for (Device* d : devices) d->ledger().reset_peak();
-  Engine engine(devices, spec, engine_config(sync, o));
+  const Sync sync = design.sync;
+  Engine engine(devices, spec, engine_config(design, o));
   engine.set_params(init);
 
   StepResult last;
@@ -45,7 +48,7 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, Sync sync, const M
   for (int i = 0; i < o.warmup; ++i, ++step) engine.step(data.images(step), data.labels(step), o.batch);
   engine.reset_timing();
   StrategyRun run;
-  run.sync = sync, run.origin = engine.start_time();  // the origin of the engine's span times
+  run.design = design, run.origin = engine.start_time();  // the origin of the engine's span times
   for (int i = 0; i < o.steps; ++i, ++step) {
     auto t0 = clock::now();
     last = engine.step(data.images(step), data.labels(step), o.batch);
@@ -57,7 +60,7 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, Sync sync, const M
   run.loss = last.loss;  // the mean over the batch
 
   run.buckets = engine.buckets();
-  run.collectives = step_collectives(sync, spec, split_batch(o.batch, n, o.split), run.buckets);
+  run.collectives = step_collectives(sync, design.all_reduce, spec, split_batch(o.batch, n, o.split), run.buckets);
   run.predicted = total_traffic(run.collectives, n);
   for (int r = 0; r < n; ++r) {
     Traffic t = engine.step_traffic(r);
@@ -78,7 +81,7 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, Sync sync, const M
     for (auto& e : run.trace) {
       e["pid"] = pid;
       if (e["name"] == "process_name")
-        e["args"]["name"] = std::string(sync_name(sync)) + ", " + std::to_string(n) + " device" + (n > 1 ? "s" : "");
+        e["args"]["name"] = std::string(design.name) + ", " + std::to_string(n) + " device" + (n > 1 ? "s" : "");
     }
   }
   return run;
@@ -163,7 +166,7 @@ MemoryEstimate check_memory(const CompareOptions& o, const ModelSpec& spec) {
     DeviceSet set = make_devices(dc);
     std::vector<Device*> devices;
     for (auto& d : set.devices) devices.push_back(d.get());
-    for (Sync s : kStrategies) lines.push_back(measure_device_bytes(devices, spec, engine_config(s, o)));
+    for (const Design& s : kStrategies) lines.push_back(measure_device_bytes(devices, spec, engine_config(s, o)));
     if (o.alpha_us < 0 && devices.size() > 1 && lines.back().host)
       sweeps = std::max(sweeps, sweep_bytes(quick_sweep(), int(devices.size())));
   }
@@ -186,7 +189,7 @@ MemoryEstimate check_memory(const CompareOptions& o, const ModelSpec& spec) {
   return {need(o.batch), on_devices(o.batch)};
 }
 
-// Both strategies on one set of devices; their trace lanes are processes first_pid and first_pid + 1.
+// Every strategy on one set of devices; their trace lanes are processes first_pid, first_pid + 1, ...
 DeviceCountRun run_devices(const std::vector<Device*>& devices, const ModelSpec& spec, const CompareOptions& o,
                            const SyntheticData& data, const std::vector<float>& init, int first_pid) {
   DeviceCountRun run;
@@ -195,7 +198,7 @@ DeviceCountRun run_devices(const std::vector<Device*>& devices, const ModelSpec&
   run.kind = devices[0]->kind();
   run.sizes = split_batch(o.batch, run.n, o.split);
   run.ab = alpha_beta(devices, o);
-  for (Sync s : kStrategies)
+  for (const Design& s : kStrategies)
     run.strategies.push_back(
         run_strategy(devices, s, spec, o, data, init, run.ab, first_pid + int(run.strategies.size())));
   return run;
@@ -216,7 +219,7 @@ int run_compare(const CompareOptions& o) {
   check_options(o);
   const ModelSpec spec = make_model(o.model);
   const MemoryEstimate memory = check_memory(o, spec);
-  // Both strategies see the same initial weights and the same batches in the same order.
+  // Every strategy sees the same initial weights and the same batches in the same order.
   const SyntheticData data =
       make_synthetic(spec, o.batch, int(std::min<int64_t>(int64_t(o.warmup) + o.steps, 8)), o.seed);
   std::vector<float> init(size_t(spec.param_count));
@@ -232,7 +235,7 @@ int run_compare(const CompareOptions& o) {
     if (runs.empty()) std::printf("%s\n", set.notice.c_str());
     std::vector<Device*> devices;
     for (auto& d : set.devices) devices.push_back(d.get());
-    DeviceCountRun run = run_devices(devices, spec, o, data, init, int(runs.size() * 2));
+    DeviceCountRun run = run_devices(devices, spec, o, data, init, int(runs.size()) * kStrategyCount);
     print_run(run, spec, o);
     for (auto& s : run.strategies) {
       all_match = all_match && s.match;
@@ -242,7 +245,7 @@ int run_compare(const CompareOptions& o) {
   }
   if (runs.size() > 1) print_scaling(runs, o.batch);
   std::printf("\nbytes: %s\n",
-              all_match ? "measured == model, to the byte, on every device for both strategies"
+              all_match ? "measured == model, to the byte, on every device for every strategy"
                         : "MISMATCH between the measured bytes and the model (see the rows marked MISMATCH)");
 
   nlohmann::json j = compare_json(o, spec, runs, all_match);

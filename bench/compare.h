@@ -4,6 +4,7 @@
 
 #include <array>
 #include <chrono>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -13,13 +14,24 @@
 
 namespace dp::bench {
 
-inline constexpr Sync kStrategies[] = {Sync::scatter, Sync::allreduce};
+// A column of the comparison: a strategy and, under allreduce, its all-reduce algorithm.
+struct Design {
+  Sync sync;
+  AllReduceAlgorithm all_reduce;
+  const char* name;  // the column's heading and the record's "strategy"
+};
+
+// nn.DataParallel; d2l's hand-written allreduce (reduce to device 0, broadcast back); DDP's ring.
+inline constexpr Design kStrategies[] = {{Sync::scatter, AllReduceAlgorithm::ring, "scatter"},
+                                         {Sync::allreduce, AllReduceAlgorithm::naive, "naive"},
+                                         {Sync::allreduce, AllReduceAlgorithm::ring, "allreduce"}};
+inline constexpr int kStrategyCount = int(std::size(kStrategies));
 
 // allreduce has no scatter and no broadcast phase.
 inline bool has_phase(Sync s, Phase p) { return s == Sync::scatter || (p != Phase::scatter && p != Phase::broadcast); }
 
 struct StrategyRun {
-  Sync sync;
+  Design design;
   std::vector<double> step_seconds;
   double images_per_second = 0, loss = 0;
   std::vector<std::array<double, kPhases>> phase_seconds;  // per device, per step
@@ -42,7 +54,7 @@ struct DeviceCountRun {
   std::vector<StrategyRun> strategies;
 };
 
-// One set of devices: the header line, then a table with a column per strategy.
+// One set of devices: the header line, then a table with a column per strategy (kStrategies' order).
 void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOptions& o);
 // --sweep-devices: images/s per device count.
 void print_scaling(const std::vector<DeviceCountRun>& runs, int batch);

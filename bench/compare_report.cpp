@@ -33,10 +33,10 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
       "warm-up, seed %llu%s\n\n",
       spec.name.c_str(), commas(spec.param_count).c_str(), o.batch, sizes_text(run.sizes).c_str(), n, kind,
       n > 1 ? "s" : "", device_range(run.names).c_str(), o.steps, o.warmup, (unsigned long long)o.seed,
-      o.bucket_kb > 0 ? (", allreduce buckets of " + std::to_string(o.bucket_kb) + " KiB").c_str() : "");
+      o.bucket_kb > 0 ? (", naive and allreduce buckets of " + std::to_string(o.bucket_kb) + " KiB").c_str() : "");
   Table t;
   std::vector<std::string> head{""};
-  for (auto& s : run.strategies) head.push_back(sync_name(s.sync));
+  for (auto& s : run.strategies) head.push_back(s.design.name);
   t.row(head);
   auto add = [&](const std::string& label, auto cell) {
     std::vector<std::string> r{label};
@@ -55,7 +55,7 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
     std::string other = phase_name(Phase(p), Sync::allreduce);
     if (other != label) label += " | " + other;
     add("  " + label, [&](const StrategyRun& s) -> std::string {
-      if (!has_phase(s.sync, Phase(p))) return "-";
+      if (!has_phase(s.design.sync, Phase(p))) return "-";
       double worst = 0;
       for (auto& d : s.phase_seconds) worst = std::max(worst, d[p]);
       return ms(s.phase_seconds[0][p]) + " / " + ms(worst);
@@ -102,11 +102,11 @@ nlohmann::json run_json(const DeviceCountRun& run) {
   for (const auto& s : run.strategies) {
     nlohmann::json phases = nlohmann::json::array();
     for (int p = 0; p < kPhases; ++p) {
-      if (!has_phase(s.sync, Phase(p))) continue;
+      if (!has_phase(s.design.sync, Phase(p))) continue;
       nlohmann::json per = nlohmann::json::array();
       double worst = 0;
       for (auto& d : s.phase_seconds) per.push_back(d[p] * 1e3), worst = std::max(worst, d[p]);
-      phases.push_back({{"phase", phase_name(Phase(p), s.sync)},
+      phases.push_back({{"phase", phase_name(Phase(p), s.design.sync)},
                         {"device0_ms", s.phase_seconds[0][p] * 1e3},
                         {"max_ms", worst * 1e3},
                         {"per_device_ms", per}});
@@ -138,7 +138,10 @@ nlohmann::json run_json(const DeviceCountRun& run) {
     nlohmann::json steps_ms = nlohmann::json::array();
     for (double x : s.step_seconds) steps_ms.push_back(x * 1e3);
     strategies.push_back(
-        {{"strategy", sync_name(s.sync)},
+        {{"strategy", s.design.name},
+         {"sync", sync_name(s.design.sync)},
+         {"allreduce",
+          s.design.sync == Sync::allreduce ? nlohmann::json(all_reduce_name(s.design.all_reduce)) : nlohmann::json()},
          {"step_ms",
           {{"median", median(s.step_seconds) * 1e3}, {"min", *lo * 1e3}, {"max", *hi * 1e3}, {"all", steps_ms}}},
          {"images_per_second", s.images_per_second},
@@ -163,11 +166,16 @@ nlohmann::json run_json(const DeviceCountRun& run) {
 void print_scaling(const std::vector<DeviceCountRun>& runs, int batch) {
   std::printf("\nscaling: images/s at global batch %d (total over the measured steps)\n", batch);
   Table t;
-  t.row({"devices", "scatter", "allreduce", "allreduce / scatter"});
-  for (const auto& r : runs)
-    t.row({std::to_string(r.n), commas(int64_t(r.strategies[0].images_per_second + 0.5)),
-           commas(int64_t(r.strategies[1].images_per_second + 0.5)),
-           fixed(r.strategies[1].images_per_second / r.strategies[0].images_per_second, 2)});
+  std::vector<std::string> head{"devices"};
+  for (const Design& d : kStrategies) head.push_back(d.name);
+  head.push_back("allreduce / scatter");
+  t.row(head);
+  for (const auto& r : runs) {
+    std::vector<std::string> row{std::to_string(r.n)};
+    for (const auto& s : r.strategies) row.push_back(commas(int64_t(s.images_per_second + 0.5)));
+    row.push_back(fixed(r.strategies.back().images_per_second / r.strategies.front().images_per_second, 2));
+    t.row(row);
+  }
   std::printf("%s", t.str().c_str());
 }
 
@@ -183,10 +191,11 @@ nlohmann::json compare_json(const CompareOptions& o, const ModelSpec& spec, cons
   for (const auto& r : runs) j["runs"].push_back(run_json(r));
   if (runs.size() > 1) {
     nlohmann::json sc = nlohmann::json::array();
-    for (const auto& r : runs)
-      sc.push_back({{"devices", r.n},
-                    {"scatter_images_per_second", r.strategies[0].images_per_second},
-                    {"allreduce_images_per_second", r.strategies[1].images_per_second}});
+    for (const auto& r : runs) {
+      nlohmann::json row = {{"devices", r.n}};
+      for (const auto& s : r.strategies) row[std::string(s.design.name) + "_images_per_second"] = s.images_per_second;
+      sc.push_back(row);
+    }
     j["scaling"] = sc;
   }
   return j;

@@ -1,5 +1,6 @@
 // dp_bench: measurements of the dp engine, on the same library dp_train uses.
-//   compare  scatter vs allreduce: step time, phases, bytes against the byte model, memory
+//   compare  scatter vs naive (d2l's all-reduce) vs allreduce: step time, phases, bytes against the byte
+//            model, memory
 //   comm     the collectives alone: time, algbw, busbw (nccl-tests' definitions), alpha-beta fit
 //   skew     memory per device by category: device 0's extra under scatter; with --device-memory,
 //            the largest batch each strategy fits
@@ -65,7 +66,9 @@ Subcommand add_compare(CLI::App& app) {
   auto sweep = std::make_shared<std::string>(), seed = std::make_shared<std::string>("0");
   dev->gpus = "0,1,2,3";
   CLI::App* c =
-      app.add_subcommand("compare", "scatter vs allreduce on the same devices, model, batch and (synthetic) data");
+      app.add_subcommand("compare",
+                         "scatter vs naive (d2l's all-reduce) vs allreduce on the same devices, model, batch and "
+                         "(synthetic) data");
   c->footer(kSyntheticNote);
   dev->add(*c);
   c->add_option("--model", co->model, "lenet | lenet5")->capture_default_str();
@@ -76,7 +79,7 @@ Subcommand add_compare(CLI::App& app) {
   c->add_option("--warmup", co->warmup, "Steps run before measuring")
       ->capture_default_str()
       ->transform(exact_integer<int>());
-  c->add_option("--bucket-kb", co->bucket_kb, "allreduce: gradient bucket size in KiB (0: one all-reduce)")
+  c->add_option("--bucket-kb", co->bucket_kb, "naive and allreduce: gradient bucket size in KiB (0: one all-reduce)")
       ->capture_default_str()
       ->transform(exact_integer<int64_t>());
   c->add_option("--split", *split, "even | chunk (torch.chunk)")->capture_default_str();

@@ -118,6 +118,8 @@ def compare(d, out):
         fig, ax = plt.subplots(figsize=(6.0, 4.2))
         devs = [r["devices"] for r in sc]
         ax.plot(devs, [r["scatter_images_per_second"] for r in sc], "o-", color="#e6550d", label="scatter (DataParallel)")
+        if all("naive_images_per_second" in r for r in sc):  # records before the naive column lack it
+            ax.plot(devs, [r["naive_images_per_second"] for r in sc], "^-", color="#756bb1", label="naive (d2l allreduce)")
         ax.plot(devs, [r["allreduce_images_per_second"] for r in sc], "s-", color="#3182bd", label="allreduce (DDP)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(devs)

@@ -9,6 +9,16 @@ const char* collective_name(Collective c) {
   return names[int(c)];
 }
 
+const char* all_reduce_name(AllReduceAlgorithm a) { return a == AllReduceAlgorithm::ring ? "ring" : "naive"; }
+
+AllReduceAlgorithm parse_all_reduce(const std::string& s) {
+  if (s == "ring") return AllReduceAlgorithm::ring;
+  if (s == "naive") return AllReduceAlgorithm::naive;
+  throw UsageError("--allreduce: '" + s +
+                   "' is not an all-reduce algorithm; use ring (reduce-scatter + all-gather, as DDP) or naive "
+                   "(reduce to device 0 + broadcast, as d2l's hand-written allreduce)");
+}
+
 void Barrier::arrive_and_wait() {
   std::unique_lock lock(mu_);
   if (aborted_) throw Aborted();
@@ -59,6 +69,18 @@ Traffic ring_all_reduce_traffic(int rank, int n, int64_t count) {
   return t;
 }
 
+Traffic naive_all_reduce_traffic(int rank, int n, int64_t count) {
+  if (n == 1 || count == 0) return {};
+  const int64_t bytes = count * int64_t(sizeof(float));
+  if (rank == 0) return {(n - 1) * bytes, (n - 1) * bytes};  // the sum to each peer; each peer's buffer
+  return {bytes, bytes};                                     // its buffer to rank 0; the sum back
+}
+
+Traffic all_reduce_traffic(AllReduceAlgorithm a, int rank, int n, int64_t count) {
+  return a == AllReduceAlgorithm::ring ? ring_all_reduce_traffic(rank, n, count)
+                                       : naive_all_reduce_traffic(rank, n, count);
+}
+
 Communicator::Communicator(std::vector<Device*> devices)
     : devices_(std::move(devices)),
       barrier_(int(devices_.size())),
@@ -104,16 +126,20 @@ void Communicator::recover() {
 }
 
 void Communicator::broadcast(int rank, float* buf, int64_t count, int root) {
+  broadcast_as(Collective::broadcast, rank, buf, count, root);
+}
+
+void Communicator::broadcast_as(Collective as, int rank, float* buf, int64_t count, int root) {
   const int n = size();
   if (n == 1 || count == 0) return;
   const int64_t bytes = count * int64_t(sizeof(float));
   slots_[rank] = buf;
   barrier_.arrive_and_wait();
   if (rank == root) {
-    tally(rank, Collective::broadcast, (n - 1) * bytes, 0);
+    tally(rank, as, (n - 1) * bytes, 0);
   } else {
     devices_[rank]->copy_from_peer(buf, *devices_[root], slots_[root], size_t(bytes));
-    tally(rank, Collective::broadcast, 0, bytes);
+    tally(rank, as, 0, bytes);
   }
   sync_and_wait(rank);  // the root may not touch buf until every copy has landed
 }
@@ -163,6 +189,10 @@ void Communicator::gather(int rank, const float* send, float* recv, const std::v
 }
 
 void Communicator::reduce(int rank, float* buf, int64_t count, int root) {
+  reduce_as(Collective::reduce, rank, buf, count, root);
+}
+
+void Communicator::reduce_as(Collective as, int rank, float* buf, int64_t count, int root) {
   const int n = size();
   if (n == 1 || count == 0) return;
   const int64_t bytes = count * int64_t(sizeof(float));
@@ -176,9 +206,9 @@ void Communicator::reduce(int rank, float* buf, int64_t count, int root) {
       devices_[rank]->copy_from_peer(recv + slot * count, *devices_[r], slots_[r], size_t(bytes));
       ++slot;
     }
-    tally(rank, Collective::reduce, 0, (n - 1) * bytes);
+    tally(rank, as, 0, (n - 1) * bytes);
   } else {
-    tally(rank, Collective::reduce, bytes, 0);
+    tally(rank, as, bytes, 0);
   }
   sync_and_wait(rank);  // peers may reuse their buffers once the root holds the copies
   if (rank == root)
@@ -186,6 +216,15 @@ void Communicator::reduce(int rank, float* buf, int64_t count, int root) {
 }
 
 void Communicator::all_reduce(int rank, float* buf, int64_t count) {
+  if (all_reduce_algorithm_ == AllReduceAlgorithm::ring) return ring_all_reduce(rank, buf, count);
+  // d2l's allreduce: every buffer added into rank 0's, in rank order, then rank 0's sum copied to
+  // every rank, which so holds the same bits. The broadcast's copies come after rank 0's adds (done
+  // in place on simulated devices; on CUDA copy_from_peer waits on rank 0's stream).
+  reduce_as(Collective::all_reduce, rank, buf, count, 0);
+  broadcast_as(Collective::all_reduce, rank, buf, count, 0);
+}
+
+void Communicator::ring_all_reduce(int rank, float* buf, int64_t count) {
   const int n = size();
   if (n == 1 || count == 0) return;
   const std::vector<int64_t> chunk = even_chunks(count, n);

@@ -5,6 +5,12 @@
 // PeerCommunicator implements them over Device::copy_from_peer and the device's add kernel, with a
 // barrier between phases: on simulated devices that is memcpy between host buffers; on CUDA it is
 // cudaMemcpyPeerAsync (the path for several replicas on one GPU). NCCL overrides all_reduce.
+//
+// all_reduce runs one of two algorithms (set_all_reduce_algorithm, dp_train --allreduce):
+//   ring  — reduce-scatter then all-gather (DDP's, NCCL's): every rank moves about 2(n-1)/n of the buffer.
+//   naive — "Dive into Deep Learning"'s hand-written allreduce: every rank's buffer is reduced into
+//           rank 0 (reduce), then rank 0 sends the sum back to every rank (broadcast). Rank 0 moves
+//           (n-1) buffers each way, the others one.
 #pragma once
 
 #include <array>
@@ -13,6 +19,7 @@
 #include <cstdint>
 #include <future>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "engine/device.h"
@@ -22,6 +29,11 @@ namespace dp {
 enum class Collective { scatter, gather, broadcast, reduce, all_reduce };
 inline constexpr int kCollectives = 5;
 const char* collective_name(Collective c);
+
+enum class AllReduceAlgorithm { ring, naive };
+// "ring" / "naive"; parse throws UsageError naming --allreduce and the accepted values.
+const char* all_reduce_name(AllReduceAlgorithm a);
+AllReduceAlgorithm parse_all_reduce(const std::string& s);
 
 struct Traffic {
   int64_t sent = 0, received = 0;  // bytes
@@ -56,9 +68,17 @@ std::vector<int64_t> even_chunks(int64_t count, int n);
 
 // The bytes rank `rank` of n sends and receives in a ring all-reduce of count floats: reduce-scatter,
 // then all-gather, over even_chunks(count, n), so 2 (n-1) chunks each way. Every communicator counts
-// its all-reduces by this one model (NCCL may pick another algorithm; the count stays the ring's, as
-// nccl-tests' bus bandwidth does), and dp_bench's byte model predicts with it.
+// its ring all-reduces by this one model (NCCL may pick another algorithm; the count stays the ring's,
+// as nccl-tests' bus bandwidth does), and dp_bench's byte model predicts with it.
 Traffic ring_all_reduce_traffic(int rank, int n, int64_t count);
+// The bytes rank `rank` of n sends and receives in a naive all-reduce of count floats (P): reduce to
+// rank 0, then broadcast from it. Rank 0 receives every peer's whole buffer, (n-1)·P·4 bytes, and
+// sends the sum to each of them, (n-1)·P·4 bytes; every other rank sends P·4 and receives P·4. Every
+// communicator counts its naive all-reduces by this model (NCCL's ncclReduce + ncclBroadcast move
+// the same buffers), and dp_bench's byte model predicts with it.
+Traffic naive_all_reduce_traffic(int rank, int n, int64_t count);
+// The model of the given algorithm.
+Traffic all_reduce_traffic(AllReduceAlgorithm a, int rank, int n, int64_t count);
 
 class Communicator {
  public:
@@ -79,8 +99,10 @@ class Communicator {
   // comm scratch ((n-1) * count floats, as nn.DataParallel's reduce_add gathers before it sums),
   // then adds them in rank order.
   virtual void reduce(int rank, float* buf, int64_t count, int root);
-  // Ring all-reduce: reduce-scatter then all-gather over n even chunks; every rank ends with the
-  // same bits. Each rank sends and receives 2 (n-1) chunks.
+  // Sum of every rank's buf into every rank's buf, by all_reduce_algorithm(); every rank ends with
+  // the same bits. ring: reduce-scatter then all-gather over n even chunks, each rank sends and
+  // receives 2 (n-1) chunks. naive: reduce to rank 0 as reduce() does (its comm scratch holds the
+  // (n-1) peer buffers), then broadcast from rank 0. Bytes are counted under Collective::all_reduce.
   virtual void all_reduce(int rank, float* buf, int64_t count);
   // Starts all_reduce on the rank's communication thread (buckets overlapping backward); wait()
   // returns when every started one is done and rethrows the first failure. With `timing` (a trace is
@@ -92,6 +114,10 @@ class Communicator {
   void abort();
   // After a failed step, once every rank has returned: drop pending work and re-arm.
   void recover();
+
+  // Set before the first collective (the engine does so as it is built), never while one runs.
+  void set_all_reduce_algorithm(AllReduceAlgorithm a) { all_reduce_algorithm_ = a; }
+  AllReduceAlgorithm all_reduce_algorithm() const { return all_reduce_algorithm_; }
 
   Traffic traffic(int rank, Collective c) const { return traffic_[rank][int(c)]; }
   Traffic total(int rank) const;
@@ -119,6 +145,11 @@ class Communicator {
   }
   float* scratch(int rank, int64_t floats);  // comm buffer on the rank's device, grown on demand
   void sync_and_wait(int rank);              // finish the rank's queued copies, then barrier
+  // broadcast and reduce, counting their bytes under `as` (the naive all-reduce is both, counted
+  // as an all_reduce); ring_all_reduce is the ring.
+  void broadcast_as(Collective as, int rank, float* buf, int64_t count, int root);
+  void reduce_as(Collective as, int rank, float* buf, int64_t count, int root);
+  void ring_all_reduce(int rank, float* buf, int64_t count);
 
   std::vector<Device*> devices_;
   Barrier barrier_;
@@ -127,6 +158,7 @@ class Communicator {
   std::vector<Buffer> scratch_;
   std::vector<std::array<Traffic, kCollectives>> traffic_;
   std::vector<std::vector<std::future<void>>> pending_;
+  AllReduceAlgorithm all_reduce_algorithm_ = AllReduceAlgorithm::ring;
 };
 
 // NCCL when every device is a distinct GPU, the peer ring otherwise (kernels/cuda/ or the stub).

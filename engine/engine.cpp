@@ -77,6 +77,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       t0_(std::chrono::steady_clock::now()) {
   if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
   comm_ = make_communicator(devices_);
+  comm_->set_all_reduce_algorithm(cfg_.all_reduce);
   const int n = size();
   const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
   const int b = split_batch(cfg_.batch, n, cfg_.split)[0];

@@ -6,6 +6,8 @@
 //   allreduce — DDP/Horovod: parameters broadcast once, each device loads its own shard, local loss
 //               weighted n_i/B, ring all-reduce of the flat gradient buffer (optionally in buckets
 //               overlapping backward), the same optimizer step everywhere.
+//               --allreduce naive swaps the ring for d2l's hand-written allreduce (reduce to device 0,
+//               broadcast back); the communicator runs either (communicator.h).
 #pragma once
 
 #include <array>
@@ -75,6 +77,7 @@ struct EngineConfig {
   // device 0's buffers; DDP's broadcast_buffers does the same): they are device 0's alone. On
   // (SyncBatchNorm): the statistics of the whole global batch, in both strategies.
   bool sync_bn = false;
+  AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // allreduce: ring or naive (d2l)
   bool trace = false;
 };
 

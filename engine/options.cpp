@@ -244,16 +244,20 @@ Examples:
   dp_train --gpus 0,1 --batch 256 --epochs 10                 # nn.DataParallel style on two devices
   dp_train --gpus 0,1 --sync allreduce --bucket-kb 64         # DDP style, buckets overlapped with backward
   dp_train --model lenet-bn --gpus 0,1 --sync allreduce --sync-bn   # DDP with SyncBatchNorm
+  dp_train --gpus 0,1 --sync allreduce --allreduce naive      # d2l's hand-written allreduce (reduce + broadcast)
   dp_train --epochs 1 --save ck.st && dp_train --eval --load ck.st   # train and save, then evaluate)";
 
 // Flags CLI11 would wrap or round silently, taken as text and parsed exactly after it is done.
 struct TrainText {
-  std::string sync = "scatter", split = "even", lr, momentum, weight_decay, seed;
+  std::string sync = "scatter", split = "even", allreduce = "ring", lr, momentum, weight_decay, seed;
   bool no_shuffle = false;
 };
 
 void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
   app.add_option("--sync", t.sync, "scatter (nn.DataParallel) | allreduce (DDP)")->capture_default_str();
+  app.add_option("--allreduce", t.allreduce,
+                 "allreduce: ring (reduce-scatter + all-gather, DDP) | naive (reduce to device 0 + broadcast, d2l)")
+      ->capture_default_str();
   app.add_option("--split", t.split, "even | chunk (torch.chunk)")->capture_default_str();
   app.add_option("--bucket-kb", o.bucket_kb,
                  "allreduce: gradient bucket size in KiB, overlapped with backward (0: off)")
@@ -335,8 +339,8 @@ void add_train_options(CLI::App& app, TrainOptions& o, TrainText& t, DeviceFlags
   add_output(app, o);
 }
 
-// The flag-to-flag rules CLI11 cannot say: --log-every needs --log, and --eval, which trains nothing,
-// refuses the options of a training run rather than ignoring them.
+// The flag-to-flag rules CLI11 cannot say: --log-every needs --log, --allreduce needs --sync allreduce,
+// and --eval, which trains nothing, refuses the options of a training run rather than ignoring them.
 void check_combinations(const CLI::App& app, const TrainOptions& o) {
   if (o.eval) {
     std::string given;
@@ -350,6 +354,10 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
                        (n > 1 ? "them" : "it"));
   }
   if (app.count("--log-every") && o.log.empty()) throw UsageError("--log-every: needs --log FILE to say where");
+  if (app.count("--allreduce") && o.sync != Sync::allreduce)
+    throw UsageError(
+        "--allreduce: applies to --sync allreduce only (scatter reduces its gradients to device 0); "
+        "add --sync allreduce or drop --allreduce");
 }
 
 }  // namespace
@@ -370,6 +378,7 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.seed = parse_seed(t.seed, "--seed");
   o.devices = dev.finish(app);
   o.sync = parse_sync(t.sync);
+  o.all_reduce = parse_all_reduce(t.allreduce);
   o.split = parse_split(t.split);
   o.shuffle = !t.no_shuffle;
   if (app.count("--steps") == 0)

@@ -40,6 +40,12 @@ nlohmann::json device_notes() {
        "breakdown of peak_bytes; it equals peak_by_category where every category peaks at the same moment"}};
 }
 
+// The all-reduce algorithm beside the strategy: "ring" or "naive" under allreduce, null under scatter
+// (which reduces to device 0 and runs no all-reduce).
+nlohmann::json all_reduce_json(const TrainOptions& o) {
+  return o.sync == Sync::allreduce ? nlohmann::json(all_reduce_name(o.all_reduce)) : nlohmann::json();
+}
+
 }  // namespace
 
 const char* version() { return DP_VERSION; }
@@ -88,7 +94,8 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                  {"limit_test", o.limit_test},
                  {"workers", o.workers},
                  {"gpus", o.devices.all ? nlohmann::json("all") : nlohmann::json(o.devices.ids)},
-                 {"strategy", sync_name(o.sync)}});
+                 {"strategy", sync_name(o.sync)},
+                 {"allreduce", all_reduce_json(o)}});
   // What --backend resolved to (auto picks cuda or the simulated cpu devices), not what was asked.
   nlohmann::json names = nlohmann::json::array();
   for (int r = 0; r < engine.size(); ++r) names.push_back(engine.device(r).name());
@@ -111,6 +118,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                       {"started_at", o.started_at},
                       {"config", config},
                       {"strategy", sync_name(o.sync)},
+                      {"allreduce", all_reduce_json(o)},
                       {"split", split_name(o.split)},
                       {"bucket_kb", o.bucket_kb},
                       {"epochs", epochs_json},
@@ -159,13 +167,16 @@ std::string skew_line(Engine& e) {
   for (int r = 1; r < e.size(); ++r) others += double(e.device(r).ledger().snapshot().total_peak);
   others /= e.size() - 1;
   const double skew = others > 0 ? double(e.device(0).ledger().snapshot().total_peak) / others : 0;
+  const char* why = " (allreduce, ring: every replica holds the same)";
+  if (e.config().sync == Sync::scatter)
+    why =
+        " (scatter: device 0 also holds the whole batch, the gathered logits, the gradients it reduces and the "
+        "optimizer state)";
+  else if (e.config().all_reduce == AllReduceAlgorithm::naive)
+    why = " (allreduce, naive: device 0 also holds every other replica's gradients, which it sums and sends back)";
   char line[320];
   std::snprintf(line, sizeof line, "skew: %s's peak / the mean of the others' = %.3f%s\n", e.device(0).name().c_str(),
-                skew,
-                e.config().sync == Sync::scatter
-                    ? " (scatter: device 0 also holds the whole batch, the gathered logits, the gradients it "
-                      "reduces and the optimizer state)"
-                    : " (allreduce: every replica holds the same)");
+                skew, why);
   return line;
 }
 

@@ -93,6 +93,7 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
                  {"train_samples", std::to_string(train_set.count)},
                  {"train_labels_crc32", std::to_string(labels_crc)}};
   id.exact_only = {{"sync", sync_name(o.sync)},
+                   {"allreduce", all_reduce_name(o.all_reduce)},
                    {"devices", std::to_string(devices)},
                    {"split", split_name(o.split)},
                    {"bucket_kb", std::to_string(o.bucket_kb)},

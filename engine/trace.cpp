@@ -67,7 +67,9 @@ void device_lanes(Engine& e, int r, TraceBuilder& t) {
 
 nlohmann::json trace_json(Engine& e, double offset_us) {
   TraceBuilder t(offset_us);
-  t.process(std::string("dp ") + sync_name(e.config().sync));
+  t.process(
+      std::string("dp ") + sync_name(e.config().sync) +
+      (e.config().sync == Sync::allreduce ? std::string(" (") + all_reduce_name(e.config().all_reduce) + ")" : ""));
   for (int r = 0; r < e.size(); ++r) device_lanes(e, r, t);
   if (!e.host_spans().empty()) {
     const int host = 2 * e.size();

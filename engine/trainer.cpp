@@ -104,6 +104,7 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   ec.sync = o.sync, ec.split = o.split, ec.batch = int(std::min<int64_t>(o.batch, train_count)), ec.lr = o.lr;
   ec.momentum = o.momentum, ec.weight_decay = o.weight_decay, ec.bucket_kb = o.bucket_kb, ec.trace = !o.trace.empty();
   ec.sync_bn = o.sync_bn;
+  ec.all_reduce = o.all_reduce;
   return ec;
 }
 

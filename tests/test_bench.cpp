@@ -62,7 +62,12 @@ std::vector<dp::Traffic> expected_traffic(const std::string& strategy, int64_t P
                                           const std::vector<int>& n_i) {
   const int n = int(n_i.size());
   std::vector<dp::Traffic> t(static_cast<size_t>(n));
-  if (strategy == "scatter") {
+  if (strategy == "naive") {  // d2l's allreduce: every gradient buffer into device 0, the sum back out
+    for (int i = 1; i < n; ++i) {
+      t[0].received += P * 4, t[0].sent += P * 4;
+      t[i].sent = P * 4, t[i].received = P * 4;
+    }
+  } else if (strategy == "scatter") {
     for (int i = 1; i < n; ++i) {
       t[0].sent += n_i[i] * D * 4 + P * 4 + n_i[i] * C * 4;
       t[0].received += n_i[i] * C * 4 + P * 4;
@@ -120,7 +125,22 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     CHECK(s["step_ms"]["all"].size() == 2);
     CHECK(s["images_per_second"].get<double>() > 0);
   }
-  CHECK(strategies == std::set<std::string>{"scatter", "allreduce"});
+  CHECK(strategies == std::set<std::string>{"scatter", "naive", "allreduce"});
+  // The columns in their order: nn.DataParallel, d2l's hand-written all-reduce, DDP.
+  REQUIRE(run["strategies"].size() == 3);
+  CHECK(run["strategies"][1]["strategy"] == "naive");
+  CHECK(run["strategies"][1]["sync"] == "allreduce");
+  CHECK(run["strategies"][1]["allreduce"] == "naive");
+  CHECK(run["strategies"][2]["allreduce"] == "ring");
+  CHECK(run["strategies"][0]["allreduce"].is_null());
+  const std::string out = slurp(log);
+  // The table's heading: three columns in that order.
+  const size_t heading = out.find(" scatter "), naive = out.find(" naive ", heading),
+               allreduce = out.find(" allreduce\n", naive);
+  REQUIRE(heading != std::string::npos);
+  CHECK(out.find('\n', heading) > allreduce);
+  CHECK(naive < allreduce);
+  CHECK(out.find("on every device for every strategy") != std::string::npos);
 
   // Chrome trace: one process per strategy, one lane (tid) per device, a span per phase.
   json trace = load(dir / "t.json");
@@ -130,7 +150,7 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     if (e["ph"] == "M" && e["name"] == "process_name") process[e["pid"]] = e["args"]["name"];
     if (e["ph"] == "X") spans[{e["pid"].get<int>(), e["tid"].get<int>()}].insert(e["name"].get<std::string>());
   }
-  REQUIRE(process.size() == 2);
+  REQUIRE(process.size() == 3);
   const std::set<std::string> scatter_phases{"load",        "scatter",  "broadcast", "forward",
                                              "gather+loss", "backward", "reduce",    "optimizer"};
   const std::set<std::string> allreduce_phases{"load", "forward", "loss", "backward", "all-reduce", "optimizer"};
@@ -142,6 +162,38 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
       CHECK(spans[{pid, tid}] == (scatter ? scatter_phases : allreduce_phases));
     }
   }
+}
+
+TEST_CASE("dp_bench compare - the naive column's bucketed bytes equal the model: a reduce and a broadcast per bucket") {
+  TempDir dir;
+  const std::string log = dir / "naive.log";
+  int rc = bench(
+      "compare --batch 16 --steps 1 --warmup 0 --bucket-kb 64 --alpha-us 5 --beta-gbps 10 "
+      "--sweep-devices 2,3 --json '" +
+          (dir / "c.json") + "'",
+      log);
+  INFO(slurp(log));
+  REQUIRE(rc == 0);
+  json j = load(dir / "c.json");
+  CHECK(j["match"] == true);
+  const int64_t P = dp::make_model("lenet").param_count;
+  REQUIRE(j["runs"].size() == 2);
+  for (const json& run : j["runs"]) {
+    const int n = run["devices"];
+    CAPTURE(n);
+    const json& naive = run["strategies"][1];
+    REQUIRE(naive["strategy"] == "naive");
+    REQUIRE(naive["buckets"].size() > 1);
+    CHECK(naive["collectives"].size() == 2 * naive["buckets"].size());
+    for (const json& d : naive["devices"]) {
+      const int64_t want = d["rank"] == 0 ? (n - 1) * P * 4 : P * 4;
+      CHECK(d["bytes_sent"].get<int64_t>() == want);
+      CHECK(d["bytes_received"].get<int64_t>() == want);
+      CHECK(d["match"] == true);
+    }
+  }
+  REQUIRE(j["scaling"].size() == 2);
+  CHECK(j["scaling"][0]["naive_images_per_second"].get<double>() > 0);
 }
 
 TEST_CASE("dp_bench skew - device 0 holds more under scatter and the same under allreduce and the ledger adds up") {
@@ -473,9 +525,10 @@ TEST_CASE("bench: compare's trace lays the strategies one after the other on one
     auto [it, fresh] = extent.try_emplace(e["pid"].get<int>(), ts, end);
     if (!fresh) it->second = {std::min(it->second.first, ts), std::max(it->second.second, end)};
   }
-  REQUIRE(extent.size() == 2);
+  REQUIRE(extent.size() == 3);
   CHECK(extent[0].first >= 0);
-  CHECK(extent[1].first > extent[0].second);  // the second strategy starts after the first's last span
+  CHECK(extent[1].first > extent[0].second);  // each strategy starts after the one before's last span
+  CHECK(extent[2].first > extent[1].second);
 }
 
 TEST_CASE("bench: compare and skew say in their help that the data is synthetic") {

@@ -1,7 +1,9 @@
 // Collectives against closed forms: rank r contributes r, the sum is n(n-1)/2; sizes not divisible
-// by the device count, zero-length chunks, one device; and the bytes each rank counts.
+// by the device count, zero-length chunks, one device; and the bytes each rank counts. The naive
+// all-reduce (d2l's) against the ring and against the rank-order sum.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "engine/communicator.h"
@@ -189,4 +191,99 @@ TEST_CASE("an aborted collective releases every waiting rank") {
   CHECK_THROWS_AS(fs[2].get(), DeviceError);
   comm->recover();
   spmd(raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); });  // usable again
+}
+
+namespace {
+
+struct AllReduced {
+  std::vector<std::vector<float>> out;  // (n, count) every rank's buffer afterwards
+  std::vector<Traffic> traffic;         // per rank, under Collective::all_reduce
+};
+
+// An all-reduce of in[r] on every rank with `algo`: one all_reduce call, or with buckets > 1 the
+// buffer cut into that many ranges (even_chunks, some empty when count is small), each started with
+// all_reduce_async as backward's buckets are, then wait().
+AllReduced run_all_reduce(const std::string& kind, AllReduceAlgorithm algo, const std::vector<std::vector<float>>& in,
+                          int buckets) {
+  const int n = int(in.size());
+  const int64_t count = int64_t(in[0].size());
+  auto devs = dp::test::make_test_devices(kind, n);
+  auto comm = make_communicator(raw(devs));
+  comm->set_all_reduce_algorithm(algo);
+  std::vector<Buffer> bufs(n);
+  AllReduced res{std::vector<std::vector<float>>(n, std::vector<float>(size_t(count))), {}};
+  spmd(raw(devs), [&](int r) {
+    Device& d = *devs[r];
+    bufs[r] = d.alloc_floats(std::max<int64_t>(count, 1), Category::gradients);
+    d.upload(bufs[r].f(), in[r].data(), size_t(count) * 4);
+    d.synchronize();
+    if (buckets <= 1) {
+      comm->all_reduce(r, bufs[r].f(), count);
+    } else {
+      int64_t offset = 0;
+      for (int64_t c : even_chunks(count, buckets)) {
+        comm->all_reduce_async(r, bufs[r].f() + offset, c);
+        offset += c;
+      }
+      comm->wait(r);
+    }
+    d.download(res.out[r].data(), bufs[r].f(), size_t(count) * 4);
+    d.synchronize();
+  });
+  for (int r = 0; r < n; ++r) res.traffic.push_back(comm->traffic(r, Collective::all_reduce));
+  return res;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "naive all_reduce (d2l) sums like the ring, leaves the same bits on every rank, and moves its model's bytes") {
+  for (const std::string& kind : dp::test::backends()) {
+    for (int n : {1, 2, 3, 4}) {
+      for (int64_t count : {int64_t(0), int64_t(1), int64_t(3), int64_t(7), int64_t(1001)}) {
+        for (int buckets : {1, 3}) {
+          CAPTURE(kind);
+          CAPTURE(n);
+          CAPTURE(count);
+          CAPTURE(buckets);
+          std::vector<std::vector<float>> in;
+          for (int r = 0; r < n; ++r)
+            in.push_back(dp::test::random_floats(size_t(count), 7 + uint32_t(r), -1.0f, 1.0f));
+          const AllReduced naive = run_all_reduce(kind, AllReduceAlgorithm::naive, in, buckets);
+          const AllReduced ring = run_all_reduce(kind, AllReduceAlgorithm::ring, in, buckets);
+          for (int r = 1; r < n; ++r) REQUIRE(naive.out[r] == naive.out[0]);  // bitwise: rank 0's sum, broadcast
+          for (int64_t i = 0; i < count; ++i) {
+            // Two orders of the same n-term float sum each err by at most (n-1) u sum|x| (u = 2^-24,
+            // recursive summation), so they differ by at most 2 (n-1) u sum|x|.
+            double mag = 0;
+            float in_rank_order = in[0][i];
+            for (int r = 0; r < n; ++r) mag += std::fabs(in[r][i]);
+            for (int r = 1; r < n; ++r) in_rank_order += in[r][i];
+            CAPTURE(i);
+            REQUIRE(std::fabs(double(naive.out[0][i]) - double(ring.out[0][i])) <= 2.0 * (n - 1) * 0x1p-24 * mag);
+            // The peer communicator adds the peers into rank 0's buffer in rank order (reduce()'s rule):
+            // exactly the sum a loop over the ranks gives. NCCL picks its own order.
+            if (kind == "cpu") REQUIRE(naive.out[0][i] == in_rank_order);
+          }
+          // Rank 0 receives every peer's buffer and sends each the sum: (n-1)·P·4 bytes each way;
+          // every other rank sends P·4 and receives P·4 (the buckets add up to the buffer).
+          for (int r = 0; r < n; ++r) {
+            CAPTURE(r);
+            const int64_t want = n == 1 ? 0 : (r == 0 ? (n - 1) * count * 4 : count * 4);
+            CHECK(naive.traffic[r].sent == want);
+            CHECK(naive.traffic[r].received == want);
+            CHECK(naive.traffic[r].sent == naive_all_reduce_traffic(r, n, count).sent);
+            CHECK(naive.traffic[r].received == naive_all_reduce_traffic(r, n, count).received);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("--allreduce names: ring and naive, anything else refused naming the flag") {
+  CHECK(parse_all_reduce("ring") == AllReduceAlgorithm::ring);
+  CHECK(parse_all_reduce("naive") == AllReduceAlgorithm::naive);
+  CHECK(std::string(all_reduce_name(AllReduceAlgorithm::naive)) == "naive");
+  CHECK_THROWS_WITH_AS(parse_all_reduce("tree"), doctest::Contains("--allreduce: 'tree'"), UsageError);
 }

@@ -157,7 +157,7 @@ TEST_CASE("report: with no device flags a machine without a GPU trains on two si
   CHECK(r.output.find(want) != std::string::npos);
 
   r = run_command(base + " --sync allreduce");
-  CHECK(r.output.find("= 1.000 (allreduce: every replica holds the same)") != std::string::npos);
+  CHECK(r.output.find("= 1.000 (allreduce, ring: every replica holds the same)") != std::string::npos);
   r = run_command(base + " --gpus all --sync allreduce --report " + dir / "r.json");
   CHECK(read_json(dir / "r.json")["devices"].size() == size_t(dp::kDefaultSimulatedDevices));
   r = run_command(base + " --devices 1");

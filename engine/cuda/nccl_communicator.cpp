@@ -4,7 +4,9 @@
 // both; only all_reduce, the collective that matters for DDP, goes through NCCL.
 //
 // Calls follow NCCL's one-thread-per-device model: every rank calls ncclAllReduce on its own
-// communicator from its own thread, no group calls needed.
+// communicator from its own thread, no group calls needed. With --allreduce naive the all-reduce is
+// d2l's instead: ncclReduce to rank 0, then ncclBroadcast from it, one after the other on the same
+// stream (every rank enqueues both, in that order).
 //   all_reduce        — compute thread, compute stream; the engine synchronises after it.
 //   all_reduce_async  — an event recorded on the compute stream right after the bucket's gradients
 //                       were enqueued; the communication thread makes the comm stream wait on it and
@@ -18,7 +20,8 @@
 // Bytes are counted by ring_all_reduce_traffic, as the base ring counts them, so reports compare across
 // communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch systems) and move a
 // different number of bytes over different links; the count is the ring model's, the bus-bandwidth
-// convention of nccl-tests.
+// convention of nccl-tests. The naive all-reduce is counted by naive_all_reduce_traffic, as the base
+// class counts it.
 #include <nccl.h>
 
 #include <exception>
@@ -44,7 +47,9 @@ class NcclCommunicator final : public Communicator {
 
  private:
   CudaDevice& gpu(int rank) const { return static_cast<CudaDevice&>(*devices_[rank]); }
-  void tally_ring(int rank, int64_t count);
+  void tally_all_reduce(int rank, int64_t count);
+  // The all-reduce of all_reduce_algorithm(), enqueued on `stream`.
+  void enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream);
   void release() noexcept;
 
   struct RankEvents {
@@ -104,16 +109,27 @@ void NcclCommunicator::release() noexcept {
       .wait();
 }
 
-void NcclCommunicator::tally_ring(int rank, int64_t count) {
-  const Traffic t = ring_all_reduce_traffic(rank, size(), count);
+void NcclCommunicator::tally_all_reduce(int rank, int64_t count) {
+  const Traffic t = all_reduce_traffic(all_reduce_algorithm(), rank, size(), count);
   tally(rank, Collective::all_reduce, t.sent, t.received);
+}
+
+void NcclCommunicator::enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream) {
+  if (all_reduce_algorithm() == AllReduceAlgorithm::ring) {
+    DP_NCCL_CHECK(ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], stream));
+    return;
+  }
+  // In place on every rank: rank 0's buf receives the sum (the others' are only read), then every
+  // rank's buf receives rank 0's. Stream order puts the broadcast after the reduce.
+  DP_NCCL_CHECK(ncclReduce(buf, buf, size_t(count), ncclFloat, ncclSum, 0, comms_[rank], stream));
+  DP_NCCL_CHECK(ncclBroadcast(buf, buf, size_t(count), ncclFloat, 0, comms_[rank], stream));
 }
 
 void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
   if (size() == 1 || count == 0) return;
-  tally_ring(rank, count);
+  tally_all_reduce(rank, count);
   barrier_.arrive_and_wait();
-  DP_NCCL_CHECK(ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], gpu(rank).stream()));
+  enqueue_all_reduce(rank, buf, count, gpu(rank).stream());
 }
 
 // The timing is the host's view: from the communication thread reaching the barrier to ncclAllReduce
@@ -121,7 +137,7 @@ void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
 // stream and ends, at the latest, within the engine's all-reduce phase, which synchronises).
 void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
   if (size() == 1 || count == 0) return;
-  tally_ring(rank, count);
+  tally_all_reduce(rank, count);
   RankEvents& ev = events_[rank];
   if (ev.used == ev.ready.size()) ev.ready.push_back(cuda::make_event());  // on the compute thread: its GPU
   cudaEvent_t ready = ev.ready[ev.used++].get();
@@ -130,7 +146,7 @@ void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Int
   submit_comm(rank, timing, [this, rank, buf, count, ready, &dev] {
     barrier_.arrive_and_wait();
     DP_CUDA_CHECK(cudaStreamWaitEvent(dev.comm_stream(), ready, 0));
-    DP_NCCL_CHECK(ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], dev.comm_stream()));
+    enqueue_all_reduce(rank, buf, count, dev.comm_stream());
   });
 }
 
