@@ -82,7 +82,8 @@ std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
 //   so device 0 sends and receives (n−1)·c·4 bytes, every other device c·4 each way: device 0's
 //   share grows with n, as under scatter.
 std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
-                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets) {
+                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets,
+                                                bool sync_bn) {
   const int n = int(sizes.size());
   const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
   std::vector<CollectiveTraffic> out;
@@ -98,24 +99,47 @@ std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm al
     }
     out.push_back(ct);
   };
+  const AllReduceAlgorithm algorithm = sync == Sync::allreduce ? all_reduce : AllReduceAlgorithm::ring;
+  auto reduce_all = [&](const std::string& what, int64_t count) {
+    if (algorithm == AllReduceAlgorithm::ring) return out.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(count, n)});
+    rooted(Collective::all_reduce, what + ": reduce to device 0", false, [&](int) { return count * F; });
+    rooted(Collective::all_reduce, what + ": broadcast from device 0", true, [&](int) { return count * F; });
+  };
+  // BatchNorm: device 0's running statistics to every replica before the forward (local), or the
+  // statistics' all-reduces (SyncBatchNorm): forward's in layer order, backward's in reverse.
+  auto batchnorm = [&](bool backward) {
+    if (!spec.has_batchnorm()) return;
+    if (!sync_bn) {
+      if (!backward) rooted(Collective::broadcast, "running statistics", true, [&](int) { return spec.buffer_count * F; });
+      return;
+    }
+    std::vector<const Layer*> bns;
+    for (auto& l : spec.layers)
+      if (l.kind == LayerKind::batchnorm) bns.push_back(&l);
+    if (backward) std::reverse(bns.begin(), bns.end());
+    for (const Layer* l : bns)
+      if (backward) {
+        reduce_all(l->name + " gradient sums", 2 * int64_t(l->out_c));
+      } else {
+        reduce_all(l->name + " mean", l->out_c);
+        reduce_all(l->name + " variance", l->out_c);
+      }
+  };
   if (sync == Sync::scatter) {
     rooted(Collective::scatter, "input chunks", true, [&](int i) { return sizes[i] * D * F; });
     rooted(Collective::broadcast, "parameters", true, [&](int) { return P * F; });
+    batchnorm(false);
     rooted(Collective::gather, "logits", false, [&](int i) { return sizes[i] * C * F; });
     rooted(Collective::scatter, "logit gradients", true, [&](int i) { return sizes[i] * C * F; });
+    batchnorm(true);
     rooted(Collective::reduce, "gradients", false, [&](int) { return P * F; });
   } else {
+    batchnorm(false);
+    batchnorm(true);  // interleaved with the buckets in time; the bytes are the same
     std::vector<Bucket> bs = buckets;
     if (bs.empty()) bs.push_back({0, P, 0});
-    for (size_t b = 0; b < bs.size(); ++b) {
-      const std::string what = buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b);
-      if (all_reduce == AllReduceAlgorithm::ring) {
-        out.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(bs[b].count, n)});
-      } else {
-        rooted(Collective::all_reduce, what + ": reduce to device 0", false, [&](int) { return bs[b].count * F; });
-        rooted(Collective::all_reduce, what + ": broadcast from device 0", true, [&](int) { return bs[b].count * F; });
-      }
-    }
+    for (size_t b = 0; b < bs.size(); ++b)
+      reduce_all(buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b), bs[b].count);
   }
   return out;
 }
@@ -275,16 +299,18 @@ DeviceBytes measure_device_bytes(const std::vector<Device*>& devices, const Mode
   if (!line.host) return line;
   std::vector<float> init(size_t(spec.param_count));
   init_params(spec, 0, init.data());
-  const SyntheticData one = make_synthetic(spec, 1, 1, 0);
-  // Buffers are sized for the batch when the engine is built; a one-image step adds the
-  // communicator's scratch, which depends on P only (skew's batch search relies on the same).
+  // Buffers are sized for the batch when the engine is built; a small step adds the communicator's
+  // scratch, which depends on P only (skew's batch search relies on the same). One image, or with
+  // BatchNorm two per device (it needs more than one value per channel).
+  const int small = spec.has_batchnorm() ? 2 * line.n : 1;
+  const SyntheticData one = make_synthetic(spec, small, 1, 0);
   auto peak = [&](int per_device) {
     for (Device* d : devices) d->ledger().reset_peak();
     config.batch = per_device * line.n;
     {
       Engine engine(devices, spec, config);
       engine.set_params(init);
-      engine.step(one.images(0), one.labels(0), 1);
+      engine.step(one.images(0), one.labels(0), small);
     }
     int64_t sum = 0;
     for (Device* d : devices) sum += d->ledger().snapshot().total_peak;

@@ -45,9 +45,13 @@ struct CollectiveTraffic {
 std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n);
 
 // The collectives of one full training step and their bytes per rank (formulas in bench.cpp);
-// all_reduce picks the allreduce strategy's algorithm (scatter ignores it).
+// all_reduce picks the allreduce strategy's algorithm (scatter ignores it). A model with BatchNorm
+// adds, with local BatchNorm, the broadcast of device 0's running statistics; with sync_bn
+// (SyncBatchNorm), per BatchNorm layer of C channels two all-reduces of C floats in forward (mean,
+// variance) and one of 2C in backward, by the same algorithm as the gradients.
 std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
-                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets);
+                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets,
+                                                bool sync_bn = false);
 std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n);
 
 // --- the alpha-beta model -------------------------------------------------------------------------

@@ -138,7 +138,8 @@ Trial try_batch(const std::vector<Device*>& devices, Sync sync, const ModelSpec&
   try {
     Engine engine(devices, spec, engine_config(sync, b, o));
     engine.set_params(init);
-    int n = full ? b : 1;
+    // BatchNorm needs more than one value per channel: two samples per device.
+    int n = full ? b : std::min(b, spec.has_batchnorm() ? 2 * int(devices.size()) : 1);
     SyntheticData data = make_synthetic(spec, n, 1, o.seed);
     engine.step(data.images(0), data.labels(0), n);
     t.peak0 = devices[0]->ledger().snapshot().total_peak;

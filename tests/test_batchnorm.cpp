@@ -338,3 +338,17 @@ TEST_CASE("checkpoints: BatchNorm's buffers under PyTorch's names and dtypes; a 
   CHECK_THROWS_WITH_AS(load_checkpoint(dir / "bad.st", make_model("lenet-bn")),
                        doctest::Contains("bn2.running_var holds a negative variance at index 7"), UsageError);
 }
+
+#ifdef DP_BENCH_BIN
+TEST_CASE("lenet-bn: dp_bench compare's byte model counts the running statistics' broadcast, to the byte") {
+  // Local BatchNorm adds device 0's running statistics (2 x (20 + 50 + 128) floats) to every step's
+  // broadcasts, under scatter and allreduce; compare exits 1 when a device's bytes are off the model.
+  const std::string cmd = std::string(DP_BENCH_BIN) +
+                          " compare --model lenet-bn --gpus 0,1,2 --batch 24 --steps 1 --warmup 0 --repeats 1";
+  dp::test::CommandResult r = dp::test::run_command(cmd);
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  CHECK(r.output.find("bytes: measured == model, to the byte, on every device for every strategy") !=
+        std::string::npos);
+}
+#endif
