@@ -101,7 +101,8 @@ std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm al
   };
   const AllReduceAlgorithm algorithm = sync == Sync::allreduce ? all_reduce : AllReduceAlgorithm::ring;
   auto reduce_all = [&](const std::string& what, int64_t count) {
-    if (algorithm == AllReduceAlgorithm::ring) return out.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(count, n)});
+    if (algorithm == AllReduceAlgorithm::ring)
+      return out.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(count, n)});
     rooted(Collective::all_reduce, what + ": reduce to device 0", false, [&](int) { return count * F; });
     rooted(Collective::all_reduce, what + ": broadcast from device 0", true, [&](int) { return count * F; });
   };
@@ -110,7 +111,8 @@ std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm al
   auto batchnorm = [&](bool backward) {
     if (!spec.has_batchnorm()) return;
     if (!sync_bn) {
-      if (!backward) rooted(Collective::broadcast, "running statistics", true, [&](int) { return spec.buffer_count * F; });
+      if (!backward)
+        rooted(Collective::broadcast, "running statistics", true, [&](int) { return spec.buffer_count * F; });
       return;
     }
     std::vector<const Layer*> bns;

@@ -28,7 +28,7 @@ struct TrainOptions {
   Sync sync = Sync::scatter;
   Split split = Split::even;
   int64_t bucket_kb = 0;
-  bool sync_bn = false;  // --sync-bn: SyncBatchNorm (EngineConfig::sync_bn)
+  bool sync_bn = false;                                      // --sync-bn: SyncBatchNorm (EngineConfig::sync_bn)
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // --allreduce (only with --sync allreduce)
   std::string load, save, resume, report, trace;
   int64_t save_every = 0;

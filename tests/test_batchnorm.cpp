@@ -134,7 +134,8 @@ TEST_CASE("lenet-bn: local BatchNorm on n devices equals one device normalising 
        Buffer sum = d.alloc_floats(P, Category::gradients), mom = d.alloc_floats(P, Category::optimizer);
        Buffer running = d.alloc_floats(spec.buffer_count, Category::parameters);
        Buffer spare = d.alloc_floats(spec.buffer_count, Category::parameters);
-       Buffer dlogits = d.alloc_floats(int64_t(B) * 10, Category::outputs), stats = d.alloc_floats(2, Category::outputs);
+       Buffer dlogits = d.alloc_floats(int64_t(B) * 10, Category::outputs),
+              stats = d.alloc_floats(2, Category::outputs);
        Buffer labels = d.alloc(size_t(B) * 4, Category::inputs);
        d.upload(params.f(), init.params.data(), size_t(P) * 4);
        d.upload(running.f(), init.buffers.data(), size_t(spec.buffer_count) * 4);
@@ -264,7 +265,8 @@ TEST_CASE("lenet-bn: bad input exits 2 before any step, saying what would work")
       },
       "epoch 1/");
   // --sync-bn makes a shard of one fine: the statistics are the global batch's.
-  dp::test::CommandResult ok = dp::test::run_command(base + "--model lenet-bn --devices 2 --batch 3 --sync-bn --limit-train 63 --steps 2");
+  dp::test::CommandResult ok =
+      dp::test::run_command(base + "--model lenet-bn --devices 2 --batch 3 --sync-bn --limit-train 63 --steps 2");
   INFO(ok.output);
   CHECK(ok.exit_code == 0);
   // And --verify holds with --sync-bn on more than one device.
@@ -281,7 +283,8 @@ TEST_CASE("checkpoints: BatchNorm's buffers under PyTorch's names and dtypes; a 
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 64, 16);
   const std::string train = std::string(DP_TRAIN_BIN) + " --quiet --data " + dir.path.string();
-  dp::test::CommandResult r = dp::test::run_command(train + " --model lenet-bn --batch 16 --steps 3 --save " + dir / "bn.st");
+  dp::test::CommandResult r =
+      dp::test::run_command(train + " --model lenet-bn --batch 16 --steps 3 --save " + dir / "bn.st");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   const SafeTensors st = read_safetensors(dir / "bn.st");
@@ -310,7 +313,7 @@ TEST_CASE("checkpoints: BatchNorm's buffers under PyTorch's names and dtypes; a 
   CHECK(unwrapped.buffers == ck.buffers);
   CHECK(unwrapped.note.find("'module.'") != std::string::npos);
   dp::test::CommandResult eval = dp::test::run_command(std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() +
-                                             " --model lenet-bn --eval --load " + dir / "wrapped.st");
+                                                       " --model lenet-bn --eval --load " + dir / "wrapped.st");
   INFO(eval.output);
   CHECK(eval.exit_code == 0);
   CHECK(eval.output.find("keys prefixed 'module.'") != std::string::npos);
@@ -343,8 +346,8 @@ TEST_CASE("checkpoints: BatchNorm's buffers under PyTorch's names and dtypes; a 
 TEST_CASE("lenet-bn: dp_bench compare's byte model counts the running statistics' broadcast, to the byte") {
   // Local BatchNorm adds device 0's running statistics (2 x (20 + 50 + 128) floats) to every step's
   // broadcasts, under scatter and allreduce; compare exits 1 when a device's bytes are off the model.
-  const std::string cmd = std::string(DP_BENCH_BIN) +
-                          " compare --model lenet-bn --gpus 0,1,2 --batch 24 --steps 1 --warmup 0 --repeats 1";
+  const std::string cmd =
+      std::string(DP_BENCH_BIN) + " compare --model lenet-bn --gpus 0,1,2 --batch 24 --steps 1 --warmup 0 --repeats 1";
   dp::test::CommandResult r = dp::test::run_command(cmd);
   INFO(r.output);
   CHECK(r.exit_code == 0);

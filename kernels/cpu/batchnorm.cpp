@@ -83,7 +83,7 @@ void bn_update_running(int c, const T* mean, const T* var, int64_t count, T mome
 }
 
 #define DP_INSTANTIATE(T)                                                                                       \
-  template void bn_channel_sums<T>(int, int, int, const T*, const T*, T, T*);                                     \
+  template void bn_channel_sums<T>(int, int, int, const T*, const T*, T, T*);                                   \
   template void bn_normalize<T>(int, int, int, const T*, const T*, const T*, const T*, const T*, T, T*);        \
   template void bn_backward_sums<T>(int, int, int, const T*, const T*, const T*, T, const T*, T*);              \
   template void bn_backward_dx<T>(int, int, int, const T*, const T*, const T*, T, const T*, const T*, const T*, \
