@@ -62,7 +62,7 @@ TEST_CASE("all_reduce sums rank contributions on every rank, for awkward sizes")
           d.synchronize();
           comm->all_reduce(r, bufs[r].f(), count);
           d.download(out[r].data(), bufs[r].f(), out[r].size() * 4);
-        });
+        }, comm.get());
         for (int r = 0; r < n; ++r)
           for (int64_t i = 0; i < count; ++i) REQUIRE(out[r][i] == float(n * (n - 1) / 2 + n * (i % 5)));
         int64_t sent = 0, received = 0;
@@ -87,7 +87,7 @@ TEST_CASE("ring all_reduce moves 2(n-1)/n of the buffer per device when it divid
     bufs[r] = devs[r]->alloc_floats(P, Category::gradients);
     devs[r]->ops().fill(P, 1.0f, bufs[r].f());
     comm->all_reduce(r, bufs[r].f(), P);
-  });
+  }, comm.get());
   for (int r = 0; r < 4; ++r) CHECK(comm->traffic(r, Collective::all_reduce).sent == 2 * 3 * P * 4 / 4);
 }
 
@@ -151,7 +151,7 @@ TEST_CASE("broadcast, reduce, scatter and gather against closed forms") {
         keep.push_back(std::move(s));
         keep.push_back(std::move(c));
         keep.push_back(std::move(g));
-      });
+      }, comm.get());
       for (int r = 0; r < n; ++r)
         for (int64_t i = 0; i < count; ++i) CHECK(bcast[r][i] == float(i));
       for (int64_t i = 0; i < count; ++i) CHECK(reduced[0][i] == float(n * (n - 1) / 2));
@@ -190,7 +190,17 @@ TEST_CASE("an aborted collective releases every waiting rank") {
   for (int r = 0; r < 2; ++r) CHECK_THROWS_AS(fs[r].get(), Aborted);
   CHECK_THROWS_AS(fs[2].get(), DeviceError);
   comm->recover();
-  spmd(raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); });  // usable again
+  spmd(raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); }, comm.get());  // usable again
+
+  // The tests' spmd does the same for a body that throws: the peers in the collective are released
+  // (the test fails with the rank's error instead of hanging ctest) and the communicator recovers.
+  auto failing = [&](int r) {
+    if (r == 1) throw DeviceError(1, "rank 1 failed before the collective");
+    comm->all_reduce(r, bufs[r].f(), 8);
+  };
+  CHECK_THROWS_WITH_AS(spmd(raw(devs), failing, comm.get()), doctest::Contains("rank 1 failed"), DeviceError);
+  comm->recover();
+  spmd(raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); }, comm.get());
 }
 
 namespace {
@@ -229,7 +239,7 @@ AllReduced run_all_reduce(const std::string& kind, AllReduceAlgorithm algo, cons
     }
     d.download(res.out[r].data(), bufs[r].f(), size_t(count) * 4);
     d.synchronize();
-  });
+  }, comm.get());
   for (int r = 0; r < n; ++r) res.traffic.push_back(comm->traffic(r, Collective::all_reduce));
   return res;
 }

@@ -24,7 +24,9 @@
 #include <vector>
 
 #include "engine/checkpoint.h"
+#include "engine/communicator.h"
 #include "engine/device.h"
+#include "engine/error.h"
 
 extern char** environ;
 
@@ -221,11 +223,29 @@ struct Spawned {
   }
 };
 
-// Calls fn(rank) on every device's compute thread at once (SPMD), rethrowing the first failure.
-inline void spmd(const std::vector<Device*>& devs, const std::function<void(int)>& fn) {
+// Calls fn(rank) on every device's compute thread at once (SPMD), rethrowing the first failure (a
+// rank's own before its peers' Aborted). A rank that throws aborts `comm` (when given), as the engine
+// does, so that its peers waiting in a collective throw too instead of hanging the test.
+inline void spmd(const std::vector<Device*>& devs, const std::function<void(int)>& fn, Communicator* comm = nullptr) {
   std::vector<std::future<void>> fs;
-  for (auto* d : devs) fs.push_back(d->run([&fn, d] { fn(d->rank()); }));
-  for (auto& f : fs) f.get();
+  for (auto* d : devs)
+    fs.push_back(d->run([&fn, d, comm] {
+      try {
+        fn(d->rank());
+      } catch (...) {
+        if (comm) comm->abort();
+        throw;
+      }
+    }));
+  std::exception_ptr first, aborted;
+  for (auto& f : fs) try {
+      f.get();
+    } catch (const Aborted&) {
+      if (!aborted) aborted = std::current_exception();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  if (first || aborted) std::rethrow_exception(first ? first : aborted);
 }
 
 // A convolution shape for test diagnostics: "n 2 c 3 h 7 w 5 k 4 kh 3 kw 2 pad 1".
