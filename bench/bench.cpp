@@ -81,15 +81,18 @@ std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
 //   broadcast from device 0    device 0 sends (n−1)·c·4                  device i receives c·4
 //   so device 0 sends and receives (n−1)·c·4 bytes, every other device c·4 each way: device 0's
 //   share grows with n, as under scatter.
-std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
-                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets,
-                                                bool sync_bn) {
-  const int n = int(sizes.size());
-  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
+namespace {
+
+// The collectives of a step as they are listed, one builder for every strategy and for BatchNorm's.
+struct StepModel {
+  int n;
+  AllReduceAlgorithm algorithm;
   std::vector<CollectiveTraffic> out;
-  if (n == 1) return out;
+  static constexpr int64_t F = sizeof(float);
+
   // root_sends: device 0 sends each device i its share(i) bytes; otherwise it receives them.
-  auto rooted = [&](Collective c, const std::string& what, bool root_sends, auto share) {
+  template <class Share>
+  void rooted(Collective c, const std::string& what, bool root_sends, Share share) {
     CollectiveTraffic ct{c, what, std::vector<Traffic>(static_cast<size_t>(n))};
     for (int i = 1; i < n; ++i) {
       int64_t b = share(i);
@@ -98,17 +101,16 @@ std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm al
       (root_sends ? peer.received : peer.sent) += b;
     }
     out.push_back(ct);
-  };
-  const AllReduceAlgorithm algorithm = sync == Sync::allreduce ? all_reduce : AllReduceAlgorithm::ring;
-  auto reduce_all = [&](const std::string& what, int64_t count) {
+  }
+  void all_reduce(const std::string& what, int64_t count) {
     if (algorithm == AllReduceAlgorithm::ring)
       return out.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(count, n)});
     rooted(Collective::all_reduce, what + ": reduce to device 0", false, [&](int) { return count * F; });
     rooted(Collective::all_reduce, what + ": broadcast from device 0", true, [&](int) { return count * F; });
-  };
+  }
   // BatchNorm: device 0's running statistics to every replica before the forward (local), or the
   // statistics' all-reduces (SyncBatchNorm): forward's in layer order, backward's in reverse.
-  auto batchnorm = [&](bool backward) {
+  void batchnorm(const ModelSpec& spec, bool sync_bn, bool backward) {
     if (!spec.has_batchnorm()) return;
     if (!sync_bn) {
       if (!backward)
@@ -121,29 +123,49 @@ std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm al
     if (backward) std::reverse(bns.begin(), bns.end());
     for (const Layer* l : bns)
       if (backward) {
-        reduce_all(l->name + " gradient sums", 2 * int64_t(l->out_c));
+        all_reduce(l->name + " gradient sums", 2 * int64_t(l->out_c));
       } else {
-        reduce_all(l->name + " mean", l->out_c);
-        reduce_all(l->name + " variance", l->out_c);
+        all_reduce(l->name + " mean", l->out_c);
+        all_reduce(l->name + " variance", l->out_c);
       }
-  };
+  }
+};
+
+}  // namespace
+
+std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
+                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets,
+                                                bool sync_bn) {
+  const int n = int(sizes.size());
+  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
+  StepModel m{n, sync == Sync::allreduce ? all_reduce : AllReduceAlgorithm::ring, {}};
+  if (n == 1) return m.out;
   if (sync == Sync::scatter) {
-    rooted(Collective::scatter, "input chunks", true, [&](int i) { return sizes[i] * D * F; });
-    rooted(Collective::broadcast, "parameters", true, [&](int) { return P * F; });
-    batchnorm(false);
-    rooted(Collective::gather, "logits", false, [&](int i) { return sizes[i] * C * F; });
-    rooted(Collective::scatter, "logit gradients", true, [&](int i) { return sizes[i] * C * F; });
-    batchnorm(true);
-    rooted(Collective::reduce, "gradients", false, [&](int) { return P * F; });
+    m.rooted(Collective::scatter, "input chunks", true, [&](int i) { return sizes[i] * D * F; });
+    m.rooted(Collective::broadcast, "parameters", true, [&](int) { return P * F; });
+    m.batchnorm(spec, sync_bn, false);
+    m.rooted(Collective::gather, "logits", false, [&](int i) { return sizes[i] * C * F; });
+    m.rooted(Collective::scatter, "logit gradients", true, [&](int i) { return sizes[i] * C * F; });
+    m.batchnorm(spec, sync_bn, true);
+    m.rooted(Collective::reduce, "gradients", false, [&](int) { return P * F; });
   } else {
-    batchnorm(false);
-    batchnorm(true);  // interleaved with the buckets in time; the bytes are the same
+    m.batchnorm(spec, sync_bn, false);
+    m.batchnorm(spec, sync_bn, true);  // interleaved with the buckets in time; the bytes are the same
     std::vector<Bucket> bs = buckets;
     if (bs.empty()) bs.push_back({0, P, 0});
     for (size_t b = 0; b < bs.size(); ++b)
-      reduce_all(buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b), bs[b].count);
+      m.all_reduce(buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b), bs[b].count);
   }
-  return out;
+  return m.out;
+}
+
+std::vector<CollectiveTraffic> batchnorm_collectives(const ModelSpec& spec, int n, bool sync_bn,
+                                                     AllReduceAlgorithm algorithm) {
+  StepModel m{n, algorithm, {}};
+  if (n == 1) return m.out;
+  m.batchnorm(spec, sync_bn, false);
+  m.batchnorm(spec, sync_bn, true);
+  return m.out;
 }
 
 std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n) {

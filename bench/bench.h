@@ -52,6 +52,9 @@ std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n);
 std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
                                                 const std::vector<int>& sizes, const std::vector<Bucket>& buckets,
                                                 bool sync_bn = false);
+// BatchNorm's part of step_collectives alone (what it adds to a step of a model with BatchNorm).
+std::vector<CollectiveTraffic> batchnorm_collectives(const ModelSpec& spec, int n, bool sync_bn,
+                                                     AllReduceAlgorithm algorithm);
 std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n);
 
 // --- the alpha-beta model -------------------------------------------------------------------------

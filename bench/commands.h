@@ -1,4 +1,4 @@
-// dp_bench's subcommands (compare, comm, skew): their options as parsed by dp_bench.cpp, and the
+// dp_bench's subcommands (compare, comm, skew, bn): their options as parsed by dp_bench.cpp, and the
 // functions that run them. Each returns the process exit code: 0 fine, 1 a check failed.
 #pragma once
 
@@ -47,8 +47,26 @@ struct SkewOptions {
   std::string command;
 };
 
+// bn: local BatchNorm vs SyncBatchNorm on lenet-bn, per per-device batch, on real data. The device
+// count of a run is batch / per-device; the reference is one device on the whole batch.
+struct BnOptions {
+  std::string backend = "cpu";  // cpu: simulated devices (the default) | cuda | auto
+  std::vector<int> per_device{2, 4, 8, 16, 32, 64};
+  int batch = 128, steps = 80;  // the default run (13 runs) takes 3.5-5 min on 2 shared cores
+  Sync sync = Sync::allreduce;
+  // Not dp_train's 0.1: at 0.1 the first hundred steps are so chaotic that runs differing only in float
+  // rounding (sync and the reference) end several points of accuracy apart, hiding the effect shown.
+  float lr = 0.01f, momentum = 0.9f;
+  uint64_t seed = 0;
+  std::string data = "/usr/share/datasets/fashion-mnist";
+  int64_t limit_train = 0, limit_test = 2000;  // 0: all
+  std::string json, plot;
+  std::string command;
+};
+
 int run_compare(const CompareOptions& o);
 int run_comm(const CommOptions& o);
 int run_skew(const SkewOptions& o);
+int run_bn(const BnOptions& o);
 
 }  // namespace dp::bench

@@ -4,6 +4,9 @@
 //   comm     the collectives alone: time, algbw, busbw (nccl-tests' definitions), alpha-beta fit
 //   skew     memory per device by category: device 0's extra under scatter; with --device-memory,
 //            the largest batch each strategy fits
+//   bn       BatchNorm across replicas (lenet-bn, real data): local BatchNorm vs SyncBatchNorm at
+//            per-device batches 2..64 of one global batch, against one device on the whole batch:
+//            test accuracy, running statistics' distance, bytes (against the model) and time per step
 // Exit codes: 0 done, 1 a check failed (bytes off the model, skew out of bounds) or a device failed
 // or --plot could not plot, 2 bad arguments.
 #include <cmath>
@@ -11,6 +14,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <sstream>
 #include <string>
 
 #include "bench/bench.h"
@@ -166,11 +170,85 @@ Subcommand add_skew(CLI::App& app) {
           }};
 }
 
+// --per-device: a comma-separated list of batch sizes (bn checks that they divide --batch).
+std::vector<int> parse_batches(const std::string& text, const std::string& flag) {
+  std::vector<int> out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    size_t used = 0;
+    int v = -1;
+    try {
+      v = std::stoi(item, &used);
+    } catch (...) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || v < 0)
+      throw UsageError(flag + ": '" + item + "' in '" + text +
+                       "' is not a batch size; give comma-separated sizes, e.g. 2,4,8,16,32,64");
+    out.push_back(v);
+  }
+  if (out.empty()) throw UsageError(flag + ": the list is empty; give batch sizes, e.g. 2,4,8,16,32,64");
+  return out;
+}
+
+Subcommand add_bn(CLI::App& app) {
+  auto bo = std::make_shared<BnOptions>();
+  auto per_device = std::make_shared<std::string>("2,4,8,16,32,64"), sync = std::make_shared<std::string>("allreduce");
+  auto seed = std::make_shared<std::string>("0"), lr = std::make_shared<std::string>("0.01"),
+       momentum = std::make_shared<std::string>("0.9");
+  CLI::App* c = app.add_subcommand(
+      "bn",
+      "BatchNorm across replicas: local BatchNorm vs SyncBatchNorm (lenet-bn, real data) at each per-device batch, "
+      "against one device on the whole batch");
+  c->footer(
+      "The same lenet-bn (same initial weights, data order and global batch) is trained --steps steps with local "
+      "BatchNorm (each replica normalises its own shard; device 0's running statistics are broadcast each step) and "
+      "with SyncBatchNorm (the statistics of the global batch), on batch / per-device devices, and once on one device "
+      "on the whole batch (the reference, which SyncBatchNorm equals up to float rounding). The data is real "
+      "(--data, Fashion-MNIST by default); each epoch is shuffled and its last partial batch dropped. A per-device "
+      "batch must divide --batch and be at least 2 (BatchNorm needs more than 1 value per channel).");
+  c->add_option("--per-device", *per_device, "Per-device batches, comma-separated; each divides --batch, each >= 2")
+      ->capture_default_str();
+  c->add_option("--batch", bo->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
+  c->add_option("--steps", bo->steps, "Training steps per run")->capture_default_str()->transform(exact_integer<int>());
+  c->add_option("--sync", *sync, "allreduce (DDP) | scatter (nn.DataParallel)")->capture_default_str();
+  c->add_option("--backend", bo->backend,
+                "cpu: simulated devices | cuda: the replicas round-robin over the GPUs | auto: cuda where usable")
+      ->capture_default_str();
+  c->add_option("--data", bo->data, "IDX data directory (gzip'd or raw)")->capture_default_str();
+  c->add_option("--limit-train", bo->limit_train, "Use the first N training images (0: all)")
+      ->capture_default_str()
+      ->transform(exact_integer<int64_t>());
+  c->add_option("--limit-test", bo->limit_test, "Evaluate on the first N test images (0: all)")
+      ->capture_default_str()
+      ->transform(exact_integer<int64_t>());
+  c->add_option("--lr", *lr, "Learning rate (SGD)")->capture_default_str();
+  c->add_option("--momentum", *momentum, "SGD momentum")->capture_default_str();
+  c->add_option("--seed", *seed, "Seed of the weights and of the data order (0 to 2^64-1)")
+      ->capture_default_str()
+      ->type_name("UINT");
+  c->add_option("--json", bo->json, "Write every run, the sync-vs-local costs and the conclusion as JSON");
+  c->add_option("--plot", bo->plot,
+                "Write the data and a PNG (accuracy and running-statistics distance vs per-device batch) into this "
+                "directory (needs python3-matplotlib)");
+  return {c, [=](const std::string& command) {
+            bo->per_device = parse_batches(*per_device, "--per-device");
+            bo->sync = parse_sync(*sync);
+            bo->seed = parse_seed(*seed, "--seed");
+            bo->lr = parse_float(*lr, "--lr");
+            bo->momentum = parse_float(*momentum, "--momentum");
+            bo->command = command;
+            return run_bn(*bo);
+          }};
+}
+
 int run(int argc, char** argv) {
-  CLI::App app("dp_bench: measure the dp engine (scatter vs allreduce, collectives, memory skew)", "dp_bench");
+  CLI::App app(
+      "dp_bench: measure the dp engine (scatter vs allreduce, collectives, memory skew, BatchNorm across replicas)",
+      "dp_bench");
   app.set_version_flag("--version", std::string("dp_bench ") + dp::version());
   app.require_subcommand(1);
-  const Subcommand subcommands[] = {add_compare(app), add_comm(app), add_skew(app)};
+  const Subcommand subcommands[] = {add_compare(app), add_comm(app), add_skew(app), add_bn(app)};
   if (!run_parser(app, argc, argv)) return 0;
   for (const Subcommand& s : subcommands)
     if (s.app->parsed()) return s.run(shell_command_line(argc, argv));

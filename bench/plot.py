@@ -3,7 +3,7 @@
 
     python3 bench/plot.py KIND DIR/KIND.json DIR
 
-KIND is compare, comm or skew. Prints the path of every PNG it writes, one a line. Needs only
+KIND is compare, comm, skew or bn. Prints the path of every PNG it writes, one a line. Needs only
 matplotlib (Debian: python3-matplotlib); never needed to build, train or test.
 """
 import json
@@ -213,14 +213,66 @@ def skew(d, out):
     save(fig, out, "skew_memory.png")
 
 
+def bn_devices(d):
+    """bn's runs each have their own device count: the kind of device and the range of counts."""
+    cfg = d["config"]
+    counts = sorted({r["devices"] for r in d["runs"]} | {d["reference"]["devices"]})
+    span = f"{counts[0]} to {counts[-1]}" if len(counts) > 1 else f"{counts[0]}"
+    if cfg.get("backend") == "cpu":
+        return f"simulated CPU devices ({span} of them, sim:0,sim:1,..., a CPU thread each)"
+    if cfg.get("backend") == "cuda":
+        return f"CUDA GPUs ({span} replicas, round-robin over the GPUs)"
+    return f"devices of unrecorded kind (backend {cfg.get('backend')!r}; simulated or CUDA unknown)"
+
+
+def bn(d, out):
+    cfg = d["config"]
+    ref = d["reference"]
+    modes = [("local", "local BatchNorm (per-device statistics)", "o-", "#e6550d"),
+             ("sync", "SyncBatchNorm (global-batch statistics)", "s-", "#3182bd")]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.0, 4.6))
+    ps = sorted({r["per_device"] for r in d["runs"]})
+    floor = 1e-9  # sync's distance can be exactly 0, which a log axis cannot show
+    for mode, label, style, color in modes:
+        rows = sorted((r for r in d["runs"] if r["mode"] == mode), key=lambda r: r["per_device"])
+        x = [r["per_device"] for r in rows]
+        ax.plot(x, [r["test_accuracy"] for r in rows], style, color=color, label=label)
+        ax2.plot(x, [max(r["running_distance"], floor) for r in rows], style, color=color, label=label)
+    ax.axhline(ref["test_accuracy"], color="black", ls="--", lw=1,
+               label=f"reference: 1 device, batch {ref['per_device']} ({ref['test_accuracy']:.4f})")
+    # The reference and the sync runs are one computation up to float rounding: their spread is the noise.
+    same = [ref["test_accuracy"]] + [r["test_accuracy"] for r in d["runs"] if r["mode"] == "sync"]
+    ax.axhspan(min(same), max(same), color="#3182bd", alpha=0.12, lw=0,
+               label="spread of sync and reference (float rounding)")
+    labels = [f"{p}\n({cfg['batch'] // p} dev)" for p in ps]
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(ps)
+        a.set_xticklabels(labels)
+        a.minorticks_off()
+        a.set_xlabel("per-device batch (devices = global batch / per-device)")
+        a.grid(alpha=0.3, which="both")
+    ax.set_ylabel(f"test accuracy ({cfg['test_images']} images, running statistics)")
+    ax.set_title("test accuracy")
+    ax.legend(frameon=False, fontsize=8, loc="lower right")
+    ax2.set_yscale("log")
+    ax2.set_ylabel("||r - r_ref|| / ||r_ref||")
+    ax2.set_title("running statistics' distance from the reference's")
+    ax2.legend(frameon=False, fontsize=8)
+    fig.suptitle(f"{cfg['model']}, global batch {cfg['batch']}, {cfg['steps']} steps, --sync {cfg['strategy']}: "
+                 f"BatchNorm across replicas\n{bn_devices(d)}")
+    fig.tight_layout()
+    save(fig, out, "bn.png")
+
+
 def main():
-    if len(sys.argv) != 4 or sys.argv[1] not in ("compare", "comm", "skew"):
-        sys.exit("usage: plot.py compare|comm|skew DATA.json OUTDIR")
+    if len(sys.argv) != 4 or sys.argv[1] not in ("compare", "comm", "skew", "bn"):
+        sys.exit("usage: plot.py compare|comm|skew|bn DATA.json OUTDIR")
     kind, path, out = sys.argv[1:]
     with open(path) as f:
         d = json.load(f)
     os.makedirs(out, exist_ok=True)
-    {"compare": compare, "comm": comm, "skew": skew}[kind](d, out)
+    {"compare": compare, "comm": comm, "skew": skew, "bn": bn}[kind](d, out)
 
 
 if __name__ == "__main__":

@@ -53,16 +53,19 @@ TEST_CASE("all_reduce sums rank contributions on every rank, for awkward sizes")
         auto comm = make_communicator(raw(devs));
         std::vector<Buffer> bufs(n);
         std::vector<std::vector<float>> out(n, std::vector<float>(size_t(count)));
-        spmd(raw(devs), [&](int r) {
-          Device& d = *devs[r];
-          bufs[r] = d.alloc_floats(std::max<int64_t>(count, 1), Category::gradients);
-          std::vector<float> host(static_cast<size_t>(count));
-          for (int64_t i = 0; i < count; ++i) host[i] = float(r) + float(i % 5);  // r plus an index pattern
-          d.upload(bufs[r].f(), host.data(), host.size() * 4);
-          d.synchronize();
-          comm->all_reduce(r, bufs[r].f(), count);
-          d.download(out[r].data(), bufs[r].f(), out[r].size() * 4);
-        }, comm.get());
+        spmd(
+            raw(devs),
+            [&](int r) {
+              Device& d = *devs[r];
+              bufs[r] = d.alloc_floats(std::max<int64_t>(count, 1), Category::gradients);
+              std::vector<float> host(static_cast<size_t>(count));
+              for (int64_t i = 0; i < count; ++i) host[i] = float(r) + float(i % 5);  // r plus an index pattern
+              d.upload(bufs[r].f(), host.data(), host.size() * 4);
+              d.synchronize();
+              comm->all_reduce(r, bufs[r].f(), count);
+              d.download(out[r].data(), bufs[r].f(), out[r].size() * 4);
+            },
+            comm.get());
         for (int r = 0; r < n; ++r)
           for (int64_t i = 0; i < count; ++i) REQUIRE(out[r][i] == float(n * (n - 1) / 2 + n * (i % 5)));
         int64_t sent = 0, received = 0;
@@ -83,11 +86,14 @@ TEST_CASE("ring all_reduce moves 2(n-1)/n of the buffer per device when it divid
   auto comm = make_communicator(raw(devs));
   const int64_t P = 1000;  // divisible by 4
   std::vector<Buffer> bufs(4);
-  spmd(raw(devs), [&](int r) {
-    bufs[r] = devs[r]->alloc_floats(P, Category::gradients);
-    devs[r]->ops().fill(P, 1.0f, bufs[r].f());
-    comm->all_reduce(r, bufs[r].f(), P);
-  }, comm.get());
+  spmd(
+      raw(devs),
+      [&](int r) {
+        bufs[r] = devs[r]->alloc_floats(P, Category::gradients);
+        devs[r]->ops().fill(P, 1.0f, bufs[r].f());
+        comm->all_reduce(r, bufs[r].f(), P);
+      },
+      comm.get());
   for (int r = 0; r < 4; ++r) CHECK(comm->traffic(r, Collective::all_reduce).sent == 2 * 3 * P * 4 / 4);
 }
 
@@ -106,52 +112,55 @@ TEST_CASE("broadcast, reduce, scatter and gather against closed forms") {
       std::vector<std::vector<float>> bcast(n), reduced(n), scattered(n), gathered(n);
       std::vector<Buffer> keep;
       std::mutex mu;
-      spmd(raw(devs), [&](int r) {
-        Device& d = *devs[r];
-        Buffer b = d.alloc_floats(count, Category::comm), s = d.alloc_floats(total + 1, Category::comm),
-               c = d.alloc_floats(total + 1, Category::comm), g = d.alloc_floats(total + 1, Category::comm);
-        std::vector<float> host(count);
-        for (int64_t i = 0; i < count; ++i) host[i] = r == 0 ? float(i) : -1.0f;
-        d.upload(b.f(), host.data(), count * 4);
-        d.synchronize();
-        comm->broadcast(r, b.f(), count, 0);
-        bcast[r].resize(count);
-        d.download(bcast[r].data(), b.f(), count * 4);
+      spmd(
+          raw(devs),
+          [&](int r) {
+            Device& d = *devs[r];
+            Buffer b = d.alloc_floats(count, Category::comm), s = d.alloc_floats(total + 1, Category::comm),
+                   c = d.alloc_floats(total + 1, Category::comm), g = d.alloc_floats(total + 1, Category::comm);
+            std::vector<float> host(count);
+            for (int64_t i = 0; i < count; ++i) host[i] = r == 0 ? float(i) : -1.0f;
+            d.upload(b.f(), host.data(), count * 4);
+            d.synchronize();
+            comm->broadcast(r, b.f(), count, 0);
+            bcast[r].resize(count);
+            d.download(bcast[r].data(), b.f(), count * 4);
 
-        for (int64_t i = 0; i < count; ++i) host[i] = float(r);
-        d.upload(b.f(), host.data(), count * 4);
-        d.synchronize();
-        comm->reduce(r, b.f(), count, 0);
-        reduced[r].resize(count);
-        d.download(reduced[r].data(), b.f(), count * 4);
+            for (int64_t i = 0; i < count; ++i) host[i] = float(r);
+            d.upload(b.f(), host.data(), count * 4);
+            d.synchronize();
+            comm->reduce(r, b.f(), count, 0);
+            reduced[r].resize(count);
+            d.download(reduced[r].data(), b.f(), count * 4);
 
-        // scatter: root holds 0..total-1; rank r receives its slice
-        std::vector<float> all(total);
-        std::iota(all.begin(), all.end(), 0.0f);
-        if (r == 0 && total > 0) d.upload(s.f(), all.data(), total * 4);
-        d.synchronize();
-        comm->scatter(r, s.f(), c.f(), counts, 0);
-        scattered[r].resize(counts[r]);
-        if (counts[r] > 0) {
-          int64_t off = 0;
-          for (int q = 0; q < r; ++q) off += counts[q];
-          d.download(scattered[r].data(), r == 0 ? s.f() + off : c.f(), counts[r] * 4);
-        }
-        // gather: rank r contributes counts[r] copies of 100 + r
-        std::vector<float> mine(counts[r], 100.0f + r);
-        if (counts[r] > 0) d.upload(c.f(), mine.data(), counts[r] * 4);
-        d.synchronize();
-        comm->gather(r, c.f(), g.f(), counts, 0);
-        if (r == 0) {
-          gathered[0].resize(total);
-          if (total > 0) d.download(gathered[0].data(), g.f(), total * 4);
-        }
-        std::lock_guard lock(mu);
-        keep.push_back(std::move(b));
-        keep.push_back(std::move(s));
-        keep.push_back(std::move(c));
-        keep.push_back(std::move(g));
-      }, comm.get());
+            // scatter: root holds 0..total-1; rank r receives its slice
+            std::vector<float> all(total);
+            std::iota(all.begin(), all.end(), 0.0f);
+            if (r == 0 && total > 0) d.upload(s.f(), all.data(), total * 4);
+            d.synchronize();
+            comm->scatter(r, s.f(), c.f(), counts, 0);
+            scattered[r].resize(counts[r]);
+            if (counts[r] > 0) {
+              int64_t off = 0;
+              for (int q = 0; q < r; ++q) off += counts[q];
+              d.download(scattered[r].data(), r == 0 ? s.f() + off : c.f(), counts[r] * 4);
+            }
+            // gather: rank r contributes counts[r] copies of 100 + r
+            std::vector<float> mine(counts[r], 100.0f + r);
+            if (counts[r] > 0) d.upload(c.f(), mine.data(), counts[r] * 4);
+            d.synchronize();
+            comm->gather(r, c.f(), g.f(), counts, 0);
+            if (r == 0) {
+              gathered[0].resize(total);
+              if (total > 0) d.download(gathered[0].data(), g.f(), total * 4);
+            }
+            std::lock_guard lock(mu);
+            keep.push_back(std::move(b));
+            keep.push_back(std::move(s));
+            keep.push_back(std::move(c));
+            keep.push_back(std::move(g));
+          },
+          comm.get());
       for (int r = 0; r < n; ++r)
         for (int64_t i = 0; i < count; ++i) CHECK(bcast[r][i] == float(i));
       for (int64_t i = 0; i < count; ++i) CHECK(reduced[0][i] == float(n * (n - 1) / 2));
@@ -190,7 +199,8 @@ TEST_CASE("an aborted collective releases every waiting rank") {
   for (int r = 0; r < 2; ++r) CHECK_THROWS_AS(fs[r].get(), Aborted);
   CHECK_THROWS_AS(fs[2].get(), DeviceError);
   comm->recover();
-  spmd(raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); }, comm.get());  // usable again
+  spmd(
+      raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); }, comm.get());  // usable again
 
   // The tests' spmd does the same for a body that throws: the peers in the collective are released
   // (the test fails with the rank's error instead of hanging ctest) and the communicator recovers.
@@ -200,7 +210,8 @@ TEST_CASE("an aborted collective releases every waiting rank") {
   };
   CHECK_THROWS_WITH_AS(spmd(raw(devs), failing, comm.get()), doctest::Contains("rank 1 failed"), DeviceError);
   comm->recover();
-  spmd(raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); }, comm.get());
+  spmd(
+      raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); }, comm.get());
 }
 
 namespace {
@@ -222,24 +233,27 @@ AllReduced run_all_reduce(const std::string& kind, AllReduceAlgorithm algo, cons
   comm->set_all_reduce_algorithm(algo);
   std::vector<Buffer> bufs(n);
   AllReduced res{std::vector<std::vector<float>>(n, std::vector<float>(size_t(count))), {}};
-  spmd(raw(devs), [&](int r) {
-    Device& d = *devs[r];
-    bufs[r] = d.alloc_floats(std::max<int64_t>(count, 1), Category::gradients);
-    d.upload(bufs[r].f(), in[r].data(), size_t(count) * 4);
-    d.synchronize();
-    if (buckets <= 1) {
-      comm->all_reduce(r, bufs[r].f(), count);
-    } else {
-      int64_t offset = 0;
-      for (int64_t c : even_chunks(count, buckets)) {
-        comm->all_reduce_async(r, bufs[r].f() + offset, c);
-        offset += c;
-      }
-      comm->wait(r);
-    }
-    d.download(res.out[r].data(), bufs[r].f(), size_t(count) * 4);
-    d.synchronize();
-  }, comm.get());
+  spmd(
+      raw(devs),
+      [&](int r) {
+        Device& d = *devs[r];
+        bufs[r] = d.alloc_floats(std::max<int64_t>(count, 1), Category::gradients);
+        d.upload(bufs[r].f(), in[r].data(), size_t(count) * 4);
+        d.synchronize();
+        if (buckets <= 1) {
+          comm->all_reduce(r, bufs[r].f(), count);
+        } else {
+          int64_t offset = 0;
+          for (int64_t c : even_chunks(count, buckets)) {
+            comm->all_reduce_async(r, bufs[r].f() + offset, c);
+            offset += c;
+          }
+          comm->wait(r);
+        }
+        d.download(res.out[r].data(), bufs[r].f(), size_t(count) * 4);
+        d.synchronize();
+      },
+      comm.get());
   for (int r = 0; r < n; ++r) res.traffic.push_back(comm->traffic(r, Collective::all_reduce));
   return res;
 }
