@@ -14,7 +14,6 @@
 #include <exception>
 #include <functional>
 #include <memory>
-#include <sstream>
 #include <string>
 
 #include "bench/bench.h"
@@ -170,27 +169,6 @@ Subcommand add_skew(CLI::App& app) {
           }};
 }
 
-// --per-device: a comma-separated list of batch sizes (bn checks that they divide --batch).
-std::vector<int> parse_batches(const std::string& text, const std::string& flag) {
-  std::vector<int> out;
-  std::stringstream ss(text);
-  for (std::string item; std::getline(ss, item, ',');) {
-    size_t used = 0;
-    int v = -1;
-    try {
-      v = std::stoi(item, &used);
-    } catch (...) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || v < 0)
-      throw UsageError(flag + ": '" + item + "' in '" + text +
-                       "' is not a batch size; give comma-separated sizes, e.g. 2,4,8,16,32,64");
-    out.push_back(v);
-  }
-  if (out.empty()) throw UsageError(flag + ": the list is empty; give batch sizes, e.g. 2,4,8,16,32,64");
-  return out;
-}
-
 Subcommand add_bn(CLI::App& app) {
   auto bo = std::make_shared<BnOptions>();
   auto per_device = std::make_shared<std::string>("2,4,8,16,32,64"), sync = std::make_shared<std::string>("allreduce");
@@ -232,7 +210,7 @@ Subcommand add_bn(CLI::App& app) {
                 "Write the data and a PNG (accuracy and running-statistics distance vs per-device batch) into this "
                 "directory (needs python3-matplotlib)");
   return {c, [=](const std::string& command) {
-            bo->per_device = parse_batches(*per_device, "--per-device");
+            bo->per_device = parse_int_list(*per_device, "--per-device", "batch size", "2,4,8,16,32,64");
             bo->sync = parse_sync(*sync);
             bo->seed = parse_seed(*seed, "--seed");
             bo->lr = parse_float(*lr, "--lr");

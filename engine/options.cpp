@@ -133,11 +133,11 @@ float parse_float(const std::string& text, const std::string& flag) {
   return f;
 }
 
-std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
-  std::vector<int> ids;
+std::vector<int> parse_int_list(const std::string& text, const std::string& flag, const std::string& what,
+                                const std::string& example) {
+  std::vector<int> out;
   std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+  for (std::string item; std::getline(ss, item, ',');) {
     size_t used = 0;
     int v = -1;
     try {
@@ -146,12 +146,16 @@ std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
       used = 0;
     }
     if (used == 0 || used != item.size() || v < 0)
-      throw UsageError(flag + ": '" + item + "' in '" + text +
-                       "' is not a device id; give comma-separated ids >= 0, e.g. 0,1");
-    ids.push_back(v);
+      throw UsageError(flag + ": '" + item + "' in '" + text + "' is not a " + what + "; give comma-separated " + what +
+                       "s >= 0, e.g. " + example);
+    out.push_back(v);
   }
-  if (ids.empty()) throw UsageError(flag + ": the device list is empty; give at least one id, e.g. --gpus 0");
-  return ids;
+  if (out.empty()) throw UsageError(flag + ": the list is empty; give at least one " + what + ", e.g. " + example);
+  return out;
+}
+
+std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
+  return parse_int_list(text, flag, "device id", "0,1");
 }
 
 void DeviceFlags::add(CLI::App& app) {

@@ -27,7 +27,11 @@ uint64_t parse_seed(const std::string& text, const std::string& flag);
 // text that is not a number throws UsageError naming the flag. NaN, infinity and negative values
 // pass: the range checks after parsing name those.
 float parse_float(const std::string& text, const std::string& flag);
-// "0,1,2" -> {0, 1, 2}. Throws UsageError naming the flag.
+// "2,4,8" -> {2, 4, 8}: comma-separated integers >= 0. Throws UsageError naming the flag, the item
+// that is not a `what` ("device id", "batch size") and an example list.
+std::vector<int> parse_int_list(const std::string& text, const std::string& flag, const std::string& what,
+                                const std::string& example);
+// "0,1,2" -> {0, 1, 2}: device ids. Throws UsageError naming the flag.
 std::vector<int> parse_ids(const std::string& text, const std::string& flag);
 // A CLI11 transform that reads an integer flag as a decimal T exactly, refusing what does not fit
 // (CLI11 alone saturates at the type's limit and reads "010" as octal). T: int or int64_t.

@@ -12,33 +12,10 @@
 #include "tests/util.h"
 
 using namespace dp;
+using dp::test::Batches;
+using dp::test::make_batches;
+using dp::test::max_diff;
 using dp::test::raw;
-
-namespace {
-
-struct Batches {
-  std::vector<std::vector<float>> x;
-  std::vector<std::vector<int32_t>> y;
-};
-
-Batches make_batches(int steps, int b, uint32_t seed) {
-  Batches out;
-  for (int s = 0; s < steps; ++s) {
-    out.x.push_back(dp::test::random_floats(size_t(b) * 784, seed + s));
-    std::vector<int32_t> y(b);
-    for (int i = 0; i < b; ++i) y[i] = (i * 7 + s) % 10;
-    out.y.push_back(y);
-  }
-  return out;
-}
-
-double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, double(std::fabs(a[i] - b[i])));
-  return m;
-}
-
-}  // namespace
 
 TEST_CASE("split_batch: even and torch.chunk semantics") {
   CHECK(split_batch(256, 3, Split::even) == std::vector<int>{86, 85, 85});

@@ -9,7 +9,9 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -262,6 +264,32 @@ inline std::vector<float> random_floats(size_t n, uint32_t seed, float lo = 0.0f
   std::vector<float> v(n);
   for (auto& x : v) x = u(gen);
   return v;
+}
+
+// Training batches for engine tests: `steps` batches of b MNIST-sized images uniform in [0, 1) and
+// labels (i * 7 + step) % 10.
+struct Batches {
+  std::vector<std::vector<float>> x;    // (steps, b * 784)
+  std::vector<std::vector<int32_t>> y;  // (steps, b)
+};
+
+inline Batches make_batches(int steps, int b, uint32_t seed) {
+  Batches out;
+  for (int s = 0; s < steps; ++s) {
+    out.x.push_back(random_floats(size_t(b) * 784, seed + uint32_t(s)));
+    std::vector<int32_t> labels(static_cast<size_t>(b));
+    for (int i = 0; i < b; ++i) labels[size_t(i)] = (i * 7 + s) % 10;
+    out.y.push_back(labels);
+  }
+  return out;
+}
+
+// The largest elementwise difference of two equally long vectors.
+inline double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, double(std::fabs(a[i] - b[i])));
+  return m;
 }
 
 }  // namespace dp::test
