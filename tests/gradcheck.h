@@ -39,6 +39,12 @@ inline std::vector<double> uniform(int64_t n, double lo, double hi, std::mt19937
   return v;
 }
 inline std::vector<double> zeros(int64_t n) { return std::vector<double>(size_t(n), 0.0); }
+// The objective of a linear loss sum(w * y): its gradient with respect to y is w.
+inline double dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
 
 inline constexpr double kStep = 1e-5;
 inline constexpr double kTolerance = 1e-6;

@@ -20,12 +20,6 @@ namespace {
 
 using Vec = std::vector<double>;
 
-double dot(const Vec& a, const Vec& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
 // ---- layers: L = sum(y * r), so dL/dy = r is the dy fed to each backward ----------------------------
 
 void check_conv(const ConvShape& s, uint64_t seed) {

@@ -21,12 +21,6 @@ namespace {
 
 using Vec = std::vector<double>;
 
-double dot(const Vec& a, const Vec& b) {
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
-  return s;
-}
-
 constexpr double kEps = 1e-5;
 
 // One BatchNorm layer (N, C, HW) with its data: x with a different offset per channel, gamma of both
