@@ -57,6 +57,11 @@ void Device::maybe_fail(const char* where) {
   throw DeviceError(id_, std::string("injected fault in ") + where + ": " + what);
 }
 
+int Device::mark() {
+  host_marks_.push_back(std::chrono::steady_clock::now());
+  return int(host_marks_.size()) - 1;
+}
+
 void Device::start_workers(std::function<void()> init) {
   try {
     compute_ = std::make_unique<Worker>(init);

@@ -3,6 +3,7 @@
 // stream and library handles (engine/cuda/). The engine above sees only this interface.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <future>
 #include <memory>
@@ -73,6 +74,15 @@ class Device {
   virtual void copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) = 0;
   virtual void synchronize() = 0;
 
+  // Timing without waiting. mark() notes the point the device's work has reached in its order and
+  // returns its index: on a simulated device the host clock (its work is done when a call returns),
+  // on CUDA an event on the compute stream, so a phase is timed without a host synchronisation.
+  // After synchronize(), mark_time(i) is when mark i was reached, on the host's steady clock;
+  // clear_marks() starts a new set (the engine: once per step). Compute thread only.
+  virtual int mark();
+  virtual std::chrono::steady_clock::time_point mark_time(int i) { return host_marks_.at(size_t(i)); }
+  virtual void clear_marks() { host_marks_.clear(); }
+
   // Runs fn on the device's compute thread / its communication thread.
   std::future<void> run(std::function<void()> fn) { return compute_->submit(std::move(fn)); }
   std::future<void> run_comm(std::function<void()> fn) { return comm_->submit(std::move(fn)); }
@@ -96,6 +106,7 @@ class Device {
   Ledger ledger_;
   std::unique_ptr<Worker> compute_, comm_;
   std::string fault_;
+  std::vector<std::chrono::steady_clock::time_point> host_marks_;
 };
 
 // Where there is no GPU, "every device" (--gpus all, dp_train's default) means this many simulated

@@ -71,6 +71,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       cfg_(cfg),
       phase_seconds_(devices_.size()),
       spans_(devices_.size()),
+      open_phases_(devices_.size()),
       bucket_spans_(devices_.size()),
       eval_spans_(devices_.size()),
       step_traffic_(devices_.size()),
@@ -181,14 +182,29 @@ void Engine::run_all(const std::function<void(int)>& fn) {
   }
 }
 
+// A phase is two marks on the device (engine/device.h): on CUDA two events, so the host goes on
+// enqueueing the next phase instead of waiting for this one; the step waits once, in close_phases.
 template <class F>
 void Engine::timed(int rank, Phase p, F&& f) {
-  auto start = std::chrono::steady_clock::now();
+  Device& dev = *devices_[rank];
+  const int start = dev.mark();
   f();
-  devices_[rank]->synchronize();  // a phase ends when its device work has
-  auto end = std::chrono::steady_clock::now();
-  phase_seconds_[rank][int(p)] += std::chrono::duration<double>(end - start).count();
-  if (cfg_.trace) spans_[rank].push_back({p, step_, us_since_start(start), us_since_start(end)});
+  open_phases_[rank].push_back({p, start, dev.mark()});
+}
+
+// The step's one wait for the device: then each phase's marks become seconds (and trace spans). On
+// CUDA a phase is the GPU's time from the end of the previous phase to the end of its own work,
+// idle time waiting for the host's launches included, so the phases add up to the step.
+void Engine::close_phases(int rank) {
+  Device& dev = *devices_[rank];
+  dev.synchronize();
+  for (const OpenPhase& o : open_phases_[rank]) {
+    const auto start = dev.mark_time(o.start), end = dev.mark_time(o.end);
+    phase_seconds_[rank][int(o.phase)] += std::chrono::duration<double>(end - start).count();
+    if (cfg_.trace) spans_[rank].push_back({o.phase, step_, us_since_start(start), us_since_start(end)});
+  }
+  open_phases_[rank].clear();
+  dev.clear_marks();
 }
 
 // After wait(): every bucket's all-reduce has returned and its stamps are this thread's to read. A
@@ -222,20 +238,25 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
   const std::vector<int> sizes = split_batch(n, size(), cfg_.split);
   std::vector<Traffic> before(size());
   for (int r = 0; r < size(); ++r) before[r] = comm_->total(r);
+  std::vector<std::array<float, 2>> stats(size(), {0.0f, 0.0f});
   run_all([&](int r) {
+    devices_[r]->clear_marks();
+    open_phases_[r].clear();
     if (cfg_.sync == Sync::scatter)
       step_scatter(r, x, y, sizes);
     else
       step_allreduce(r, x, y, sizes);
+    // The loss and the correct count: on device 0 under scatter, a share on each device under
+    // allreduce. The download waits for the step's work; close_phases then has nothing to wait for.
+    if (cfg_.sync == Sync::allreduce || r == 0)
+      devices_[r]->download(stats[size_t(r)].data(), replicas_[r]->stats.f(), sizeof(float) * 2);
+    close_phases(r);
   });
   StepResult res;
   res.n = n;
-  for (int r = 0; r < size(); ++r) {
-    if (cfg_.sync == Sync::scatter && r > 0) break;  // the loss lives on device 0
-    float stats[2];
-    devices_[r]->download(stats, replicas_[r]->stats.f(), sizeof stats);
-    res.loss += stats[0];
-    res.correct += int64_t(stats[1]);
+  for (const auto& s : stats) {
+    res.loss += s[0];
+    res.correct += int64_t(s[1]);
   }
   if (spec_.has_batchnorm()) ++batches_tracked_;
   if (n == cfg_.batch)

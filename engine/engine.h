@@ -148,6 +148,7 @@ class Engine {
   void run_all(const std::function<void(int rank)>& fn);
   template <class F>
   void timed(int rank, Phase p, F&& f);
+  void close_phases(int rank);
   double us_since_start(std::chrono::steady_clock::time_point t) const {
     return std::chrono::duration<double, std::micro>(t - t0_).count();
   }
@@ -169,6 +170,11 @@ class Engine {
   std::vector<int> layer_bucket_;  // layer index -> bucket index
   std::vector<std::array<double, kPhases>> phase_seconds_;
   std::vector<std::vector<Span>> spans_;
+  struct OpenPhase {  // a phase of the step in flight: its marks on the device (Device::mark)
+    Phase phase;
+    int start, end;
+  };
+  std::vector<std::vector<OpenPhase>> open_phases_;   // per rank
   std::vector<std::vector<Interval>> bucket_timing_;  // per rank, per bucket: this step's, when tracing
   std::vector<std::vector<BucketSpan>> bucket_spans_;
   std::vector<std::vector<EvalSpan>> eval_spans_;

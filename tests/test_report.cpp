@@ -111,7 +111,7 @@ TEST_CASE("report: the device table's categories add up to each device's peak") 
     REQUIRE(std::getline(lines, line));
     std::vector<std::string> row = cells(line);
     REQUIRE(row.size() == header.size());
-    CHECK(row[0] == d["name"]);
+    CHECK(row[0] == d["name"].get<std::string>());
     CHECK(row[1] == dp::format_bytes(d["peak_bytes"].get<int64_t>()));
     int64_t sum = 0;
     for (int c = 0; c < dp::kCategories; ++c) {

@@ -80,6 +80,7 @@ void CudaDevice::close() noexcept {
   cudnn_.reset();
   cublas_.reset();
   ready_.reset();
+  marks_.clear();
   comm_stream_.reset();
   stream_.reset();
 }
@@ -172,6 +173,28 @@ void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void*
 void CudaDevice::synchronize() {
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+}
+
+int CudaDevice::mark() {
+  DeviceGuard guard(id());
+  if (marks_used_ == marks_.size()) {
+    cudaEvent_t e = nullptr;
+    DP_CUDA_CHECK(cudaEventCreate(&e));  // timing on: cudaEventElapsedTime reads it
+    marks_.emplace_back(e);
+  }
+  if (marks_used_ == 0) first_mark_ = std::chrono::steady_clock::now();
+  DP_CUDA_CHECK(cudaEventRecord(marks_[marks_used_].get(), stream_.get()));
+  return int(marks_used_++);
+}
+
+std::chrono::steady_clock::time_point CudaDevice::mark_time(int i) {
+  if (i < 0 || size_t(i) >= marks_used_) throw DeviceError(id(), "mark_time: no mark " + std::to_string(i));
+  if (i == 0) return first_mark_;
+  DeviceGuard guard(id());
+  float ms = 0;
+  DP_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[0].get(), marks_[size_t(i)].get()));
+  return first_mark_ +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double, std::milli>(ms));
 }
 
 std::pair<size_t, size_t> CudaDevice::driver_memory() {

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -39,6 +40,13 @@ class CudaDevice final : public Device {
   // access where the topology allows), cudaMemcpyAsync within one GPU.
   void copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) override;
   void synchronize() override;
+  // Events recorded on the compute stream (with timing, unlike the ordering events). The first mark
+  // of a set is taken as reached when it was recorded: the engine clears marks at the start of a step,
+  // after the previous one synchronised, so the stream is idle then and the event runs at once; every
+  // later mark is that host time plus the GPU's elapsed time between the two events.
+  int mark() override;
+  std::chrono::steady_clock::time_point mark_time(int i) override;
+  void clear_marks() override { marks_used_ = 0; }
 
   // The driver's view of this GPU's memory, bytes: (free, total), from cudaMemGetInfo. It counts
   // what the ledger does not: the context, library workspaces, NCCL buffers, other processes.
@@ -67,6 +75,9 @@ class CudaDevice final : public Device {
   mutable std::mutex ready_mu_;
   std::mutex peer_mu_;
   std::vector<int> peers_seen_;
+  std::vector<cuda::Event> marks_;  // grown on demand, reused every step
+  size_t marks_used_ = 0;
+  std::chrono::steady_clock::time_point first_mark_;
 };
 
 // Makes `id` the calling thread's current device for the guard's lifetime. On a thread bound to a
