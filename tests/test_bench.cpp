@@ -447,15 +447,20 @@ TEST_CASE("bench: records say the resolved backend and devices and a command tha
   const std::string log = dir / "rec.log", spaced = dir / "with space";
   fs::create_directories(spaced);
   const std::string prefix = auto_backend() == "cuda" ? "cuda:" : "sim:";
-  const std::vector<std::string> names{prefix + "0", prefix + "1"};
+  std::vector<std::string> names{prefix + "0", prefix + "1"};
+  std::string devices = "--backend auto --gpus 0,1";
+  if (dp::probe_cuda().count == 1) {  // one GPU: two replicas share it
+    devices = "--backend auto --gpus 0,0 --allow-shared-device";
+    names = {"cuda:0#0", "cuda:0#1"};
+  }
   struct Case {
     std::string args;
     bool in_config;  // compare and skew keep the backend in their config, comm at the top
   };
   const Case cases[] = {
-      {"compare --backend auto --gpus 0,1 --batch 16 --steps 1 --warmup 0 --repeats 1", true},
-      {"skew --backend auto --gpus 0,1 --batch 16", true},
-      {"comm --backend auto --gpus 0,1 --min-bytes 4K --max-bytes 8K --iters 1 --repeats 1", false},
+      {"compare " + devices + " --batch 16 --steps 1 --warmup 0 --repeats 1", true},
+      {"skew " + devices + " --batch 16", true},
+      {"comm " + devices + " --min-bytes 4K --max-bytes 8K --iters 1 --repeats 1", false},
   };
   for (const Case& c : cases) {
     CAPTURE(c.args);
