@@ -230,7 +230,7 @@ TEST_CASE("lenet-bn: evaluation normalises with the running statistics, the same
 TEST_CASE("lenet-bn: bad input exits 2 before any step, saying what would work") {
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 65, 16);  // 65 = 2 * 32 + 1: a last batch of 1
-  const std::string base = std::string(DP_TRAIN_BIN) + " --quiet --data " + dir.path.string() + " ";
+  const std::string base = std::string(DP_TRAIN_BIN) + " --backend cpu --quiet --data " + dir.path.string() + " ";
   dp::test::check_refusals(
       base,
       {
@@ -250,7 +250,7 @@ TEST_CASE("lenet-bn: bad input exits 2 before any step, saying what would work")
   INFO(ok.output);
   CHECK(ok.exit_code == 0);
   // And --verify holds with --sync-bn on more than one device.
-  ok = dp::test::run_command(std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() +
+  ok = dp::test::run_command(std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir.path.string() +
                              " --model lenet-bn --devices 3 --sync allreduce --sync-bn --batch 16 --limit-train 64 "
                              "--steps 3 --verify");
   INFO(ok.output);
@@ -262,7 +262,7 @@ TEST_CASE("lenet-bn: bad input exits 2 before any step, saying what would work")
 TEST_CASE("checkpoints: BatchNorm's buffers under PyTorch's names and dtypes; a 'module.' prefix is read without it") {
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 64, 16);
-  const std::string train = std::string(DP_TRAIN_BIN) + " --quiet --data " + dir.path.string();
+  const std::string train = std::string(DP_TRAIN_BIN) + " --backend cpu --quiet --data " + dir.path.string();
   dp::test::CommandResult r =
       dp::test::run_command(train + " --model lenet-bn --batch 16 --steps 3 --save " + dir / "bn.st");
   INFO(r.output);
@@ -292,8 +292,9 @@ TEST_CASE("checkpoints: BatchNorm's buffers under PyTorch's names and dtypes; a 
   CHECK(unwrapped.params == ck.params);
   CHECK(unwrapped.buffers == ck.buffers);
   CHECK(unwrapped.note.find("'module.'") != std::string::npos);
-  dp::test::CommandResult eval = dp::test::run_command(std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() +
-                                                       " --model lenet-bn --eval --load " + dir / "wrapped.st");
+  dp::test::CommandResult eval =
+      dp::test::run_command(std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir.path.string() +
+                            " --model lenet-bn --eval --load " + dir / "wrapped.st");
   INFO(eval.output);
   CHECK(eval.exit_code == 0);
   CHECK(eval.output.find("keys prefixed 'module.'") != std::string::npos);
@@ -327,7 +328,8 @@ TEST_CASE("lenet-bn: dp_bench compare's byte model counts the running statistics
   // Local BatchNorm adds device 0's running statistics (2 x (20 + 50 + 128) floats) to every step's
   // broadcasts, under scatter and allreduce; compare exits 1 when a device's bytes are off the model.
   const std::string cmd =
-      std::string(DP_BENCH_BIN) + " compare --model lenet-bn --gpus 0,1,2 --batch 24 --steps 1 --warmup 0 --repeats 1";
+      std::string(DP_BENCH_BIN) +
+      " compare --backend cpu --model lenet-bn --gpus 0,1,2 --batch 24 --steps 1 --warmup 0 --repeats 1";
   dp::test::CommandResult r = dp::test::run_command(cmd);
   INFO(r.output);
   CHECK(r.exit_code == 0);

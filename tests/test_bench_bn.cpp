@@ -24,13 +24,15 @@ namespace {
 
 using nlohmann::json;
 
-// A data set of 128 training and 64 test images, and the start of a bn command line on it.
+// A data set of 128 training and 64 test images, and the start of a bn command line on it: `base` on the
+// simulated devices, `any_backend` naming none (for a test that gives its own --backend).
 struct BnFixture {
   dp::test::TempDir dir;
-  std::string base;
+  std::string any_backend, base;
   BnFixture() {
     dp::test::write_synthetic_dataset(dir.path.string(), 128, 64);
-    base = "'" + std::string(DP_BENCH_BIN) + "' bn --data '" + dir.path.string() + "' ";
+    any_backend = "'" + std::string(DP_BENCH_BIN) + "' bn --data '" + dir.path.string() + "' ";
+    base = any_backend + "--backend cpu ";
   }
 };
 
@@ -192,7 +194,6 @@ TEST_CASE("dp_bench bn - bad input exits 2 naming why before anything runs") {
           {"--batch 16 --per-device 2,4 --steps 0", "--steps: 0 steps; give at least 1"},
           {"--batch 0", "--batch: 0 is not a batch size"},
           {ok + "--sync weird", "--sync: 'weird' is not a strategy"},
-          {ok + "--backend tpu", "--backend: 'tpu' is not a backend"},
           {ok + "--lr 0", "--lr: must be a finite learning rate > 0"},
           {ok + "--seed -1", "--seed"},
           {"--batch 1024 --per-device 2", "512 devices, more than the 256 this demo makes"},
@@ -200,8 +201,9 @@ TEST_CASE("dp_bench bn - bad input exits 2 naming why before anything runs") {
           {ok + "--json '" + f.dir / "missing/x.json" + "'", "does not exist"},
       },
       "run 1/");
+  dp::test::check_refusals(f.any_backend, {{ok + "--backend tpu", "--backend: 'tpu' is not a backend"}}, "run 1/");
   // A missing data directory: load_idx's refusal, before any device is made.
-  dp::test::check_refusals("'" + std::string(DP_BENCH_BIN) + "' bn " + ok,
+  dp::test::check_refusals("'" + std::string(DP_BENCH_BIN) + "' bn --backend cpu " + ok,
                            {{"--data '" + f.dir / "nowhere" + "'", f.dir / "nowhere"}}, "run 1/");
 }
 

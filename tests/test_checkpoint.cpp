@@ -273,7 +273,8 @@ TEST_CASE("inputs: a checkpoint holding NaN or Inf is refused at load, naming th
 TEST_CASE("inputs: dp_train --load and --resume refuse a checkpoint holding NaN with exit 2, before training") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  const std::string base = std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() + " --batch 16 --quiet";
+  const std::string base =
+      std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir.path.string() + " --batch 16 --quiet";
   CommandResult r = run_command(base + " --steps 1 --save " + dir / "ck.st");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);

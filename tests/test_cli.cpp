@@ -48,12 +48,15 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
   };
   for (auto& c : cases) {
     CAPTURE(c.args);
-    CommandResult r = run_command(kTrain + data + " --quiet " + c.args);
+    // Simulated devices (so --devices and --gpus mean the same on any machine), except where --backend is the
+    // argument refused: CLI11 refuses a repeated --backend.
+    const std::string backend = c.args.rfind("--backend", 0) == 0 ? "" : "--backend cpu ";
+    CommandResult r = run_command(kTrain + data + " --quiet " + backend + c.args);
     CAPTURE(r.output);
     CHECK(r.exit_code == 2);
     CHECK(r.output.find(c.words) != std::string::npos);
   }
-  CommandResult r = run_command(kTrain + " --data " + dir / "nowhere" + " --quiet");
+  CommandResult r = run_command(kTrain + " --backend cpu --data " + dir / "nowhere" + " --quiet");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("nowhere") != std::string::npos);
   // A misspelt kernel set is refused, not silently replaced by the best one.
@@ -66,7 +69,7 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
 TEST_CASE("dp_train: a short run learns, saves, reloads, reports and traces") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 1024, 256);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 64 --lr 0.05";
+  const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 64 --lr 0.05";
   CommandResult r = run_command(base + " --epochs 3 --devices 2 --sync allreduce --save " + dir / "ck.safetensors" +
                                 " --report " + dir / "r.json" + " --trace " + dir / "t.json");
   INFO(r.output);
@@ -101,7 +104,7 @@ TEST_CASE("dp_train --verify compares with one device and passes for both strate
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 64);
   for (std::string sync : {"scatter", "allreduce"}) {
-    CommandResult r = run_command(kTrain + " --data " + dir.path.string() +
+    CommandResult r = run_command(kTrain + " --backend cpu --data " + dir.path.string() +
                                   " --batch 32 --steps 8 --devices 3 --sync " + sync + " --verify");
     INFO(r.output);
     CHECK(r.exit_code == 0);
@@ -113,7 +116,8 @@ TEST_CASE("dp_train --verify compares with one device and passes for both strate
 TEST_CASE("dp_train: a non-finite loss stops with exit 3 naming the step and the layer") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 64);
-  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --epochs 1 --lr 1e6 --quiet");
+  CommandResult r =
+      run_command(kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --epochs 1 --lr 1e6 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 3);
   CHECK(r.output.find("step ") != std::string::npos);

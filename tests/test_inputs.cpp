@@ -19,7 +19,8 @@ using namespace dp::test;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
+// On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
+const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 
 // A learnable training set of `train` images and a test set of `test` images of rows x cols.
 void write_dataset(const TempDir& dir, int train, int test, uint32_t rows, uint32_t cols) {

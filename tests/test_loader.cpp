@@ -134,7 +134,7 @@ TEST_CASE("loader: --workers other than 0 or 1 is refused with exit 2, saying wh
     CHECK(r.exit_code == 2);
     CHECK(r.output.find(c.says) != std::string::npos);
   }
-  CommandResult eval = run_command(kTrain + " --eval --load x --workers 1");
+  CommandResult eval = run_command(kTrain + " --backend cpu --eval --load x --workers 1");
   CHECK(eval.exit_code == 2);
   CHECK(eval.output.find("--workers only makes sense for training") != std::string::npos);
 }

@@ -70,9 +70,11 @@ TEST_CASE("inputs: a size is a positive number of bytes after its suffix K, M, G
 TEST_CASE("inputs: dp_train and dp_bench refuse --device-memory 0.5 with exit 2 and the accepted forms") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  std::vector<std::string> commands = {std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() + " --steps 1"};
+  std::vector<std::string> commands = {std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir.path.string() +
+                                       " --steps 1"};
 #ifdef DP_BENCH_BIN
-  for (const char* sub : {"compare", "comm", "skew"}) commands.push_back(std::string(DP_BENCH_BIN) + " " + sub);
+  for (const char* sub : {"compare", "comm", "skew"})
+    commands.push_back(std::string(DP_BENCH_BIN) + " " + sub + " --backend cpu");
 #endif
   for (const std::string& cmd : commands)
     for (const char* size : {"0.5", "0", "-3", "1e9", "8388608T"}) {

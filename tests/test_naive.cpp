@@ -88,7 +88,8 @@ TEST_CASE("naive all-reduce: device 0 holds the (n-1) gradient buffers it sums, 
 TEST_CASE("dp_train --allreduce: bogus values and --sync scatter exit 2 and say why") {
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 64, 32);
-  const std::string base = std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() + " --quiet --steps 1 ";
+  const std::string base =
+      std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir.path.string() + " --quiet --steps 1 ";
   struct Case {
     std::string args, words;
   };
@@ -109,7 +110,8 @@ TEST_CASE("dp_train --allreduce: bogus values and --sync scatter exit 2 and say 
 TEST_CASE("dp_train --allreduce naive trains and names the algorithm in the report and the table") {
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 256, 64);
-  const std::string base = std::string(DP_TRAIN_BIN) + " --data " + dir.path.string() + " --batch 32 --steps 4 ";
+  const std::string base =
+      std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir.path.string() + " --batch 32 --steps 4 ";
   for (std::string algo : {"naive", "ring"}) {
     CAPTURE(algo);
     const std::string report = dir / (algo + ".json");

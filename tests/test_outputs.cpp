@@ -24,7 +24,8 @@ using namespace dp::test;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
+// On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
+const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 
 // A refusal is immediate; a 2-step run on 64 images takes well under a second. 60 s only bounds a bug.
 CommandResult train(const TempDir& dir, const std::string& args) {

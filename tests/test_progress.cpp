@@ -108,7 +108,8 @@ TEST_CASE("progress: dp_train on a 60-column terminal draws the line within 59 c
   std::filesystem::create_directory(dir / "data");
   write_synthetic_dataset(dir / "data", 128, 32);
   // stty: script's terminal takes the size of ours when there is one; this test wants 60 regardless.
-  const std::string train = std::string(DP_TRAIN_BIN) + " --data " + dir / "data" + " --batch 32 --epochs 2";
+  const std::string train =
+      std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir / "data" + " --batch 32 --epochs 2";
   CommandResult r = run_command("timeout -s KILL 60 script -qec 'stty cols 60 rows 24; COLUMNS=60 " + train +
                                 "' /dev/null </dev/null");
   INFO(r.output);

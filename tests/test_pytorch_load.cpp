@@ -16,7 +16,8 @@ using namespace dp::test;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
+// On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
+const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 const std::string kScript = std::string("/usr/bin/python3 ") + DP_SOURCE_DIR + "/docs/load_into_pytorch.py";
 
 // find_spec instead of `import torch`: the same answer where torch is absent, without the 3 s import.

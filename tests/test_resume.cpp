@@ -22,7 +22,8 @@ using namespace dp::test;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
+// On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
+const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 
 // Every tensor (weights and momentum) bit for bit, and the metadata.
 void check_same_checkpoint(const std::string& got_path, const std::string& want_path) {
