@@ -132,7 +132,9 @@ struct DeviceSet {
 // Throws UsageError for an empty list, repeated ids without allow_shared_device, a bad backend.
 DeviceSet make_devices(const DeviceConfig& config);
 
-std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t memory_cap);
+// ops: the kernels it runs; null for make_cpu_ops()'s choice (the best this CPU runs, or
+// DP_CPU_KERNELS's). Tests pass the reference kernels to compare another backend with the oracle.
+std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t memory_cap, std::unique_ptr<Ops> ops = nullptr);
 
 // The CUDA backend's entry points; engine/cuda/ defines them, or engine/stub/ when built without CUDA.
 struct CudaProbe {

@@ -170,7 +170,9 @@ void DeviceFlags::add(CLI::App& app) {
       ->excludes("--gpus")
       ->transform(exact_integer<int>());
   app.add_option("--backend", backend, "auto | cpu | cuda")->capture_default_str();
-  app.add_option("--device-memory", memory, "Memory cap per device: bytes, or with a suffix K, M, G, T (512M, 1.5G)");
+  app.add_option("--device-memory", memory,
+                 "Memory cap per device: bytes, or with a suffix K, M, G, T (512M, 1.5G). On CUDA it counts dp's own "
+                 "buffers only, not the CUDA context or what cuBLAS, cuDNN and NCCL allocate for themselves");
   app.add_flag("--allow-shared-device", allow_shared, "Allow a repeated id: several replicas on one device");
   app.option_defaults()->group(group);
 }

@@ -43,7 +43,9 @@ class Ops {
   virtual void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, const float* b,
                     float beta, float* c) = 0;
 
-  // Scratch floats conv needs (im2col buffers on the CPU, algorithm workspace on cuDNN).
+  // Scratch floats conv needs (im2col buffers on the CPU; on CUDA cuDNN's algorithm workspace and the
+  // bias gradient's partial sums). A caller asks for every shape it runs, at its largest batch, before
+  // running it, and passes at least that many floats as `workspace`.
   virtual size_t conv2d_workspace_floats(const ConvShape& s) = 0;
   virtual void conv2d_forward(const ConvShape& s, const float* x,  // (N, C, H, W)
                               const float* w,                      // (K, C, KH, KW)

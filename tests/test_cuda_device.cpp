@@ -1,8 +1,9 @@
 // The CUDA device and what runs on it beyond single ops (those are in the op matrix, test_ops_*.cpp):
 // a device books its memory and refuses past its cap, the collectives on CUDA devices (NCCL and the
-// peer ring), three LeNet steps on CUDA against the CPU, a failure on one replica aborting the step,
-// and the fallback to simulated devices where CUDA is built but no GPU is usable. The GPU cases are
-// skipped, visibly, on machines without one; the fallback case runs everywhere.
+// peer ring), cuDNN's choice of convolution algorithms, three LeNet steps on CUDA against the CPU
+// reference, a failure on one replica aborting the step, and the fallback to simulated devices where
+// CUDA is built but no GPU is usable. The GPU cases are skipped, visibly, on machines without one; the
+// fallback case runs everywhere.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -12,17 +13,22 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/communicator.h"
 #include "engine/device.h"
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "models/model.h"
 #include "tests/backends.h"
 #include "tests/ops_matrix.h"
 #include "tests/tolerance.h"
 #include "tests/util.h"
+#if DP_TESTS_CUDA
+#include "kernels/cuda/cuda_ops.h"  // conv_choices: CudaOps' own, not the Ops interface's
+#endif
 
 namespace dp::test {
 namespace {
@@ -159,7 +165,59 @@ TEST_CASE("cuda: collectives over CUDA devices: rank r contributes r, the sum is
 }
 
 // ------------------------------------------------------------------------------------------------
-// Training: CUDA against the CPU
+// cuDNN's algorithms
+
+TEST_CASE("cuda: cuDNN runs every model's convolutions with deterministic GEMM-like algorithms, no fallback" *
+          doctest::skip(!cuda_available())) {
+#if DP_TESTS_CUDA
+  // The conv layers of every model (models/model.cpp), at batches from one sample to a large
+  // per-device batch, planned as the engine plans them (conv2d_workspace_floats). Every pass must be
+  // the strict choice of kernels/cuda/conv2d.cu: the op matrix's element-wise bounds, the same bits
+  // from run to run and the bit-exact resume all rest on it; a fallback (FFT, Winograd, a
+  // non-deterministic algorithm) would only be warned about at run time.
+  auto be = make_cuda_backend();
+  auto* cuda = dynamic_cast<CudaOps*>(&be->ops());
+  REQUIRE(cuda != nullptr);
+  std::vector<ConvShape> shapes;
+  for (const std::string& name : model_names())
+    for (const Layer& l : make_model(name).layers)
+      if (l.kind == LayerKind::conv)
+        for (int n : {1, 8, 32, 37, 64, 128, 256})
+          shapes.push_back({.n = n,
+                            .c = l.in_c,
+                            .h = l.in_h,
+                            .w = l.in_w,
+                            .k = l.out_c,
+                            .kh = l.kernel,
+                            .kw = l.kernel,
+                            .pad = l.pad});
+  std::vector<ConvChoice> choices;
+  be->run([&](Ops& ops) {
+    for (const ConvShape& s : shapes) CHECK(ops.conv2d_workspace_floats(s) > 0);
+    choices = cuda->conv_choices();
+  });
+  for (const ConvShape& s : shapes) {
+    INFO(describe(s));
+    int passes = 0;
+    for (const ConvChoice& c : choices) {
+      const ConvShape& t = c.shape;
+      if (std::tie(t.n, t.c, t.h, t.w, t.k, t.kh, t.kw, t.pad) != std::tie(s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad))
+        continue;
+      ++passes;
+      INFO(c.pass << ": " << c.algo << ", " << c.math << " math, " << c.workspace_bytes << " bytes of workspace");
+      CHECK(c.deterministic);
+      CHECK(c.strict);
+      CHECK(c.math.find("TENSOR_OP") == std::string::npos);  // FP32 FMA, never TF32 tensor cores
+    }
+    CHECK(passes == 3);  // forward, backward-data, backward-filter
+  }
+#else
+  FAIL("a CUDA device is usable, but this build has no CUDA backend");
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Training: CUDA against the CPU reference
 
 struct Trained {
   std::vector<float> params;
@@ -191,7 +249,12 @@ TEST_CASE("cuda: three LeNet steps on CUDA match the CPU from the same weights a
   std::vector<int32_t> y(static_cast<size_t>(batch));
   for (auto& l : y) l = int32_t(rng() % 10);
 
-  auto cpu_devs = make_test_devices("cpu", 1);
+  // The oracle is the CPU's reference kernels (kernels/cpu/kernels.h), not the fast ones this CPU
+  // would pick: those are themselves tested against the reference, and their error would add to
+  // CUDA's in the comparison.
+  std::vector<std::unique_ptr<Device>> cpu_devs;
+  cpu_devs.push_back(make_simulated_device(0, 0, 0, make_cpu_ops(cpu::Isa::reference)));
+  REQUIRE(std::string(cpu_devs[0]->ops().variant()) == "reference");
   const Trained ref = train_three_steps(raw(cpu_devs), spec, Sync::allreduce, 0, init, x, y, batch);
 
   struct Variant {
@@ -207,11 +270,13 @@ TEST_CASE("cuda: three LeNet steps on CUDA match the CPU from the same weights a
     CAPTURE(v.name);
     auto devs = make_test_devices("cuda", v.devices);
     const Trained got = train_three_steps(raw(devs), spec, v.sync, v.bucket_kb, init, x, y, batch);
-    // Per step the gradients differ by the kernels' summation-order bounds, at most about
-    // gamma(800) (fc1's fan-in) ~ 5e-5 relative to sums of |terms| of the gradients' own size; three
-    // SGD steps at lr 0.05 with momentum move the weights by ~ 3 lr (1 + 0.9 + 0.81) |g| per weight,
-    // so their differences stay near 1e-6. A wrong kernel moves them by ~ lr |g| ~ 1e-3. The
-    // tolerance sits between: 1e-4 + 1e-3 |w|.
+    // Per step CUDA's gradients differ from the reference's by at most the two summation-order
+    // bounds, about gamma(800) (fc1's fan-in) ~ 5e-5 relative to sums of |terms| of the gradients'
+    // own size (the loss's exp and log, within 2 ulp on either side, add far less); three SGD steps
+    // at lr 0.05 with momentum move the weights by ~ 3 lr (1 + 0.9 + 0.81) |g| per weight, so their
+    // differences stay near 1e-6 (the fast CPU kernels, summing in orders of their own, end within
+    // 1.5e-8 of the reference here). A wrong kernel moves them by ~ lr |g| ~ 1e-3 (the weights move
+    // by up to 0.026 in these steps). The tolerance sits between: 1e-4 + 1e-3 |w|.
     std::vector<double> tol(ref.params.size());
     for (size_t i = 0; i < tol.size(); ++i) tol[i] = 1e-4 + 1e-3 * std::fabs(double(ref.params[i]));
     check_close(std::string("weights, ") + v.name, got.params, ref.params, tol);

@@ -12,7 +12,8 @@
 //          GEMM and then col2im's additions are still one tree): K KH KW. cuDNN's data-gradient
 //          algorithms sum per tap and then over taps, with alpha/beta: K KH KW + KH KW + 2.
 //   dw, db N OH OW products/terms. The CPU: N OH OW (per image, then over the images, one tree);
-//          cuDNN merges per-image partial sums and scales: N OH OW + N + 2.
+//          cuDNN merges per-image partial sums and scales: N OH OW + N + 2. (CUDA's db is dp's own
+//          kernel, a fixed tree over slices of the N OH OW terms: within N OH OW, any tree is.)
 #include <doctest/doctest.h>
 
 #include <algorithm>

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 #include "engine/device.h"
 #include "engine/error.h"
@@ -15,7 +16,8 @@ namespace {
 // the reference), a compute and a communication thread.
 class SimDevice final : public Device {
  public:
-  SimDevice(int rank, int id, int64_t cap) : Device(rank, id, DeviceKind::simulated, cap), ops_(make_cpu_ops()) {
+  SimDevice(int rank, int id, int64_t cap, std::unique_ptr<Ops> ops)
+      : Device(rank, id, DeviceKind::simulated, cap), ops_(ops ? std::move(ops) : make_cpu_ops()) {
     start_workers({});
   }
   ~SimDevice() override { stop_workers(); }
@@ -51,8 +53,8 @@ class SimDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t cap) {
-  return std::make_unique<SimDevice>(rank, id, cap);
+std::unique_ptr<Device> make_simulated_device(int rank, int id, int64_t cap, std::unique_ptr<Ops> ops) {
+  return std::make_unique<SimDevice>(rank, id, cap, std::move(ops));
 }
 
 }  // namespace dp

@@ -24,7 +24,21 @@ DeviceGuard::DeviceGuard(int id) noexcept {
     prev_ = -1;
   }
   if (prev_ == id) return;
-  DP_CUDA_CHECK_PRINT(cudaSetDevice(id));
+  const cudaError_t err = cudaSetDevice(id);
+  if (err != cudaSuccess) {
+    // Not thrown (destructors and cleanup switch devices too), so said here, naming the device: the
+    // thread stays on its current one (the line ends with it), where the calls meant for `id` fail.
+    (void)cudaGetLastError();
+    try {
+      const std::string call = "cudaSetDevice(" + std::to_string(id) + ")";
+      cuda::print_failure("CUDA", call.c_str(),
+                          std::string(cudaGetErrorString(err)) + "; the CUDA calls meant for cuda:" +
+                              std::to_string(id) + " that follow run on this thread's device instead and will fail",
+                          __FILE__, __LINE__);
+    } catch (...) {  // out of memory for the message: nothing more to say
+    }
+    return;
+  }
   restore_ = t_bound_device >= 0 && prev_ >= 0;
 }
 

@@ -83,7 +83,8 @@ class CudaDevice final : public Device {
 // Makes `id` the calling thread's current device for the guard's lifetime. On a thread bound to a
 // device (a CudaDevice worker) the previous device is restored afterwards; any other thread (main,
 // a test) simply stays on `id`, so no context is ever created on a GPU nobody asked for. Never
-// throws: a failure to switch surfaces as the error of the CUDA call that follows.
+// throws: a failure to switch is printed, naming `id`, and surfaces as the error of the CUDA call
+// that follows.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int id) noexcept;

@@ -15,8 +15,14 @@
 //   - runs in FP32 FMA math, never TF32 tensor cores (CUDNN_FMA_MATH on the descriptor), which
 //     would round the inputs to 10 mantissa bits,
 //   - needs no more workspace than allowed.
-// Only when none qualifies is the first supported candidate of any kind taken.
+// Only when none qualifies is the first supported candidate of any kind taken: FFT, Winograd or a
+// non-deterministic algorithm, whose results may leave the tests' bounds and differ from run to run
+// (a resume is then no longer bit-exact). That fallback is never silent: every choice is kept
+// (CudaOps::conv_choices) and a shape that needed one gets a warning on stderr, once per process.
 #include <algorithm>
+#include <cstdio>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -34,24 +40,41 @@ __global__ void bias_add_kernel(int64_t total, int k, int64_t p, const float* b,
   DP_GRID_STRIDE(i, total) { y[i] += b[(i / p) % k]; }
 }
 
-// db(K)[k] = sum over n, p of dy(N, K, P)[n, k, p]: one block per channel, a fixed-order tree in
-// shared memory, so the result is the same bits every run.
-__global__ void bias_grad_kernel(int n, int k, int64_t p, const float* dy, float* db) {
-  __shared__ float partial[cuda::kThreads];
-  const int ch = blockIdx.x;
+// db(K)[k] = sum over n, p of dy(N, K, P)[n, k, p], in two fixed-order passes, so the result is the
+// same bits every run (no atomics). One block per channel would leave an H100 idle (LeNet has 20 to
+// 50 channels, the H100 132 SMs), so each channel's N * P values are cut into kBiasSlices contiguous
+// slices, one block each, whose totals (a fixed tree in shared memory) go to the workspace; then
+// one thread per channel adds its slices in order. Any order of additions keeps the sum within
+// gamma(N P) of the exact one, the bound the tests hold db to (tests/test_ops_conv.cpp).
+constexpr int kBiasSlices = 32;
+
+// partial(K, kBiasSlices): grid (K, kBiasSlices), kThreads threads.
+__global__ void bias_grad_partial_kernel(int n, int k, int64_t p, const float* dy, float* partial) {
+  __shared__ float s[cuda::kThreads];
+  const int ch = blockIdx.x, slice = blockIdx.y;
   const int64_t per_channel = int64_t(n) * p;
+  const int64_t begin = per_channel * slice / kBiasSlices, end = per_channel * (slice + 1) / kBiasSlices;
   float acc = 0.0f;
-  for (int64_t j = threadIdx.x; j < per_channel; j += blockDim.x) {
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {  // neighbours read neighbours
     const int64_t img = j / p, pix = j % p;
     acc += dy[(img * k + ch) * p + pix];
   }
-  partial[threadIdx.x] = acc;
+  s[threadIdx.x] = acc;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (int(threadIdx.x) < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    if (int(threadIdx.x) < stride) s[threadIdx.x] += s[threadIdx.x + stride];
     __syncthreads();
   }
-  if (threadIdx.x == 0) db[ch] = partial[0];
+  if (threadIdx.x == 0) partial[int64_t(ch) * kBiasSlices + slice] = s[0];
+}
+
+// db(K) = the sum of each channel's kBiasSlices partials, in slice order.
+__global__ void bias_grad_total_kernel(int k, const float* partial, float* db) {
+  DP_GRID_STRIDE(ch, k) {
+    float total = 0.0f;
+    for (int slice = 0; slice < kBiasSlices; ++slice) total += partial[ch * kBiasSlices + slice];
+    db[ch] = total;
+  }
 }
 
 std::string describe(const ConvShape& s) {
@@ -74,10 +97,89 @@ bool gemm_like(cudnnConvolutionBwdFilterAlgo_t a) {
          a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3;
 }
 
-// The first acceptable candidate (see the top of the file); `bytes_of` asks cuDNN for an
-// algorithm's workspace and returns false when cuDNN does not support it for this shape.
+// cuDNN's enum names less "CUDNN_CONVOLUTION_" (and less "FWD_ALGO_" for the forward ones, whose
+// names say what they are), as ConvChoice reports them.
+const char* algo_name(cudnnConvolutionFwdAlgo_t a) {
+  switch (a) {
+    case CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM:
+      return "IMPLICIT_GEMM";
+    case CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM:
+      return "IMPLICIT_PRECOMP_GEMM";
+    case CUDNN_CONVOLUTION_FWD_ALGO_GEMM:
+      return "GEMM";
+    case CUDNN_CONVOLUTION_FWD_ALGO_DIRECT:
+      return "DIRECT";
+    case CUDNN_CONVOLUTION_FWD_ALGO_FFT:
+      return "FFT";
+    case CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING:
+      return "FFT_TILING";
+    case CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD:
+      return "WINOGRAD";
+    case CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED:
+      return "WINOGRAD_NONFUSED";
+    default:
+      return "FWD_ALGO_?";
+  }
+}
+const char* algo_name(cudnnConvolutionBwdDataAlgo_t a) {
+  switch (a) {
+    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_0:
+      return "BWD_DATA_ALGO_0";
+    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_1:
+      return "BWD_DATA_ALGO_1";
+    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT:
+      return "BWD_DATA_ALGO_FFT";
+    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING:
+      return "BWD_DATA_ALGO_FFT_TILING";
+    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD:
+      return "BWD_DATA_ALGO_WINOGRAD";
+    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED:
+      return "BWD_DATA_ALGO_WINOGRAD_NONFUSED";
+    default:
+      return "BWD_DATA_ALGO_?";
+  }
+}
+const char* algo_name(cudnnConvolutionBwdFilterAlgo_t a) {
+  switch (a) {
+    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0:
+      return "BWD_FILTER_ALGO_0";
+    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1:
+      return "BWD_FILTER_ALGO_1";
+    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT:
+      return "BWD_FILTER_ALGO_FFT";
+    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3:
+      return "BWD_FILTER_ALGO_3";
+    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD:
+      return "BWD_FILTER_ALGO_WINOGRAD";
+    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED:
+      return "BWD_FILTER_ALGO_WINOGRAD_NONFUSED";
+    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING:
+      return "BWD_FILTER_ALGO_FFT_TILING";
+    default:
+      return "BWD_FILTER_ALGO_?";
+  }
+}
+const char* math_name(cudnnMathType_t m) {
+  switch (m) {
+    case CUDNN_DEFAULT_MATH:
+      return "DEFAULT";
+    case CUDNN_TENSOR_OP_MATH:
+      return "TENSOR_OP";
+    case CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION:
+      return "TENSOR_OP_ALLOW_CONVERSION";
+    case CUDNN_FMA_MATH:
+      return "FMA";
+    default:
+      return "?";
+  }
+}
+
+// The first acceptable candidate (see the top of the file), described for conv_choices; false when
+// none is. `bytes_of` asks cuDNN for an algorithm's workspace and returns false when cuDNN does not
+// support it for this shape.
 template <class Perf, class Algo, class BytesOf>
-bool choose(const std::vector<Perf>& perf, int returned, size_t limit, BytesOf bytes_of, Algo& algo, size_t& bytes) {
+bool choose(const std::vector<Perf>& perf, int returned, size_t limit, BytesOf bytes_of, Algo& algo, size_t& bytes,
+            ConvChoice& chosen) {
   for (int strict = 1; strict >= 0; --strict) {
     for (int i = 0; i < returned; ++i) {
       const Perf& p = perf[size_t(i)];
@@ -87,17 +189,42 @@ bool choose(const std::vector<Perf>& perf, int returned, size_t limit, BytesOf b
       if (!bytes_of(p.algo, need) || need > limit) continue;
       algo = p.algo;
       bytes = need;
+      chosen.algo = algo_name(p.algo);
+      chosen.math = math_name(p.mathType);
+      chosen.workspace_bytes = need;
+      chosen.deterministic = p.determinism == CUDNN_DETERMINISTIC;
+      chosen.strict = strict == 1;
       return true;
     }
   }
   return false;
 }
 
+// One line on stderr for a plan that fell back in any pass, once per shape in this process (devices
+// share shapes; a shape planned again for a smaller workspace is not reported twice).
+void warn_fallback(const ConvPlan& p, const std::string& shape) {
+  static std::mutex mu;
+  static std::set<std::string> warned;
+  std::string passes;
+  for (const ConvChoice& c : p.choices)
+    if (!c.strict)
+      passes += (passes.empty() ? "" : ", ") + c.pass + " uses " + c.algo + " (" +
+                (c.deterministic ? "deterministic" : "non-deterministic") + ", " + c.math + ")";
+  if (passes.empty()) return;
+  std::lock_guard lock(mu);
+  if (!warned.insert(shape).second) return;
+  std::fprintf(stderr,
+               "dp: warning: %s: no deterministic GEMM-like cuDNN algorithm within the workspace, so %s; its "
+               "results may not be bit-repeatable from run to run\n",
+               shape.c_str(), passes.c_str());
+}
+
 }  // namespace
 
+// The algorithms and the bias gradient's partials use the workspace one after another on the stream.
 size_t ConvPlan::workspace_floats() const {
   size_t most = std::max({fwd_bytes, bwd_data_bytes, bwd_filter_bytes});
-  return (most + sizeof(float) - 1) / sizeof(float);
+  return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
 }
 
 ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
@@ -125,6 +252,12 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
                                                    " bytes (conv2d_workspace_floats sizes the workspace)");
   };
   int max_count = 0, got = 0;
+  p->bias_floats = size_t(s.k) * kBiasSlices;
+  const char* passes[3] = {"forward", "backward-data", "backward-filter"};
+  for (size_t i = 0; i < 3; ++i) {
+    p->choices[i].shape = s;
+    p->choices[i].pass = passes[i];
+  }
 
   DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(cudnn_, &max_count));
   std::vector<cudnnConvolutionFwdAlgoPerf_t> fwd(size_t(std::max(max_count, 1)));
@@ -134,7 +267,7 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
     return cudnnGetConvolutionForwardWorkspaceSize(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), a, &b) ==
            CUDNN_STATUS_SUCCESS;
   };
-  if (!choose(fwd, got, limit, fwd_bytes, p->fwd, p->fwd_bytes)) throw fail("forward");
+  if (!choose(fwd, got, limit, fwd_bytes, p->fwd, p->fwd_bytes, p->choices[0])) throw fail("forward");
 
   DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(cudnn_, &max_count));
   std::vector<cudnnConvolutionBwdDataAlgoPerf_t> bwd_data(size_t(std::max(max_count, 1)));
@@ -144,7 +277,8 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
     return cudnnGetConvolutionBackwardDataWorkspaceSize(cudnn_, p->w.get(), p->y.get(), cd, p->x.get(), a, &b) ==
            CUDNN_STATUS_SUCCESS;
   };
-  if (!choose(bwd_data, got, limit, data_bytes, p->bwd_data, p->bwd_data_bytes)) throw fail("backward-data");
+  if (!choose(bwd_data, got, limit, data_bytes, p->bwd_data, p->bwd_data_bytes, p->choices[1]))
+    throw fail("backward-data");
 
   DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(cudnn_, &max_count));
   std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> bwd_filter(size_t(std::max(max_count, 1)));
@@ -154,7 +288,9 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
     return cudnnGetConvolutionBackwardFilterWorkspaceSize(cudnn_, p->x.get(), p->y.get(), cd, p->w.get(), a, &b) ==
            CUDNN_STATUS_SUCCESS;
   };
-  if (!choose(bwd_filter, got, limit, filter_bytes, p->bwd_filter, p->bwd_filter_bytes)) throw fail("backward-filter");
+  if (!choose(bwd_filter, got, limit, filter_bytes, p->bwd_filter, p->bwd_filter_bytes, p->choices[2]))
+    throw fail("backward-filter");
+  warn_fallback(*p, describe(s));
 
   auto& slot = plans_[ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}];
   slot = std::move(p);
@@ -168,7 +304,10 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
 ConvPlan& CudaOps::plan(const ConvShape& s) {
   std::lock_guard lock(conv_mu_);
   auto b = budget_floats_.find(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
-  const size_t budget = b == budget_floats_.end() ? 0 : b->second;
+  if (b == budget_floats_.end())  // a workspace of unknown size: it may not even hold db's partials
+    throw DeviceError(cuda::current_device(), describe(s) + " runs, but conv2d_workspace_floats was never asked " +
+                                                  "about its geometry, at any batch size");
+  const size_t budget = b->second;
   auto it = plans_.find(ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
   if (it != plans_.end() && it->second->workspace_floats() <= budget) return *it->second;
   return make_plan(s, budget * sizeof(float));
@@ -208,13 +347,25 @@ void CudaOps::conv2d_backward(const ConvShape& s, const float* x, const float* w
   ConvPlan& p = plan(s);
   const float one = 1.0f, zero = 0.0f;
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
-  bias_grad_kernel<<<unsigned(s.k), cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, db);  // db (K)
-  DP_CUDA_LAUNCH_CHECK("bias_grad_kernel");
+  // db (K), through (K, kBiasSlices) partials at the start of the workspace, which cuDNN's
+  // algorithms overwrite only after, in stream order
+  bias_grad_partial_kernel<<<dim3(unsigned(s.k), kBiasSlices), cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy,
+                                                                                             workspace);
+  DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
+  bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream_>>>(s.k, workspace, db);
+  DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
   DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(cudnn_, &one, p.x.get(), x, p.y.get(), dy, p.conv.get(), p.bwd_filter,
                                                 workspace, p.bwd_filter_bytes, &zero, p.w.get(), dw));
   if (dx)  // dx (N, C, H, W)
     DP_CUDNN_CHECK(cudnnConvolutionBackwardData(cudnn_, &one, p.w.get(), w, p.y.get(), dy, p.conv.get(), p.bwd_data,
                                                 workspace, p.bwd_data_bytes, &zero, p.x.get(), dx));
+}
+
+std::vector<ConvChoice> CudaOps::conv_choices() const {
+  std::lock_guard lock(conv_mu_);
+  std::vector<ConvChoice> out;
+  for (const auto& [key, plan] : plans_) out.insert(out.end(), plan->choices.begin(), plan->choices.end());
+  return out;
 }
 
 }  // namespace dp

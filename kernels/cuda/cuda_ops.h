@@ -15,11 +15,25 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "kernels/cuda/raii.h"
 #include "kernels/ops.h"
 
 namespace dp {
+
+// The algorithm make_plan chose for one pass of one convolution shape, in plain words, so that logs
+// and tests can see whether the choice was the strict one (kernels/cuda/conv2d.cu) or a fallback.
+struct ConvChoice {
+  ConvShape shape;
+  std::string pass;  // "forward", "backward-data" or "backward-filter"
+  std::string algo;  // cuDNN's enum name less its prefix: "IMPLICIT_PRECOMP_GEMM", "BWD_DATA_ALGO_1"
+  std::string math;  // the math type cuDNN reported for it: "FMA", "DEFAULT", ...
+  size_t workspace_bytes = 0;
+  bool deterministic = false;  // cuDNN says: the same bits every run
+  bool strict = false;         // deterministic and GEMM-like: the first round of the choice, no fallback
+};
 
 // Everything cuDNN needs for one convolution shape: descriptors and the three algorithms, chosen
 // once (kernels/cuda/conv2d.cu explains how).
@@ -31,6 +45,8 @@ struct ConvPlan {
   cudnnConvolutionBwdDataAlgo_t bwd_data{};
   cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
   size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
+  size_t bias_floats = 0;             // the bias gradient's partial sums (conv2d.cu), before the algorithms run
+  std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
 };
 
@@ -75,6 +91,10 @@ class CudaOps final : public Ops {
   void fill(int64_t n, float value, float* x) override;
   bool all_finite(int64_t n, const float* x) override;
 
+  // The algorithms of every convolution plan made so far, three per shape (forward, backward-data,
+  // backward-filter), in shape order. A shape whose choice fell back also got one warning on stderr.
+  std::vector<ConvChoice> conv_choices() const;
+
  private:
   using ShapeKey = std::array<int, 8>;     // n, c, h, w, k, kh, kw, pad
   using GeometryKey = std::array<int, 7>;  // the same without n
@@ -86,7 +106,7 @@ class CudaOps final : public Ops {
   cudaStream_t stream_;
   cublasHandle_t cublas_;
   cudnnHandle_t cudnn_;
-  std::mutex conv_mu_;
+  mutable std::mutex conv_mu_;
   std::map<ShapeKey, std::unique_ptr<ConvPlan>> plans_;
   std::map<GeometryKey, size_t> budget_floats_;
   int32_t* flag_;  // (1): all_finite's answer
