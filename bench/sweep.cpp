@@ -140,7 +140,7 @@ std::pair<double, int> time_op(Communicator& comm, const std::vector<Device*>& d
   Barrier start(n);
   std::vector<double> elapsed(static_cast<size_t>(n));
   spmd(comm, devices, [&](int r) {
-    start.arrive_and_wait();
+    start.arrive_and_wait(r, Deadline::after(comm.timeout()));  // bounded as the collectives are
     auto t0 = clock::now();
     for (int i = 0; i < iters; ++i) op(r);
     devices[r]->synchronize();

@@ -1,8 +1,21 @@
 #include "engine/communicator.h"
 
+#include <algorithm>
+#include <cstdlib>
+
 #include "engine/error.h"
 
 namespace dp {
+namespace {
+
+// A collective as messages name it: "the all-reduce", "the broadcast".
+const char* collective_text(Collective c) {
+  static const char* names[kCollectives] = {"the scatter", "the gather", "the broadcast", "the reduce",
+                                            "the all-reduce"};
+  return names[int(c)];
+}
+
+}  // namespace
 
 const char* collective_name(Collective c) {
   static const char* names[kCollectives] = {"scatter", "gather", "broadcast", "reduce", "all_reduce"};
@@ -19,17 +32,26 @@ AllReduceAlgorithm parse_all_reduce(const std::string& s) {
                    "(reduce to device 0 + broadcast, as d2l's hand-written allreduce)");
 }
 
-void Barrier::arrive_and_wait() {
+void Barrier::arrive_and_wait(int rank, const Deadline& deadline) {
   std::unique_lock lock(mu_);
   if (aborted_) throw Aborted();
   int64_t gen = generation_;
   if (++waiting_ == n_) {
     waiting_ = 0;
+    std::fill(arrived_.begin(), arrived_.end(), false);
     ++generation_;
     cv_.notify_all();
     return;
   }
-  cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+  arrived_[size_t(rank)] = true;
+  if (!cv_.wait_until(lock, deadline.at, [&] { return generation_ != gen || aborted_; })) {
+    std::vector<int> missing;
+    for (int r = 0; r < n_; ++r)
+      if (!arrived_[size_t(r)]) missing.push_back(r);
+    aborted_ = true;  // the ranks that did arrive stop waiting now, with Aborted
+    cv_.notify_all();
+    throw Expired(std::move(missing));
+  }
   if (generation_ == gen) throw Aborted();
 }
 
@@ -43,12 +65,8 @@ void Barrier::reset() {
   std::lock_guard lock(mu_);
   aborted_ = false;
   waiting_ = 0;
+  std::fill(arrived_.begin(), arrived_.end(), false);
   ++generation_;
-}
-
-bool Barrier::aborted() const {
-  std::lock_guard lock(mu_);
-  return aborted_;
 }
 
 std::vector<int64_t> even_chunks(int64_t count, int n) {
@@ -88,7 +106,66 @@ Communicator::Communicator(std::vector<Device*> devices)
       scratch_slots_(devices_.size()),
       scratch_(devices_.size()),
       traffic_(devices_.size()),
-      pending_(devices_.size()) {}
+      pending_(devices_.size()) {
+  // The end-to-end tests' stall (communicator.h). A rank past this communicator's size never enters
+  // it (--verify's one-device engine), so it is no error.
+  if (const char* v = std::getenv("DP_TEST_STALL"); v && *v) {
+    const std::string spec = v;
+    const size_t colon = spec.find(':');
+    int c = 0;
+    while (c < kCollectives && spec.substr(0, colon) != collective_name(Collective(c))) ++c;
+    const std::string digits = colon == std::string::npos ? "" : spec.substr(colon + 1);
+    if (c == kCollectives || digits.empty() || digits.size() > 6 ||
+        digits.find_first_not_of("0123456789") != std::string::npos)
+      throw UsageError("DP_TEST_STALL=" + spec +
+                       ": give <collective>:<rank>, e.g. all_reduce:1 (collectives: scatter, gather, broadcast, "
+                       "reduce, all_reduce)");
+    if (std::stoi(digits) < size()) stall_once(std::stoi(digits), Collective(c));
+  }
+}
+
+void Communicator::stall_once(int rank, Collective c) {
+  stall_collective_ = c;
+  stall_rank_.store(rank);
+}
+
+void Communicator::stop_answering(int rank, Collective c) {
+  // Bounded too, at twice the timeout: the peers' own deadline passes first and they abort.
+  poll_until([] { return false; }, [this] { return barrier_.aborted(); }, Deadline::after(2 * timeout_ + 1),
+             devices_[rank]->id(),
+             [&] {
+               return std::string("the stall of DP_TEST_STALL in ") + collective_text(c) + " on " +
+                      devices_[rank]->name();
+             });
+}
+
+void Communicator::meet(int rank, Collective c) {
+  int armed = stall_rank_.load(std::memory_order_acquire);
+  if (armed == rank && stall_collective_ == c && stall_rank_.compare_exchange_strong(armed, -1))
+    stop_answering(rank, c);
+  meet(rank, collective_text(c), Deadline::after(timeout_));
+}
+
+void Communicator::meet(int rank, const std::string& what, const Deadline& deadline) {
+  try {
+    barrier_.arrive_and_wait(rank, deadline);
+  } catch (const Barrier::Expired& e) {
+    // Device names, with the rank where replicas share a device (--gpus 0,0 names both cuda:0).
+    auto who = [&](int r) {
+      const std::string name = devices_[r]->name();
+      for (int q = 0; q < size(); ++q)
+        if (q != r && devices_[q]->name() == name) return name + " (rank " + std::to_string(r) + ")";
+      return name;
+    };
+    std::string missing;
+    for (size_t i = 0; i < e.missing.size(); ++i)
+      missing += (i == 0 ? "" : i + 1 == e.missing.size() ? " and " : ", ") + who(e.missing[i]);
+    throw TimedOut(devices_[rank]->id(),
+                   timeout_message(what + " on " + who(rank), deadline.seconds,
+                                   missing + (e.missing.size() == 1 ? " stopped answering (it never joined)"
+                                                                    : " stopped answering (they never joined)")));
+  }
+}
 
 float* Communicator::scratch(int rank, int64_t floats) {
   size_t bytes = size_t(floats) * sizeof(float);
@@ -99,9 +176,9 @@ float* Communicator::scratch(int rank, int64_t floats) {
   return scratch_[rank].f();
 }
 
-void Communicator::sync_and_wait(int rank) {
+void Communicator::sync_and_wait(int rank, Collective c) {
   devices_[rank]->synchronize();
-  barrier_.arrive_and_wait();
+  meet(rank, c);
 }
 
 Traffic Communicator::total(int rank) const {
@@ -134,21 +211,21 @@ void Communicator::broadcast_as(Collective as, int rank, float* buf, int64_t cou
   if (n == 1 || count == 0) return;
   const int64_t bytes = count * int64_t(sizeof(float));
   slots_[rank] = buf;
-  barrier_.arrive_and_wait();
+  meet(rank, as);
   if (rank == root) {
     tally(rank, as, (n - 1) * bytes, 0);
   } else {
     devices_[rank]->copy_from_peer(buf, *devices_[root], slots_[root], size_t(bytes));
     tally(rank, as, 0, bytes);
   }
-  sync_and_wait(rank);  // the root may not touch buf until every copy has landed
+  sync_and_wait(rank, as);  // the root may not touch buf until every copy has landed
 }
 
 void Communicator::scatter(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) {
   const int n = size();
   if (n == 1) return;
   slots_[rank] = send;
-  barrier_.arrive_and_wait();
+  meet(rank, Collective::scatter);
   int64_t offset = 0;
   for (int r = 0; r < rank; ++r) offset += counts[r];
   if (rank == root) {
@@ -160,7 +237,7 @@ void Communicator::scatter(int rank, const float* send, float* recv, const std::
     devices_[rank]->copy_from_peer(recv, *devices_[root], slots_[root] + offset, size_t(counts[rank]) * sizeof(float));
     tally(rank, Collective::scatter, 0, counts[rank] * int64_t(sizeof(float)));
   }
-  sync_and_wait(rank);
+  sync_and_wait(rank, Collective::scatter);
 }
 
 void Communicator::gather(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) {
@@ -171,7 +248,7 @@ void Communicator::gather(int rank, const float* send, float* recv, const std::v
     devices_[rank]->copy(recv + offset, send, size_t(counts[rank]) * sizeof(float));
   if (n == 1) return;
   slots_[rank] = send;
-  barrier_.arrive_and_wait();
+  meet(rank, Collective::gather);
   if (rank == root) {
     int64_t received = 0, at = 0;
     for (int r = 0; r < n; ++r) {
@@ -185,7 +262,7 @@ void Communicator::gather(int rank, const float* send, float* recv, const std::v
   } else {
     tally(rank, Collective::gather, counts[rank] * int64_t(sizeof(float)), 0);
   }
-  sync_and_wait(rank);
+  sync_and_wait(rank, Collective::gather);
 }
 
 void Communicator::reduce(int rank, float* buf, int64_t count, int root) {
@@ -198,7 +275,7 @@ void Communicator::reduce_as(Collective as, int rank, float* buf, int64_t count,
   const int64_t bytes = count * int64_t(sizeof(float));
   float* recv = rank == root ? scratch(rank, (n - 1) * count) : nullptr;  // (n-1, count)
   slots_[rank] = buf;
-  barrier_.arrive_and_wait();
+  meet(rank, as);
   if (rank == root) {
     int slot = 0;
     for (int r = 0; r < n; ++r) {
@@ -210,7 +287,7 @@ void Communicator::reduce_as(Collective as, int rank, float* buf, int64_t count,
   } else {
     tally(rank, as, bytes, 0);
   }
-  sync_and_wait(rank);  // peers may reuse their buffers once the root holds the copies
+  sync_and_wait(rank, as);  // peers may reuse their buffers once the root holds the copies
   if (rank == root)
     for (int s = 0; s < n - 1; ++s) devices_[rank]->ops().add(count, recv + s * count, buf);
 }
@@ -233,7 +310,7 @@ void Communicator::ring_all_reduce(int rank, float* buf, int64_t count) {
   float* recv = scratch(rank, chunk[0]);  // (largest chunk)
   const int prev = (rank + n - 1) % n;
   slots_[rank] = buf;
-  barrier_.arrive_and_wait();
+  meet(rank, Collective::all_reduce);
   Device& dev = *devices_[rank];
   auto bytes = [&](int c) { return chunk[c] * int64_t(sizeof(float)); };
   const Traffic t = ring_all_reduce_traffic(rank, n, count);
@@ -244,16 +321,16 @@ void Communicator::ring_all_reduce(int rank, float* buf, int64_t count) {
     const int recv_c = (rank - 1 - s + 2 * n) % n;  // sends chunk (rank - s)
     if (chunk[recv_c] > 0)
       dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
-    sync_and_wait(rank);
+    sync_and_wait(rank, Collective::all_reduce);
     dev.ops().add(chunk[recv_c], recv, buf + offset[recv_c]);
-    sync_and_wait(rank);
+    sync_and_wait(rank, Collective::all_reduce);
   }
   // All-gather: rank r now owns the sum of chunk (r + 1); pass the finished chunks around.
   for (int s = 0; s < n - 1; ++s) {
     const int recv_c = (rank - s + n) % n;  // sends chunk (rank + 1 - s)
     if (chunk[recv_c] > 0)
       dev.copy_from_peer(buf + offset[recv_c], *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
-    sync_and_wait(rank);
+    sync_and_wait(rank, Collective::all_reduce);
   }
 }
 

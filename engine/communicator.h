@@ -6,6 +6,10 @@
 // barrier between phases: on simulated devices that is memcpy between host buffers; on CUDA it is
 // cudaMemcpyPeerAsync (the path for several replicas on one GPU). NCCL overrides all_reduce.
 //
+// Every wait for peers is bounded by the collective timeout (set_timeout, dp_train --timeout; wait.h):
+// a rank that waits longer at a barrier aborts the collective on every rank and throws TimedOut,
+// naming the collective and the ranks that never came.
+//
 // all_reduce runs one of two algorithms (set_all_reduce_algorithm, dp_train --allreduce):
 //   ring  — reduce-scatter then all-gather (DDP's, NCCL's): every rank moves about 2(n-1)/n of the buffer.
 //   naive — "Dive into Deep Learning"'s hand-written allreduce: every rank's buffer is reduced into
@@ -14,15 +18,18 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <future>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "engine/device.h"
+#include "engine/wait.h"
 
 namespace dp {
 
@@ -39,21 +46,31 @@ struct Traffic {
   int64_t sent = 0, received = 0;  // bytes
 };
 
-// A barrier that can be aborted: waiting ranks then throw Aborted instead of hanging.
+// A barrier that can be aborted: waiting ranks then throw Aborted instead of hanging. A rank whose
+// deadline passes before every rank arrived aborts it (the others throw Aborted rather than each
+// wait out its own deadline) and throws Expired, which says who never came.
 class Barrier {
  public:
-  explicit Barrier(int n) : n_(n) {}
-  void arrive_and_wait();
+  struct Expired : std::runtime_error {
+    explicit Expired(std::vector<int> missing)
+        : std::runtime_error("the barrier's deadline passed"), missing(std::move(missing)) {}
+    std::vector<int> missing;  // the ranks that had not arrived, in rank order
+  };
+
+  explicit Barrier(int n) : n_(n), arrived_(size_t(n), false) {}
+  void arrive_and_wait(int rank, const Deadline& deadline);
   void abort();
   void reset();  // only when no rank is inside
-  bool aborted() const;
+  // Lock-free: the wait loops (wait.h) ask it between polls.
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
 
  private:
   mutable std::mutex mu_;
   std::condition_variable cv_;
   int n_, waiting_ = 0;
+  std::vector<bool> arrived_;  // this generation's arrivals, by rank
   int64_t generation_ = 0;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};  // written under mu_
 };
 
 // When a collective ran on a rank's communication thread: from the moment that thread began it
@@ -112,12 +129,25 @@ class Communicator {
 
   // Called when a rank fails: every rank waiting in, or later entering, a collective throws Aborted.
   void abort();
-  // After a failed step, once every rank has returned: drop pending work and re-arm.
-  void recover();
+  // After a failed step, once every rank has returned (no rank thread uses the communicator): drop
+  // pending work and re-arm. NCCL's also ends every NCCL operation still queued on the GPUs, so that
+  // none of them writes a buffer the next step uses.
+  virtual void recover();
 
   // Set before the first collective (the engine does so as it is built), never while one runs.
   void set_all_reduce_algorithm(AllReduceAlgorithm a) { all_reduce_algorithm_ = a; }
   AllReduceAlgorithm all_reduce_algorithm() const { return all_reduce_algorithm_; }
+  // Seconds a rank waits for its peers in a collective before it fails the collective on every rank
+  // (TimedOut); kDefaultTimeout unless set. Set as the algorithm is.
+  void set_timeout(double seconds) { timeout_ = seconds; }
+  double timeout() const { return timeout_; }
+
+  // Test hook: the next time `rank` enters collective `c` it stops answering: it never arrives, and
+  // waits until a peer's timeout (or failure) aborts the collective, then throws Aborted. The
+  // environment variable DP_TEST_STALL=<collective>:<rank> (e.g. all_reduce:1, names as
+  // collective_name gives them) sets it on every communicator built (dp_train's end-to-end tests);
+  // a malformed value is a UsageError.
+  void stall_once(int rank, Collective c);
 
   Traffic traffic(int rank, Collective c) const { return traffic_[rank][int(c)]; }
   Traffic total(int rank) const;
@@ -144,7 +174,13 @@ class Communicator {
     }));
   }
   float* scratch(int rank, int64_t floats);  // comm buffer on the rank's device, grown on demand
-  void sync_and_wait(int rank);              // finish the rank's queued copies, then barrier
+  // Every rank's meeting point within collective c: the barrier, with the timeout (and the stall
+  // hook). Past the deadline it throws TimedOut, naming the collective, this rank's device and the
+  // ranks that never came. The second form names what it waits in (`what`, e.g. "the start of
+  // NCCL") and takes its own deadline.
+  void meet(int rank, Collective c);
+  void meet(int rank, const std::string& what, const Deadline& deadline);
+  void sync_and_wait(int rank, Collective c);  // finish the rank's queued copies, then meet
   // broadcast and reduce, counting their bytes under `as` (the naive all-reduce is both, counted
   // as an all_reduce); ring_all_reduce is the ring.
   void broadcast_as(Collective as, int rank, float* buf, int64_t count, int root);
@@ -159,6 +195,12 @@ class Communicator {
   std::vector<std::array<Traffic, kCollectives>> traffic_;
   std::vector<std::vector<std::future<void>>> pending_;
   AllReduceAlgorithm all_reduce_algorithm_ = AllReduceAlgorithm::ring;
+  double timeout_ = kDefaultTimeout;
+
+ private:
+  void stop_answering(int rank, Collective c);  // the stall hook's wait
+  std::atomic<int> stall_rank_{-1};             // -1: no stall armed
+  Collective stall_collective_ = Collective::all_reduce;
 };
 
 // NCCL when every device is a distinct GPU, the peer ring otherwise (kernels/cuda/ or the stub).

@@ -77,8 +77,10 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       step_traffic_(devices_.size()),
       t0_(std::chrono::steady_clock::now()) {
   if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
+  if (!(cfg_.timeout > 0)) throw UsageError("--timeout: must be a positive number of seconds");
   comm_ = make_communicator(devices_);
   comm_->set_all_reduce_algorithm(cfg_.all_reduce);
+  comm_->set_timeout(cfg_.timeout);
   const int n = size();
   const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
   const int b = split_batch(cfg_.batch, n, cfg_.split)[0];

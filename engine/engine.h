@@ -78,6 +78,7 @@ struct EngineConfig {
   // (SyncBatchNorm): the statistics of the whole global batch, in both strategies.
   bool sync_bn = false;
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // allreduce: ring or naive (d2l)
+  double timeout = kDefaultTimeout;  // seconds a collective waits for its peers (--timeout; wait.h)
   bool trace = false;
 };
 

@@ -255,9 +255,19 @@ Examples:
 
 // Flags CLI11 would wrap or round silently, taken as text and parsed exactly after it is done.
 struct TrainText {
-  std::string sync = "scatter", split = "even", allreduce = "ring", lr, momentum, weight_decay, seed;
+  std::string sync = "scatter", split = "even", allreduce = "ring", lr, momentum, weight_decay, seed, timeout;
   bool no_shuffle = false;
 };
+
+// --timeout's seconds: a positive finite number (0.5 is fine). There is no "never": a timeout of
+// decades is --timeout 1e9.
+double parse_timeout(const std::string& text) {
+  const float v = parse_float(text, "--timeout");
+  if (!std::isfinite(v) || v <= 0)
+    throw UsageError("--timeout: '" + text + "' is not a timeout; give a positive number of seconds, e.g. " +
+                     fmt_float(float(kDefaultTimeout)) + " (the default: 10 minutes, PyTorch's for NCCL)");
+  return double(v);
+}
 
 void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
   app.add_option("--sync", t.sync, "scatter (nn.DataParallel) | allreduce (DDP)")->capture_default_str();
@@ -270,6 +280,12 @@ void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
       ->transform(exact_integer<int64_t>());
   app.add_flag("--sync-bn", o.sync_bn,
                "BatchNorm over the whole global batch (SyncBatchNorm), in either strategy; lenet-bn");
+  t.timeout = fmt_float(float(kDefaultTimeout));
+  app.add_option("--timeout", t.timeout,
+                 "Seconds a device waits in a collective for a peer before the run fails (a peer that stopped "
+                 "answering; PyTorch's NCCL default)")
+      ->capture_default_str()
+      ->type_name("SECONDS");
 }
 
 void add_training(CLI::App& app, TrainOptions& o, TrainText& t) {
@@ -386,6 +402,7 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.sync = parse_sync(t.sync);
   o.all_reduce = parse_all_reduce(t.allreduce);
   o.split = parse_split(t.split);
+  o.timeout = parse_timeout(t.timeout);
   o.shuffle = !t.no_shuffle;
   if (app.count("--steps") == 0)
     o.steps = 0;

@@ -105,6 +105,7 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   ec.momentum = o.momentum, ec.weight_decay = o.weight_decay, ec.bucket_kb = o.bucket_kb, ec.trace = !o.trace.empty();
   ec.sync_bn = o.sync_bn;
   ec.all_reduce = o.all_reduce;
+  ec.timeout = o.timeout;
   return ec;
 }
 

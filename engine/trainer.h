@@ -30,6 +30,7 @@ struct TrainOptions {
   int64_t bucket_kb = 0;
   bool sync_bn = false;                                      // --sync-bn: SyncBatchNorm (EngineConfig::sync_bn)
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // --allreduce (only with --sync allreduce)
+  double timeout = kDefaultTimeout;                          // --timeout: seconds a collective waits for peers
   std::string load, save, resume, report, trace;
   int64_t save_every = 0;
   std::string log;         // --log: JSON Lines records of the run (log.h)

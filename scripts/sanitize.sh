@@ -33,5 +33,5 @@ if [ "$what" = all ] || [ "$what" = tsan ]; then
   build build-tsan thread
   # BLIS runs on the calling thread (the serial build; one thread per simulated device), so its
   # internals stay off the report; tests/tsan.supp lists what is suppressed and why.
-  build-tsan/dp_tests --test-case='*strateg*,*replica*,*bytes per step*,*fault*,*device-memory*,*batch smaller*,*ledger*,*all_reduce*,*broadcast*,*aborted*,*even_chunks*,*resume*,*SIGINT*,*killed*,*diverging*,*dp_train*,blas:*,signals*,trace:*,loader:*'
+  build-tsan/dp_tests --test-case='*strateg*,*replica*,*bytes per step*,*fault*,*device-memory*,*batch smaller*,*ledger*,*all_reduce*,*broadcast*,*aborted*,*even_chunks*,*resume*,*SIGINT*,*killed*,*diverging*,*dp_train*,blas:*,signals*,trace:*,loader:*,wait:*'
 fi

@@ -2,6 +2,7 @@
 // synthetic data set learns; --save/--load, --report, --trace and --verify produce what they say.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -45,6 +46,10 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
       {"--report /nonexistent/dir/r.json", "/nonexistent/dir"},
       {"--no-such-flag", "--no-such-flag"},
       {"--limit-train -1", "--limit-train"},
+      {"--timeout 0", "--timeout: '0' is not a timeout; give a positive number of seconds"},
+      {"--timeout -5", "--timeout: '-5' is not a timeout"},
+      {"--timeout inf", "--timeout: 'inf' is not a timeout"},
+      {"--timeout soon", "--timeout: 'soon' is not a number"},
   };
   for (auto& c : cases) {
     CAPTURE(c.args);
@@ -64,6 +69,41 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("DP_CPU_KERNELS: 'avx3' is not a kernel set; use reference, avx2 or avx512") !=
         std::string::npos);
+}
+
+TEST_CASE("dp_train: a device that stops answering in a collective fails the run within --timeout, no hang") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  struct Case {
+    std::string stall, args, words;
+  };
+  // DP_TEST_STALL (engine/communicator.h): that rank never arrives in its first such collective.
+  const std::vector<Case> cases = {
+      {"all_reduce:1", "--sync allreduce",
+       "device 0: the all-reduce on sim:0 did not finish within 1 s (--timeout): sim:1 stopped answering"},
+      {"all_reduce:1", "--sync allreduce --bucket-kb 4",  // the communication thread's wait
+       "device 0: the all-reduce on sim:0 did not finish within 1 s (--timeout): sim:1 stopped answering"},
+      {"broadcast:0", "--sync scatter",
+       "device 1: the broadcast on sim:1 did not finish within 1 s (--timeout): sim:0 stopped answering"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.stall);
+    CAPTURE(c.args);
+    const auto start = std::chrono::steady_clock::now();
+    CommandResult r =
+        run_command("timeout -s KILL 60 env DP_TEST_STALL=" + c.stall + " " + kTrain + " --data " + dir.path.string() +
+                    " --backend cpu --devices 2 --batch 32 --steps 3 --quiet " + "--timeout 1 " + c.args);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    INFO(r.output);
+    CHECK(r.exit_code == 1);  // a device failed; 137 would be the KILL of a hang
+    CHECK(r.output.find(c.words) != std::string::npos);
+    CHECK(took < 20);
+  }
+  // A malformed hook is refused, as DP_TEST_AT is.
+  CommandResult bad = run_command("env DP_TEST_STALL=all_reduce " + kTrain + " --data " + dir.path.string() +
+                                  " --backend cpu --steps 1");
+  CHECK(bad.exit_code == 2);
+  CHECK(bad.output.find("DP_TEST_STALL=all_reduce: give <collective>:<rank>") != std::string::npos);
 }
 
 TEST_CASE("dp_train: a short run learns, saves, reloads, reports and traces") {

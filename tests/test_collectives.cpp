@@ -3,6 +3,7 @@
 // all-reduce (d2l's) against the ring and against the rank-order sum.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cmath>
 #include <numeric>
 
@@ -212,6 +213,44 @@ TEST_CASE("an aborted collective releases every waiting rank") {
   comm->recover();
   spmd(
       raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); }, comm.get());
+}
+
+TEST_CASE(
+    "a rank that stops answering: the all-reduce is aborted on every rank within the timeout, named; then it "
+    "recovers") {
+  auto devs = dp::test::make_test_devices("cpu", 3);
+  auto comm = make_communicator(raw(devs));
+  comm->set_timeout(0.2);
+  std::vector<Buffer> bufs(3);
+  for (int r = 0; r < 3; ++r) bufs[r] = devs[r]->alloc_floats(8, Category::gradients);
+  for (bool buckets : {false, true}) {  // on the compute thread, and on the communication thread
+    CAPTURE(buckets);
+    comm->stall_once(2, Collective::all_reduce);
+    const auto start = std::chrono::steady_clock::now();
+    auto body = [&](int r) {
+      if (!buckets) return comm->all_reduce(r, bufs[r].f(), 8);
+      comm->all_reduce_async(r, bufs[r].f(), 4);
+      comm->all_reduce_async(r, bufs[r].f() + 4, 4);
+      comm->wait(r);
+    };
+    // Rank 0 or 1 (whichever deadline passed first) names the collective, itself and rank 2; the
+    // others throw Aborted, rank 2 too, which stopped answering until then.
+    CHECK_THROWS_WITH_AS(spmd(raw(devs), body, comm.get()),
+                         doctest::Contains("did not finish within 0.2 s (--timeout): sim:2 stopped answering"),
+                         TimedOut);
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 10);
+    comm->recover();
+    spmd(
+        raw(devs),
+        [&](int r) {
+          devs[r]->ops().fill(8, float(r), bufs[r].f());
+          body(r);
+        },
+        comm.get());
+    std::vector<float> out(8);
+    devs[2]->download(out.data(), bufs[2].f(), 32);
+    for (float v : out) CHECK(v == 3.0f);  // 0 + 1 + 2
+  }
 }
 
 namespace {

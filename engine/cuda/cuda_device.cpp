@@ -135,7 +135,7 @@ void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
   if (bytes == 0) return;
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, stream_.get()));
-  DP_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+  wait_stream(stream_.get());  // behind NCCL's kernels, perhaps
 }
 
 void CudaDevice::copy(void* dst, const void* src, size_t bytes) {
@@ -186,7 +186,36 @@ void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void*
 
 void CudaDevice::synchronize() {
   DeviceGuard guard(id());
-  DP_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+  wait_stream(stream_.get());
+}
+
+void CudaDevice::set_watch(std::shared_ptr<const Watch> watch) {
+  std::lock_guard lock(watch_mu_);
+  watch_ = std::move(watch);
+}
+
+void CudaDevice::wait_stream(cudaStream_t stream) {
+  std::shared_ptr<const Watch> watch;
+  {
+    std::lock_guard lock(watch_mu_);
+    watch = watch_;
+  }
+  if (!watch) {
+    DP_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
+  poll_until([stream] { return stream_idle(stream); }, watch->aborted, Deadline::after(watch->timeout), id(),
+             watch->what);
+}
+
+bool stream_idle(cudaStream_t stream) {
+  const cudaError_t err = cudaStreamQuery(stream);
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  DP_CUDA_CHECK_NAMED(err, "cudaStreamQuery(stream)");
+  return true;
 }
 
 int CudaDevice::mark() {

@@ -11,12 +11,15 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "engine/device.h"
+#include "engine/wait.h"
 #include "kernels/cuda/raii.h"
 
 namespace dp {
@@ -39,6 +42,8 @@ class CudaDevice final : public Device {
   // event, not a host wait), on this device's stream: cudaMemcpyPeerAsync between GPUs (with peer
   // access where the topology allows), cudaMemcpyAsync within one GPU.
   void copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) override;
+  // Blocks in cudaStreamSynchronize, or, while a watch is set, polls (wait.h): NCCL's kernels on the
+  // stream may wait for a peer that never comes, and no host wait on them may last forever.
   void synchronize() override;
   // Events recorded on the compute stream (with timing, unlike the ordering events). The first mark
   // of a set is taken as reached when it was recorded: the engine clears marks at the start of a step,
@@ -47,6 +52,17 @@ class CudaDevice final : public Device {
   int mark() override;
   std::chrono::steady_clock::time_point mark_time(int i) override;
   void clear_marks() override { marks_used_ = 0; }
+
+  // Set by the NCCL communicator while its clique exists (nullptr: none). While set, every host wait
+  // on this device's stream (synchronize, download) polls instead of blocking: between polls it asks
+  // aborted(), which says whether another rank failed and throws when NCCL reported an error; a wait
+  // longer than `timeout` seconds throws TimedOut naming what(), what the stream waits for.
+  struct Watch {
+    std::function<bool()> aborted;
+    std::function<std::string()> what;
+    double timeout = kDefaultTimeout;
+  };
+  void set_watch(std::shared_ptr<const Watch> watch);
 
   // The driver's view of this GPU's memory, bytes: (free, total), from cudaMemGetInfo. It counts
   // what the ledger does not: the context, library workspaces, NCCL buffers, other processes.
@@ -65,6 +81,7 @@ class CudaDevice final : public Device {
   void open();            // on the compute thread
   void close() noexcept;  // on the compute thread
   void enable_peer_access(int peer_id);
+  void wait_stream(cudaStream_t stream);  // synchronize()'s wait, for this device's stream
 
   cuda::Stream stream_, comm_stream_;
   cuda::CublasHandle cublas_;
@@ -78,7 +95,14 @@ class CudaDevice final : public Device {
   std::vector<cuda::Event> marks_;  // grown on demand, reused every step
   size_t marks_used_ = 0;
   std::chrono::steady_clock::time_point first_mark_;
+  std::mutex watch_mu_;  // set_watch runs on another rank's thread
+  std::shared_ptr<const Watch> watch_;
 };
+
+// cudaStreamQuery as a "done?" for poll_until (wait.h): false while work is queued (cudaErrorNotReady,
+// not an error: it is cleared from the last-error slot, as PyTorch's event query does), true once the
+// stream is idle; throws the stream's error when its work failed. On the stream's device.
+bool stream_idle(cudaStream_t stream);
 
 // Makes `id` the calling thread's current device for the guard's lifetime. On a thread bound to a
 // device (a CudaDevice worker) the previous device is restored afterwards; any other thread (main,

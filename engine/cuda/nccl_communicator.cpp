@@ -17,6 +17,33 @@
 // and keeps the engine's failure rule: a rank that failed earlier aborts the barrier and the others
 // throw instead of enqueuing an all-reduce whose peer never comes (which would hang the GPU).
 //
+// The clique (one NCCL communicator per GPU) is created at the first all-reduce, not with the
+// communicator: --sync scatter never all-reduces (but for --sync-bn's BatchNorm statistics), and a
+// run that does not need NCCL must not fail because NCCL cannot start. Every rank meets at its first
+// all-reduce; rank 0 creates the clique with one ncclCommInitAll; a second meeting gives every rank
+// the outcome. If NCCL cannot start (a small /dev/shm in a container, no P2P, ...), one line on
+// stderr says so and all_reduce is the base class's peer copies from then on, counted the same way.
+// Why ncclCommInitAll on one thread rather than ncclCommInitRank on every rank's thread with a shared
+// ncclUniqueId (NCCL's one-thread-per-device recipe): InitAll is that recipe run from one thread
+// (ncclGetUniqueId, then every rank's init in one group), and it succeeds or fails as a whole, in one
+// place, so every rank learns the same outcome and falls back together. With one blocking
+// ncclCommInitRank per thread, a rank whose init fails leaves its peers waiting inside theirs for a
+// rank that never joins, and the ranks could disagree about whether NCCL is in use.
+//
+// Failures. Host waits on GPU work that may include NCCL poll (CudaDevice's watch, set while the
+// clique exists): between polls they look at the barrier's abort flag (another rank failed) and at
+// ncclCommGetAsyncError of the rank's own communicator (an NCCL error, which then aborts the other
+// ranks too), and give up after the collective timeout (--timeout) with TimedOut. So a rank whose peer
+// failed after the barrier, its kernel left waiting for the peer's half of an all-reduce, throws
+// instead of hanging. Once every rank has returned, recover() (engine.cpp, after a failed step) ends
+// every NCCL operation still queued: ncclCommAbort on every communicator (the kernels waiting for a
+// half that will never come quit), then both streams of every GPU drain, so no all-reduce queued on
+// the comm stream writes the gradient buffer while the next step's backward writes it; the clique is
+// created again at the next all-reduce, since after a failure its state is unknown. This is what
+// PyTorch's ProcessGroupNCCL does after an NCCL error or a timeout. The abort waits for recover()
+// rather than happening in the wait that saw the failure because ncclCommAbort frees the
+// communicator, and another rank's thread may at that moment still be polling its own.
+//
 // Bytes are counted by ring_all_reduce_traffic, as the base ring counts them, so reports compare across
 // communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch systems) and move a
 // different number of bytes over different links; the count is the ring model's, the bus-bandwidth
@@ -24,7 +51,10 @@
 // class counts it.
 #include <nccl.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <exception>
+#include <mutex>
 #include <set>
 #include <utility>
 
@@ -44,69 +74,181 @@ class NcclCommunicator final : public Communicator {
   void all_reduce(int rank, float* buf, int64_t count) override;
   void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr) override;
   void wait(int rank) override;
+  void recover() override;
 
  private:
+  enum class Clique { none, ready, unavailable };
+
   CudaDevice& gpu(int rank) const { return static_cast<CudaDevice&>(*devices_[rank]); }
   void tally_all_reduce(int rank, int64_t count);
   // The all-reduce of all_reduce_algorithm(), enqueued on `stream`.
   void enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream);
-  void release() noexcept;
+  // Whether this all-reduce goes through NCCL; the first call on every rank starts the clique.
+  bool use_nccl(int rank);
+  void start_clique(int rank);
+  // The watch's questions (CudaDevice::Watch), asked on the rank's thread while it waits.
+  bool failed(int rank);
+  std::string outstanding(int rank);
+  // Ends the clique: the watches off, then the communicators destroyed once every stream drained,
+  // or aborted (`failure`, or a drain that did not finish) and the streams drained after. Only when
+  // no rank thread uses the communicator.
+  void end_clique(bool failure) noexcept;
+  // Waits, up to the timeout, until both streams of every GPU are idle; says so on stderr if not.
+  bool drain() noexcept;
+  void release_events() noexcept;
 
   struct RankEvents {
-    std::vector<cuda::Event> ready;  // one per bucket in flight: recorded on the compute stream
-    size_t used = 0;
-    cuda::Event done;  // recorded on the comm stream after the last bucket
+    std::vector<cuda::Event> ready;     // per bucket in flight: recorded on the compute stream
+    std::vector<cuda::Event> finished;  // per bucket in flight: on the comm stream after its all-reduce
+    size_t used = 0;                    // buckets started since the last wait()
+    size_t in_flight = 0;               // buckets the last wait() covered
+    cuda::Event done;                   // recorded on the comm stream after the last bucket
   };
   std::vector<ncclComm_t> comms_;
+  // Written by rank 0 between the two meetings of start_clique, read by every rank after the second
+  // (or before its first, when none is there yet); reset by recover() with every rank idle.
+  Clique clique_ = Clique::none;
+  std::mutex events_mu_;  // events_[r] is the compute thread's; outstanding() may run on another
   std::vector<RankEvents> events_;
 };
 
 NcclCommunicator::NcclCommunicator(std::vector<Device*> devices)
     : Communicator(std::move(devices)), comms_(devices_.size(), nullptr), events_(devices_.size()) {
-  std::vector<int> ids;
-  for (Device* d : devices_) ids.push_back(d->id());
   try {
     for (int r = 0; r < size(); ++r) devices_[r]->run([this, r] { events_[r].done = cuda::make_event(); }).get();
-    // One call creates the whole clique. It runs on rank 0's compute thread, whose current device
-    // is ids[0], so NCCL's save-and-restore of the current device never touches another GPU.
-    devices_[0]
-        ->run([this, &ids] {
-          DP_NCCL_CHECK(ncclCommInitAll(comms_.data(), int(ids.size()), ids.data()));
-          DP_CUDA_CHECK(cudaSetDevice(ids[0]));
-        })
-        .get();
   } catch (...) {
-    release();
+    release_events();
     throw;
   }
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  abort();    // a comm-thread task still at the barrier throws instead of waiting forever
-  recover();  // and every task has finished before its state goes
-  release();
+  abort();                  // a comm-thread task still at the barrier throws instead of waiting forever
+  Communicator::recover();  // and every task has finished before its state goes
+  end_clique(/*failure=*/false);
+  release_events();
 }
 
-void NcclCommunicator::release() noexcept {
-  // Every rank's NCCL work must be complete before the communicators are destroyed.
+void NcclCommunicator::release_events() noexcept {
   for (int r = 0; r < size(); ++r)
-    devices_[r]
-        ->run([this, r] {
-          CudaDevice& d = gpu(r);
-          DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(d.comm_stream()));
-          DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(d.stream()));
-          events_[r] = RankEvents();
-        })
-        .wait();
-  // With several communicators in one process the last ncclCommDestroy frees them all, so one thread
-  // may destroy them one after another.
-  devices_[0]
-      ->run([this] {
+    devices_[r]->run([this, r] { events_[r] = RankEvents(); }).wait();  // destroyed on their GPU's thread
+}
+
+bool NcclCommunicator::use_nccl(int rank) {
+  if (clique_ == Clique::none) start_clique(rank);
+  return clique_ == Clique::ready;
+}
+
+void NcclCommunicator::start_clique(int rank) {
+  meet(rank, Collective::all_reduce);  // every rank, at its first all-reduce
+  if (rank == 0) {
+    try {
+      std::vector<int> ids;
+      for (Device* d : devices_) ids.push_back(d->id());
+      try {
+        // On rank 0's thread, whose current device is ids[0]: NCCL's save-and-restore of the current
+        // device never touches another GPU.
+        DP_NCCL_CHECK(ncclCommInitAll(comms_.data(), int(ids.size()), ids.data()));
+        DP_CUDA_CHECK(cudaSetDevice(ids[0]));
+      } catch (...) {
+        // A failed init may leave communicators half made; ncclCommAbort frees them.
         for (ncclComm_t& c : comms_)
-          if (c) DP_NCCL_CHECK_PRINT(ncclCommDestroy(std::exchange(c, nullptr)));
+          if (c) DP_NCCL_CHECK_PRINT(ncclCommAbort(std::exchange(c, nullptr)));
+        DP_CUDA_CHECK_PRINT(cudaSetDevice(ids[0]));
+        throw;
+      }
+      for (int r = 0; r < size(); ++r) {
+        auto watch = std::make_shared<CudaDevice::Watch>();
+        watch->aborted = [this, r] { return failed(r); };
+        watch->what = [this, r] { return outstanding(r); };
+        watch->timeout = timeout_;
+        gpu(r).set_watch(std::move(watch));
+      }
+      clique_ = Clique::ready;
+    } catch (const std::exception& e) {
+      clique_ = Clique::unavailable;
+      std::fprintf(stderr, "note: NCCL could not start (%s); all-reduce uses peer copies\n", e.what());
+    }
+  }
+  // Every rank learns the outcome. NCCL's start can take seconds on many GPUs: the wait for it is
+  // at least the default timeout, so that a short --timeout (for a quick verdict on a stuck step)
+  // does not fail a start that is merely slow.
+  meet(rank, "the start of NCCL", Deadline::after(std::max(timeout_, kDefaultTimeout)));
+}
+
+bool NcclCommunicator::failed(int rank) {
+  if (barrier_.aborted()) return true;  // another rank failed: Aborted
+  ncclResult_t state = ncclSuccess;
+  DP_NCCL_CHECK(ncclCommGetAsyncError(comms_[rank], &state));
+  if (state == ncclSuccess || state == ncclInProgress) return false;
+  abort();  // the other ranks stop waiting too
+  const char* detail = ncclGetLastError(comms_[rank]);
+  throw DeviceError(devices_[rank]->id(), "NCCL reported an error on " + devices_[rank]->name() + ": " +
+                                              ncclGetErrorString(state) +
+                                              (detail && *detail ? std::string(": ") + detail : std::string()));
+}
+
+std::string NcclCommunicator::outstanding(int rank) {
+  std::lock_guard lock(events_mu_);
+  const RankEvents& ev = events_[rank];
+  const size_t n = ev.used > 0 ? ev.used : ev.in_flight;
+  for (size_t i = 0; i < n; ++i) {
+    const cudaError_t err = cudaEventQuery(ev.finished[i].get());
+    if (err == cudaSuccess) continue;
+    (void)cudaGetLastError();  // not ready; or the stream's failure, which the wait reports itself
+    if (err == cudaErrorNotReady)
+      return "queued all-reduce " + std::to_string(i + 1) + " of " + std::to_string(n) + " on " +
+             devices_[rank]->name();
+  }
+  return "the work queued on " + devices_[rank]->name() + " (its kernels and NCCL's all-reduce)";
+}
+
+void NcclCommunicator::recover() {
+  Communicator::recover();  // every comm-thread task has finished, and the barrier is re-armed
+  for (RankEvents& ev : events_) ev.used = ev.in_flight = 0;
+  end_clique(/*failure=*/true);
+}
+
+void NcclCommunicator::end_clique(bool failure) noexcept {
+  if (clique_ != Clique::ready) return;  // none, or NCCL could not start: then it stays the peer ring
+  for (int r = 0; r < size(); ++r) gpu(r).set_watch(nullptr);  // before the communicators they ask go
+  const bool drained = !failure && drain();
+  // With several communicators in one process the last ncclCommDestroy (or ncclCommAbort) frees
+  // them all, so one thread may end them one after another.
+  devices_[0]
+      ->run([this, drained] {
+        for (ncclComm_t& c : comms_) {
+          if (!c) continue;
+          if (drained)
+            DP_NCCL_CHECK_PRINT(ncclCommDestroy(std::exchange(c, nullptr)));
+          else
+            DP_NCCL_CHECK_PRINT(ncclCommAbort(std::exchange(c, nullptr)));
+        }
         DP_CUDA_CHECK_PRINT(cudaSetDevice(devices_[0]->id()));
       })
       .wait();
+  if (!drained) drain();  // the aborted kernels have quit; what was queued behind them runs out
+  clique_ = Clique::none;
+}
+
+bool NcclCommunicator::drain() noexcept {
+  bool ok = true;
+  for (int r = 0; r < size(); ++r) {
+    try {
+      devices_[r]
+          ->run([this, r] {
+            CudaDevice& d = gpu(r);
+            poll_until([&d] { return stream_idle(d.comm_stream()) && stream_idle(d.stream()); }, [] { return false; },
+                       Deadline::after(timeout_), d.id(),
+                       [&d] { return "the work left on " + d.name() + "'s streams after the step"; });
+          })
+          .get();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dp: %s\n", e.what());
+      ok = false;
+    }
+  }
+  return ok;
 }
 
 void NcclCommunicator::tally_all_reduce(int rank, int64_t count) {
@@ -127,8 +269,9 @@ void NcclCommunicator::enqueue_all_reduce(int rank, float* buf, int64_t count, c
 
 void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
   if (size() == 1 || count == 0) return;
+  if (!use_nccl(rank)) return Communicator::all_reduce(rank, buf, count);
   tally_all_reduce(rank, count);
-  barrier_.arrive_and_wait();
+  meet(rank, Collective::all_reduce);
   enqueue_all_reduce(rank, buf, count, gpu(rank).stream());
 }
 
@@ -137,22 +280,40 @@ void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
 // stream and ends, at the latest, within the engine's all-reduce phase, which synchronises).
 void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
   if (size() == 1 || count == 0) return;
-  tally_all_reduce(rank, count);
-  RankEvents& ev = events_[rank];
-  if (ev.used == ev.ready.size()) ev.ready.push_back(cuda::make_event());  // on the compute thread: its GPU
-  cudaEvent_t ready = ev.ready[ev.used++].get();
   CudaDevice& dev = gpu(rank);
+  cudaEvent_t ready = nullptr, finished = nullptr;
+  {
+    std::lock_guard lock(events_mu_);
+    RankEvents& ev = events_[rank];
+    if (ev.used == ev.ready.size()) {  // on the compute thread: its GPU
+      ev.ready.push_back(cuda::make_event());
+      ev.finished.push_back(cuda::make_event());
+    }
+    ready = ev.ready[ev.used].get();
+    finished = ev.finished[ev.used].get();
+    ++ev.used;
+  }
   DP_CUDA_CHECK(cudaEventRecord(ready, dev.stream()));  // after the bucket's gradient kernels
-  submit_comm(rank, timing, [this, rank, buf, count, ready, &dev] {
-    barrier_.arrive_and_wait();
+  // Whether NCCL or the peer ring runs it is decided on the communication thread, where the clique
+  // starts: the compute thread may not read the outcome while rank 0 writes it.
+  submit_comm(rank, timing, [this, rank, buf, count, ready, finished, &dev] {
+    // The peer ring's copies go on the compute stream, after the bucket's gradient kernels.
+    if (!use_nccl(rank)) return Communicator::all_reduce(rank, buf, count);
+    tally_all_reduce(rank, count);
+    meet(rank, Collective::all_reduce);
     DP_CUDA_CHECK(cudaStreamWaitEvent(dev.comm_stream(), ready, 0));
     enqueue_all_reduce(rank, buf, count, dev.comm_stream());
+    DP_CUDA_CHECK(cudaEventRecord(finished, dev.comm_stream()));  // for a timeout's message
   });
 }
 
 void NcclCommunicator::wait(int rank) {
   const bool any = !pending_[rank].empty();
-  events_[rank].used = 0;
+  {
+    std::lock_guard lock(events_mu_);
+    events_[rank].in_flight = events_[rank].used;
+    events_[rank].used = 0;
+  }
   Communicator::wait(rank);  // every bucket enqueued on the comm stream (or the first failure rethrown)
   if (!any) return;
   CudaDevice& dev = gpu(rank);
@@ -164,7 +325,7 @@ void NcclCommunicator::wait(int rank) {
 }  // namespace
 
 std::unique_ptr<Communicator> make_communicator(std::vector<Device*> devices) {
-  bool nccl = devices.size() >= 2;  // one rank has nothing to reduce: skip NCCL's setup
+  bool nccl = devices.size() >= 2;  // one rank has nothing to reduce: no NCCL
   std::set<int> ids;
   for (Device* d : devices) {
     if (d->kind() != DeviceKind::cuda || !dynamic_cast<CudaDevice*>(d)) nccl = false;
