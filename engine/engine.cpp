@@ -205,8 +205,6 @@ void Engine::close_phases(int rank) {
     phase_seconds_[rank][int(o.phase)] += std::chrono::duration<double>(end - start).count();
     if (cfg_.trace) spans_[rank].push_back({o.phase, step_, us_since_start(start), us_since_start(end)});
   }
-  open_phases_[rank].clear();
-  dev.clear_marks();
 }
 
 // After wait(): every bucket's all-reduce has returned and its stamps are this thread's to read. A
@@ -242,6 +240,7 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
   for (int r = 0; r < size(); ++r) before[r] = comm_->total(r);
   std::vector<std::array<float, 2>> stats(size(), {0.0f, 0.0f});
   run_all([&](int r) {
+    // A new set of marks each step, also after a failed one, which left its marks behind.
     devices_[r]->clear_marks();
     open_phases_[r].clear();
     if (cfg_.sync == Sync::scatter)

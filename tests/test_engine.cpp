@@ -131,58 +131,67 @@ TEST_CASE("bytes per step match the theory to the byte") {
   }
 }
 
-TEST_CASE("a fault on one device ends the step on all devices and names the device") {
-  ModelSpec spec = make_model("lenet5");
-  Batches data = make_batches(2, 12, 9);
-  for (Sync sync : {Sync::scatter, Sync::allreduce}) {
-    for (int64_t bucket_kb : {int64_t(0), int64_t(8)}) {
-      if (sync == Sync::scatter && bucket_kb) continue;
-      CAPTURE(sync_name(sync));
-      auto devs = dp::test::make_test_devices("cpu", 3);
-      EngineConfig c;
-      c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb;
-      Engine e(raw(devs), spec, c);
-      devs[1]->inject_fault("simulated kernel failure");
-      try {
-        e.step(data.x[0].data(), data.y[0].data(), 12);
-        FAIL("the step should have failed");
-      } catch (const DeviceError& err) {
-        CHECK(std::string(err.what()).find("device 1") != std::string::npos);
-        CHECK(std::string(err.what()).find("simulated kernel failure") != std::string::npos);
-      }
-      // the engine recovers: the next step runs on every device
-      auto r = e.step(data.x[1].data(), data.y[1].data(), 12);
-      CHECK(r.n == 12);
-    }
-  }
-}
+namespace {
 
-TEST_CASE("a device that stops answering in a collective: the step is aborted within the timeout, and the next runs") {
-  ModelSpec spec = make_model("lenet5");
-  Batches data = make_batches(2, 12, 9);
+// Every strategy, with and without buckets where they apply: scatter, allreduce, allreduce with
+// 8 KiB buckets.
+template <class F>
+void for_each_strategy(F&& f) {
   for (Sync sync : {Sync::scatter, Sync::allreduce}) {
     for (int64_t bucket_kb : {int64_t(0), int64_t(8)}) {
       if (sync == Sync::scatter && bucket_kb) continue;
       CAPTURE(sync_name(sync));
       CAPTURE(bucket_kb);
-      auto devs = dp::test::make_test_devices("cpu", 3);
-      EngineConfig c;
-      c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb, c.timeout = 0.25;
-      Engine e(raw(devs), spec, c);
-      e.comm().stall_once(1, sync == Sync::scatter ? Collective::broadcast : Collective::all_reduce);
-      const auto start = std::chrono::steady_clock::now();
-      try {
-        e.step(data.x[0].data(), data.y[0].data(), 12);
-        FAIL("the step should have timed out");
-      } catch (const TimedOut& err) {
-        CHECK(std::string(err.what()).find(" did not finish within 0.25 s (--timeout): sim:1 stopped answering") !=
-              std::string::npos);
-      }
-      CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 10);
-      auto r = e.step(data.x[1].data(), data.y[1].data(), 12);
-      CHECK(r.n == 12);
+      f(sync, bucket_kb);
     }
   }
+}
+
+}  // namespace
+
+TEST_CASE("a fault on one device ends the step on all devices and names the device") {
+  ModelSpec spec = make_model("lenet5");
+  Batches data = make_batches(2, 12, 9);
+  for_each_strategy([&](Sync sync, int64_t bucket_kb) {
+    auto devs = dp::test::make_test_devices("cpu", 3);
+    EngineConfig c;
+    c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb;
+    Engine e(raw(devs), spec, c);
+    devs[1]->inject_fault("simulated kernel failure");
+    try {
+      e.step(data.x[0].data(), data.y[0].data(), 12);
+      FAIL("the step should have failed");
+    } catch (const DeviceError& err) {
+      CHECK(std::string(err.what()).find("device 1") != std::string::npos);
+      CHECK(std::string(err.what()).find("simulated kernel failure") != std::string::npos);
+    }
+    // the engine recovers: the next step runs on every device
+    auto r = e.step(data.x[1].data(), data.y[1].data(), 12);
+    CHECK(r.n == 12);
+  });
+}
+
+TEST_CASE("a device that stops answering in a collective: the step is aborted within the timeout, and the next runs") {
+  ModelSpec spec = make_model("lenet5");
+  Batches data = make_batches(2, 12, 9);
+  for_each_strategy([&](Sync sync, int64_t bucket_kb) {
+    auto devs = dp::test::make_test_devices("cpu", 3);
+    EngineConfig c;
+    c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb, c.timeout = 0.25;
+    Engine e(raw(devs), spec, c);
+    e.comm().stall_once(1, sync == Sync::scatter ? Collective::broadcast : Collective::all_reduce);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      e.step(data.x[0].data(), data.y[0].data(), 12);
+      FAIL("the step should have timed out");
+    } catch (const TimedOut& err) {
+      CHECK(std::string(err.what()).find(" did not finish within 0.25 s (--timeout): sim:1 stopped answering") !=
+            std::string::npos);
+    }
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 10);
+    auto r = e.step(data.x[1].data(), data.y[1].data(), 12);
+    CHECK(r.n == 12);
+  });
 }
 
 TEST_CASE("an allocation past --device-memory names the device, the category and the ledger") {
