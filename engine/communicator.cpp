@@ -75,16 +75,38 @@ std::vector<int64_t> even_chunks(int64_t count, int n) {
   return c;
 }
 
-Traffic ring_all_reduce_traffic(int rank, int n, int64_t count) {
+namespace {
+// Bytes of chunk c of count floats split evenly over n, c taken modulo n.
+int64_t chunk_bytes(const std::vector<int64_t>& chunk, int n, int c) {
+  return chunk[size_t((c % n + n) % n)] * int64_t(sizeof(float));
+}
+}  // namespace
+
+Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count) {
   Traffic t;
   if (n == 1 || count == 0) return t;
   const std::vector<int64_t> chunk = even_chunks(count, n);
-  auto bytes = [&](int c) { return chunk[size_t((c % n + n) % n)] * int64_t(sizeof(float)); };
-  for (int s = 0; s < n - 1; ++s) {
-    t.sent += bytes(rank - s) + bytes(rank + 1 - s);  // step s of reduce-scatter, then of all-gather
-    t.received += bytes(rank - 1 - s) + bytes(rank - s);
+  for (int s = 0; s < n - 1; ++s) {  // step s: chunk (rank - s) out, chunk (rank - 1 - s) in
+    t.sent += chunk_bytes(chunk, n, rank - s);
+    t.received += chunk_bytes(chunk, n, rank - 1 - s);
   }
   return t;
+}
+
+Traffic ring_all_gather_traffic(int rank, int n, int64_t count) {
+  Traffic t;
+  if (n == 1 || count == 0) return t;
+  const std::vector<int64_t> chunk = even_chunks(count, n);
+  for (int s = 0; s < n - 1; ++s) {  // step s: chunk (rank + 1 - s) out, chunk (rank - s) in
+    t.sent += chunk_bytes(chunk, n, rank + 1 - s);
+    t.received += chunk_bytes(chunk, n, rank - s);
+  }
+  return t;
+}
+
+Traffic ring_all_reduce_traffic(int rank, int n, int64_t count) {
+  const Traffic a = ring_reduce_scatter_traffic(rank, n, count), b = ring_all_gather_traffic(rank, n, count);
+  return {a.sent + b.sent, a.received + b.received};
 }
 
 Traffic naive_all_reduce_traffic(int rank, int n, int64_t count) {
@@ -106,6 +128,7 @@ Communicator::Communicator(std::vector<Device*> devices)
       scratch_slots_(devices_.size()),
       scratch_(devices_.size()),
       traffic_(devices_.size()),
+      inter_(devices_.size()),
       pending_(devices_.size()) {
   // The end-to-end tests' stall (communicator.h). A rank past this communicator's size never enters
   // it (--verify's one-device engine), so it is no error.
@@ -181,6 +204,8 @@ void Communicator::sync_and_wait(int rank, Collective c) {
   meet(rank, c);
 }
 
+Traffic Communicator::inter_process(int rank) const { return inter_[size_t(rank)]; }
+
 Traffic Communicator::total(int rank) const {
   Traffic t;
   for (auto& c : traffic_[rank]) t.sent += c.sent, t.received += c.received;
@@ -189,6 +214,7 @@ Traffic Communicator::total(int rank) const {
 
 void Communicator::reset_traffic() {
   for (auto& r : traffic_) r = {};
+  for (auto& r : inter_) r = {};
 }
 
 void Communicator::abort() { barrier_.abort(); }
@@ -302,8 +328,17 @@ void Communicator::all_reduce(int rank, float* buf, int64_t count) {
 }
 
 void Communicator::ring_all_reduce(int rank, float* buf, int64_t count) {
+  if (size() == 1 || count == 0) return;
+  ring_reduce_scatter(rank, buf, count);
+  ring_all_gather(rank, buf, count);
+}
+
+// The ring's two halves over n even chunks. After reduce_scatter rank r holds the sum of chunk
+// (r + 1) % n (ring_owned_chunk) and every rank has met; all_gather passes the finished chunks around.
+// It reads the buffers reduce_scatter published: whatever a caller does to its chunk between the two
+// (ProcessCommunicator: the all-reduce across processes) it must finish and meet before all_gather.
+void Communicator::ring_reduce_scatter(int rank, float* buf, int64_t count) {
   const int n = size();
-  if (n == 1 || count == 0) return;
   const std::vector<int64_t> chunk = even_chunks(count, n);
   std::vector<int64_t> offset(n, 0);
   for (int c = 1; c < n; ++c) offset[c] = offset[c - 1] + chunk[c - 1];
@@ -312,24 +347,35 @@ void Communicator::ring_all_reduce(int rank, float* buf, int64_t count) {
   slots_[rank] = buf;
   meet(rank, Collective::all_reduce);
   Device& dev = *devices_[rank];
-  auto bytes = [&](int c) { return chunk[c] * int64_t(sizeof(float)); };
-  const Traffic t = ring_all_reduce_traffic(rank, n, count);
+  const Traffic t = ring_reduce_scatter_traffic(rank, n, count);
   tally(rank, Collective::all_reduce, t.sent, t.received);
-  // Reduce-scatter: at step s rank r sends chunk (r - s) to r + 1 and receives chunk (r - 1 - s)
-  // from r - 1, adding it into its own. Nobody writes a chunk while its neighbour reads it.
+  // At step s rank r sends chunk (r - s) to r + 1 and receives chunk (r - 1 - s) from r - 1, adding it
+  // into its own. Nobody writes a chunk while its neighbour reads it.
   for (int s = 0; s < n - 1; ++s) {
     const int recv_c = (rank - 1 - s + 2 * n) % n;  // sends chunk (rank - s)
     if (chunk[recv_c] > 0)
-      dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
+      dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(chunk[recv_c]) * sizeof(float));
     sync_and_wait(rank, Collective::all_reduce);
     dev.ops().add(chunk[recv_c], recv, buf + offset[recv_c]);
     sync_and_wait(rank, Collective::all_reduce);
   }
-  // All-gather: rank r now owns the sum of chunk (r + 1); pass the finished chunks around.
+}
+
+void Communicator::ring_all_gather(int rank, float* buf, int64_t count) {
+  const int n = size();
+  const std::vector<int64_t> chunk = even_chunks(count, n);
+  std::vector<int64_t> offset(n, 0);
+  for (int c = 1; c < n; ++c) offset[c] = offset[c - 1] + chunk[c - 1];
+  const int prev = (rank + n - 1) % n;
+  Device& dev = *devices_[rank];
+  const Traffic t = ring_all_gather_traffic(rank, n, count);
+  tally(rank, Collective::all_reduce, t.sent, t.received);
+  // Rank r owns the sum of chunk (r + 1); at step s it receives chunk (r - s) from r - 1.
   for (int s = 0; s < n - 1; ++s) {
     const int recv_c = (rank - s + n) % n;  // sends chunk (rank + 1 - s)
     if (chunk[recv_c] > 0)
-      dev.copy_from_peer(buf + offset[recv_c], *devices_[prev], slots_[prev] + offset[recv_c], size_t(bytes(recv_c)));
+      dev.copy_from_peer(buf + offset[recv_c], *devices_[prev], slots_[prev] + offset[recv_c],
+                         size_t(chunk[recv_c]) * sizeof(float));
     sync_and_wait(rank, Collective::all_reduce);
   }
 }

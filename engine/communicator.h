@@ -88,6 +88,11 @@ std::vector<int64_t> even_chunks(int64_t count, int n);
 // its ring all-reduces by this one model (NCCL may pick another algorithm; the count stays the ring's,
 // as nccl-tests' bus bandwidth does), and dp_bench's byte model predicts with it.
 Traffic ring_all_reduce_traffic(int rank, int n, int64_t count);
+// Its two halves: reduce-scatter's (n-1) chunks each way, then all-gather's (they sum to the above).
+Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count);
+Traffic ring_all_gather_traffic(int rank, int n, int64_t count);
+// The ring chunk rank `rank` of n holds the sum of after ring_reduce_scatter.
+inline int ring_owned_chunk(int rank, int n) { return (rank + 1) % n; }
 // The bytes rank `rank` of n sends and receives in a naive all-reduce of count floats (P): reduce to
 // rank 0, then broadcast from it. Rank 0 receives every peer's whole buffer, (n-1)·P·4 bytes, and
 // sends the sum to each of them, (n-1)·P·4 bytes; every other rank sends P·4 and receives P·4. Every
@@ -150,13 +155,21 @@ class Communicator {
   void stall_once(int rank, Collective c);
 
   Traffic traffic(int rank, Collective c) const { return traffic_[rank][int(c)]; }
+  // Bytes between this rank's device and the others of its process, every collective together.
   Traffic total(int rank) const;
+  // Bytes this rank's device moved to and from other processes (ProcessCommunicator); none in one
+  // process.
+  Traffic inter_process(int rank) const;
   void reset_traffic();
 
  protected:
   void tally(int rank, Collective c, int64_t sent_bytes, int64_t received_bytes) {
     traffic_[rank][int(c)].sent += sent_bytes;
     traffic_[rank][int(c)].received += received_bytes;
+  }
+  void tally_inter(int rank, Traffic t) {
+    inter_[size_t(rank)].sent += t.sent;
+    inter_[size_t(rank)].received += t.received;
   }
   // Runs fn on the rank's communication thread, stamping `timing` around it when given; a failure
   // aborts every rank's collectives, and wait() rethrows it.
@@ -186,6 +199,8 @@ class Communicator {
   void broadcast_as(Collective as, int rank, float* buf, int64_t count, int root);
   void reduce_as(Collective as, int rank, float* buf, int64_t count, int root);
   void ring_all_reduce(int rank, float* buf, int64_t count);
+  void ring_reduce_scatter(int rank, float* buf, int64_t count);  // the ring's halves (communicator.cpp)
+  void ring_all_gather(int rank, float* buf, int64_t count);
 
   std::vector<Device*> devices_;
   Barrier barrier_;
@@ -193,6 +208,7 @@ class Communicator {
   std::vector<float*> scratch_slots_;
   std::vector<Buffer> scratch_;
   std::vector<std::array<Traffic, kCollectives>> traffic_;
+  std::vector<Traffic> inter_;  // per rank: to and from other processes
   std::vector<std::vector<std::future<void>>> pending_;
   AllReduceAlgorithm all_reduce_algorithm_ = AllReduceAlgorithm::ring;
   double timeout_ = kDefaultTimeout;

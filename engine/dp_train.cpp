@@ -2,22 +2,40 @@
 // 2 bad input, 3 non-finite loss or gradients, 128 + signal when stopped by SIGHUP, SIGINT or SIGTERM
 // (129, 130, 143; also when the grace deadline after one ends the process); 1 also when the system
 // refuses a write (disk full, permission): the command line was fine, the OS's reason is printed.
+// Under mpirun (README "Across processes and hosts") every process exits with these codes; a failure on
+// one process ends the job with its code (MPI_Abort).
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <memory>
 #include <new>
+#include <string>
 
 #include "engine/error.h"
+#include "engine/job.h"
 #include "engine/options.h"
 #include "engine/progress.h"
 #include "engine/trainer.h"
 
-int main(int argc, char** argv) {
-  // SIGPIPE ignored: stdout is a log for a person, the checkpoint and the report are the results, so a
-  // reader that goes away (dp_train | head -2) must not kill the run. A write to the closed pipe then
-  // fails with EPIPE instead; the trainer stops printing and trains, saves and reports as asked, with
-  // the exit code it would have had. (stderr likewise: its lines are lost, the run goes on.)
-  std::signal(SIGPIPE, SIG_IGN);
+namespace {
+
+// The run, and its exit code. In a job of several processes (mpirun), an error is said with the
+// process's rank and host; the errors every process meets alike at the same point (settings that
+// disagree, a signal, which the processes agree on at a step) end each process normally, rank 0 alone
+// saying why; any other ends the whole job at once (MPI_Abort with this exit code), since the other
+// processes may be waiting for this one in a collective.
+int run(int argc, char** argv, dp::ProcessGroup* group) {
+  const bool job = group && group->size() > 1;
+  const std::string who = job ? group->who() + ": " : "";
+  const bool lead = !job || group->rank() == 0;
+  auto fail = [&](int code, const char* prefix, const char* what, bool everyone_agrees = false) {
+    if (!everyone_agrees || lead) std::fprintf(stderr, "%sdp_train: %s%s\n", who.c_str(), prefix, what);
+    if (job && !everyone_agrees) {
+      std::fflush(stderr);
+      group->abort(code);
+    }
+    return code;
+  };
   try {
     dp::TrainOptions opt;
     if (!dp::parse_train_args(argc, argv, opt)) return 0;
@@ -25,31 +43,56 @@ int main(int argc, char** argv) {
     if (opt.eval)  // --eval --load FILE: the checkpoint on the test set, nothing trained
       dp::evaluate_checkpoint(opt);
     else
-      ok = dp::train(opt).verify_ok;
+      ok = dp::train(opt, group).verify_ok;
     // A signal after the run's last safe point, as it was returning: everything had been written.
     if (int sig = dp::signal_received()) {
-      std::fprintf(stderr, "dp_train: %s as the run ended; every output was written\n",
+      std::fprintf(stderr, "%sdp_train: %s as the run ended; every output was written\n", who.c_str(),
                    dp::describe_signal(sig).c_str());
       return 128 + sig;
     }
     return ok ? 0 : 1;
+  } catch (const dp::JobMismatch& e) {
+    return fail(2, "", e.what(), true);
   } catch (const dp::UsageError& e) {
-    std::fprintf(stderr, "dp_train: %s\n", e.what());
-    return 2;
+    return fail(2, "", e.what());
   } catch (const dp::NumericalError& e) {
-    std::fprintf(stderr, "dp_train: %s\n", e.what());
-    return 3;
+    return fail(3, "", e.what());
   } catch (const dp::IoError& e) {
-    std::fprintf(stderr, "dp_train: error: %s\n", e.what());
-    return 1;
+    return fail(1, "error: ", e.what());
   } catch (const dp::Interrupted& e) {
-    std::fprintf(stderr, "dp_train: %s\n", e.what());
-    return 128 + e.signal;
+    return fail(128 + e.signal, "", e.what(), true);
   } catch (const std::bad_alloc&) {  // outside the ledgers: host memory for buffers, threads, data
-    std::fprintf(stderr, "dp_train: error: out of host memory (std::bad_alloc); check ulimit -v and what else runs\n");
-    return 1;
+    return fail(1, "error: ", "out of host memory (std::bad_alloc); check ulimit -v and what else runs");
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "dp_train: error: %s\n", e.what());
-    return 1;
+    return fail(1, "error: ", e.what());
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // SIGPIPE ignored: stdout is a log for a person, the checkpoint and the report are the results, so a
+  // reader that goes away (dp_train | head -2) must not kill the run. A write to the closed pipe then
+  // fails with EPIPE instead; the trainer stops printing and trains, saves and reports as asked, with
+  // the exit code it would have had. (stderr likewise: its lines are lost, the run goes on.)
+  std::signal(SIGPIPE, SIG_IGN);
+  // Started by mpirun (or another MPI launcher): join the job's other processes. Only rank 0 speaks on
+  // stdout; every rank's errors go to stderr, prefixed with its rank and host.
+  std::unique_ptr<dp::ProcessGroup> group;
+  if (dp::launched_by_mpi()) {
+    try {
+      group = dp::join_process_group();
+    } catch (const dp::UsageError& e) {
+      std::fprintf(stderr, "dp_train: %s\n", e.what());
+      return 2;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dp_train: error: could not join the other processes: %s\n", e.what());
+      return 1;
+    }
+    if (group->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) {
+      std::fprintf(stderr, "%s: dp_train: error: cannot silence stdout\n", group->who().c_str());
+      group->abort(1);
+    }
+  }
+  return run(argc, argv, group.get());  // the group, destroyed after it, finalises MPI
 }

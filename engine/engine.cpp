@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "engine/error.h"
+#include "engine/process_communicator.h"
 
 namespace dp {
 
@@ -75,15 +76,25 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       bucket_spans_(devices_.size()),
       eval_spans_(devices_.size()),
       step_traffic_(devices_.size()),
+      step_inter_traffic_(devices_.size()),
       t0_(std::chrono::steady_clock::now()) {
   if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
   if (!(cfg_.timeout > 0)) throw UsageError("--timeout: must be a positive number of seconds");
-  comm_ = make_communicator(devices_);
+  const int n = size();
+  world_ = n;
+  if (cfg_.group && cfg_.group->size() > 1) {
+    if (cfg_.sync != Sync::allreduce)
+      throw UsageError(
+          "--sync scatter: nn.DataParallel is one process by design; across processes use --sync allreduce");
+    world_ = cfg_.group->size() * n, first_ = cfg_.group->rank() * n;
+    comm_ = std::make_unique<ProcessCommunicator>(devices_, *cfg_.group);
+  } else {
+    comm_ = make_communicator(devices_);
+  }
   comm_->set_all_reduce_algorithm(cfg_.all_reduce);
   comm_->set_timeout(cfg_.timeout);
-  const int n = size();
   const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
-  const int b = split_batch(cfg_.batch, n, cfg_.split)[0];
+  const int b = split_batch(cfg_.batch, world_, cfg_.split)[0];  // the largest share of any device
   const int eval_b = std::max(b, 1);
   replicas_.resize(n);
   run_all([&](int r) {
@@ -235,9 +246,9 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
   if (n <= 0 || n > cfg_.batch)
     throw UsageError("step: batch of " + std::to_string(n) + " samples; this engine takes 1.." +
                      std::to_string(cfg_.batch));
-  const std::vector<int> sizes = split_batch(n, size(), cfg_.split);
-  std::vector<Traffic> before(size());
-  for (int r = 0; r < size(); ++r) before[r] = comm_->total(r);
+  const std::vector<int> sizes = split_batch(n, world_, cfg_.split);
+  std::vector<Traffic> before(size()), before_inter(size());
+  for (int r = 0; r < size(); ++r) before[r] = comm_->total(r), before_inter[r] = comm_->inter_process(r);
   std::vector<std::array<float, 2>> stats(size(), {0.0f, 0.0f});
   run_all([&](int r) {
     // A new set of marks each step, also after a failed one, which left its marks behind.
@@ -262,11 +273,19 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
   if (spec_.has_batchnorm()) ++batches_tracked_;
   if (n == cfg_.batch)
     for (int r = 0; r < size(); ++r) {
-      Traffic t = comm_->total(r);
+      Traffic t = comm_->total(r), i = comm_->inter_process(r);
       step_traffic_[r] = {t.sent - before[r].sent, t.received - before[r].received};
+      step_inter_traffic_[r] = {i.sent - before_inter[r].sent, i.received - before_inter[r].received};
     }
   ++step_;
   return res;
+}
+
+std::pair<int, int> Engine::slice(int n) const {
+  const std::vector<int> sizes = split_batch(n, world_, cfg_.split);
+  int lo = 0, hi = 0;
+  for (int g = 0; g < first_ + size(); ++g) (g < first_ ? lo : hi) += sizes[size_t(g)];
+  return {lo, lo + hi};
 }
 
 BatchNormPass Engine::batchnorm_pass(int r, int B) {
@@ -344,10 +363,13 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
   Replica& rep = *replicas_[r];
   Ops& ops = dev.ops();
   const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
+  // sizes are the job's devices'; this device is the job's device g, and x holds this process's rows,
+  // from the job's device first_ on.
+  const int g = first_ + r;
   int B = 0, first = 0;
   for (int s : sizes) B += s;
-  for (int q = 0; q < r; ++q) first += sizes[q];
-  const int mine = sizes[r];
+  for (int q = first_; q < g; ++q) first += sizes[q];
+  const int mine = sizes[g];
 
   // Each device reads its own shard straight from host memory (DistributedSampler's rank slice).
   timed(r, Phase::load, [&] {

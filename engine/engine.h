@@ -21,6 +21,7 @@
 #include "engine/communicator.h"
 #include "engine/device.h"
 #include "engine/network.h"
+#include "engine/process_group.h"
 #include "models/model.h"
 
 namespace dp {
@@ -80,6 +81,10 @@ struct EngineConfig {
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // allreduce: ring or naive (d2l)
   double timeout = kDefaultTimeout;  // seconds a collective waits for its peers (--timeout; wait.h)
   bool trace = false;
+  // The job's processes (mpirun; process_group.h), with --sync allreduce only. Null, or a group of one:
+  // this process alone. Otherwise this engine's devices are the job's devices rank·K .. rank·K + K-1
+  // of P·K, a step's batch is split over all of them, and step() takes this process's rows of it.
+  ProcessGroup* group = nullptr;
 };
 
 struct StepResult {
@@ -112,8 +117,16 @@ class Engine {
   int64_t batches_tracked() const { return batches_tracked_; }
   void set_batches_tracked(int64_t n) { batches_tracked_ = n; }
 
-  // One training step over the host batch x (n, C, H, W), labels y (n).
+  // One training step over a global batch of n: x (rows, C, H, W) and y (rows) are the rows of it this
+  // process's devices train on, rows [slice(n).first, slice(n).second) (in one process: all n). The
+  // result is this process's share: its devices' losses (each already scaled by 1/n) and correct
+  // counts; across processes the trainer sums the shares.
   StepResult step(const float* x, const int32_t* y, int n);
+  // The rows of a global batch of n that this process's devices train on.
+  std::pair<int, int> slice(int n) const;
+  // The job's devices (P·K), and the job's index of this engine's device 0.
+  int world_size() const { return world_; }
+  int first_device() const { return first_; }
   // Data-parallel inference over n samples: each device its shard, in chunks.
   StepResult evaluate(const float* x, const int32_t* y, int n);
   // The parameter, in backward order, whose gradient on device 0 is first not finite ("" if none).
@@ -140,8 +153,10 @@ class Engine {
   // kept only when tracing. Called from the thread that drives the engine, between its calls.
   void host_span(std::string name, double start_us, double end_us,
                  std::vector<std::pair<std::string, double>> args = {});
-  // Traffic of the most recent full-batch step (n == config().batch), per device.
+  // Traffic of the most recent full-batch step (n == config().batch), per device: among this process's
+  // devices, and to and from other processes.
   Traffic step_traffic(int rank) const { return step_traffic_[rank]; }
+  Traffic step_inter_traffic(int rank) const { return step_inter_traffic_[rank]; }
   int64_t steps() const { return step_; }
 
  private:
@@ -160,7 +175,7 @@ class Engine {
   BatchNormPass batchnorm_pass(int rank, int B);
   // Without SyncBatchNorm, on a model with BatchNorm and more than one device: device 0's running
   // statistics to every replica (counted as a broadcast).
-  bool broadcasts_buffers() const { return spec_.has_batchnorm() && !cfg_.sync_bn && size() > 1; }
+  bool broadcasts_buffers() const { return spec_.has_batchnorm() && !cfg_.sync_bn && world_ > 1; }
 
   std::vector<Device*> devices_;
   ModelSpec spec_;
@@ -180,7 +195,8 @@ class Engine {
   std::vector<std::vector<BucketSpan>> bucket_spans_;
   std::vector<std::vector<EvalSpan>> eval_spans_;
   std::vector<HostSpan> host_spans_;
-  std::vector<Traffic> step_traffic_;
+  std::vector<Traffic> step_traffic_, step_inter_traffic_;
+  int world_ = 0, first_ = 0;  // the job's devices, and this engine's device 0 among them
   std::chrono::steady_clock::time_point t0_;
   int64_t step_ = 0;
   int64_t batches_tracked_ = 0;

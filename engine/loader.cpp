@@ -37,8 +37,10 @@ void BatchLoader::fill(HostBatch& b, int64_t step) {
   }
   const int64_t D = data_.image_size();
   b.n = int(std::min<int64_t>(plan_.batch, data_.count - first));
-  for (int i = 0; i < b.n; ++i) {
-    const int64_t s = order_[size_t(first + i)];
+  const auto [lo, hi] = plan_.rows ? plan_.rows(b.n) : std::pair{0, b.n};
+  b.first = lo, b.rows = hi - lo;
+  for (int i = 0; i < b.rows; ++i) {
+    const int64_t s = order_[size_t(first + lo + i)];
     std::copy_n(data_.images.begin() + s * D, D, b.x.begin() + i * D);
     b.y[size_t(i)] = data_.labels[size_t(s)];
   }

@@ -8,8 +8,10 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "engine/data.h"
@@ -18,10 +20,11 @@ namespace dp {
 
 // The host side of one batch, in a buffer allocated once for the largest batch.
 struct HostBatch {
-  std::vector<float> x;    // (capacity, D): the first n rows are this batch
-  std::vector<int32_t> y;  // (capacity)
-  int n = 0;
-  int64_t step = -1;  // the global step (0-based) it is for
+  std::vector<float> x;     // (capacity, D): rows [first, first + rows) of the batch, from row 0 on
+  std::vector<int32_t> y;   // (capacity)
+  int n = 0;                // the batch's size (the global batch, across processes)
+  int first = 0, rows = 0;  // which of its rows this process holds: all n of them unless LoaderPlan::rows
+  int64_t step = -1;        // the global step (0-based) it is for
 };
 
 // Which batches a run takes: those of global steps [first_step, end_step), step s being rows
@@ -32,6 +35,9 @@ struct LoaderPlan {
   int64_t per_epoch = 0, first_step = 0, end_step = 0;
   uint64_t seed = 0;
   bool shuffle = true;
+  // Across processes (Engine::slice): the rows [first, second) of a batch of n that this process's
+  // devices train on, the only ones it assembles. Unset: all of them.
+  std::function<std::pair<int, int>(int n)> rows;
 };
 
 // More than one loader thread would not pay: a batch is a gather from a data set already in memory,

@@ -15,6 +15,7 @@
 
 #include "engine/data.h"
 #include "engine/error.h"
+#include "engine/job.h"
 #include "engine/loader.h"
 #include "engine/log.h"
 #include "engine/paths.h"
@@ -26,7 +27,8 @@
 namespace dp {
 namespace {
 
-void check_options(const TrainOptions& o) {
+// lead: this process writes the outputs (rank 0 of a job, or the only process).
+void check_options(const TrainOptions& o, bool lead = true) {
   if (o.batch <= 0)
     throw UsageError("--batch: " + std::to_string(o.batch) +
                      " is not a batch size; give a positive number of images, e.g. 256");
@@ -54,7 +56,7 @@ void check_options(const TrainOptions& o) {
     throw UsageError("--log-every: " + std::to_string(o.log_every) + " is not a step count; give at least 1");
   // Everything written at the end is checked before training: an unwritable path must not cost a run,
   // and no output may destroy another output or an input.
-  check_output_paths(o);
+  if (lead) check_output_paths(o);
   if (!o.load.empty() && !o.resume.empty())
     throw UsageError("--load and --resume: give one (--resume also restores the optimizer and position)");
 }
@@ -237,12 +239,17 @@ class EpochMeter {
 
 // An empty test set (a valid t10k file with no images) has no accuracy: NaN, which the report writes
 // as null and the epoch line as "n/a".
-void evaluate(Engine& engine, const Dataset& test_set, EpochRecord& rec) {
+// Across processes each process evaluates its slice of the set and the sums are added up.
+void evaluate(Engine& engine, const Dataset& test_set, EpochRecord& rec, ProcessGroup* group = nullptr) {
   if (test_set.count == 0) {
     rec.test_loss = rec.test_accuracy = std::numeric_limits<double>::quiet_NaN();
     return;
   }
-  StepResult t = engine.evaluate(test_set.images.data(), test_set.labels.data(), int(test_set.count));
+  const auto [lo, hi] =
+      group ? evaluation_slice(*group, test_set.count) : std::pair<int64_t, int64_t>{0, test_set.count};
+  StepResult t =
+      engine.evaluate(test_set.images.data() + lo * test_set.image_size(), test_set.labels.data() + lo, int(hi - lo));
+  if (group) reduce_evaluation(*group, t, test_set.count, engine.config().timeout);
   rec.test_loss = t.loss;
   rec.test_accuracy = double(t.correct) / double(test_set.count);
 }
@@ -270,7 +277,7 @@ std::string nonfinite_step(const StepResult& r, Engine& engine, int64_t global_s
 class Run {
  public:
   Run(const TrainOptions& o, const Schedule& plan, Engine& engine, CheckpointSaver& saver, SignalGuard& signals,
-      TrainLog* log, int64_t step)
+      TrainLog* log, int64_t step, ProcessGroup* group)
       : o_(o),
         plan_(plan),
         engine_(engine),
@@ -278,7 +285,8 @@ class Run {
         signals_(signals),
         log_(log),
         first_step_(step),
-        step_(step) {
+        step_(step),
+        group_(group) {
     signals_.kept(kept());
   }
 
@@ -286,12 +294,15 @@ class Run {
   // ignored (dp_train.cpp), and the run stops printing but trains, saves and reports as asked.
   bool speak() const { return !o_.quiet && !std::ferror(stdout); }
   void epochs(const DataSets& data, Verifier* verify, TrainResult& result);
-  // The checkpoint of the current step, once.
+  // The checkpoint of the current step, once; across processes rank 0 writes it and every process
+  // waits for it (a barrier), so none runs ahead of a checkpoint that may yet fail.
   void save() {
     signals_.stage(Stage::save);
-    io([&] { saver_.save(engine_, step_); });
+    if (lead()) io([&] { saver_.save(engine_, step_); });
+    if (group_) group_->barrier(Deadline::after(o_.timeout), "the barrier after rank 0's checkpoint");
     signals_.kept(kept());
   }
+  bool lead() const { return !group_ || group_->rank() == 0; }
   // The report or the trace: written, then a safe point.
   void output(Stage p, const std::function<void()>& write) {
     signals_.stage(p);
@@ -300,8 +311,10 @@ class Run {
     (p == Stage::report ? report_written_ : trace_written_) = true;
     stop_if_signalled();
   }
+  // Across processes only the signal the step's collective agreed on counts, so that every process
+  // stops after the same step.
   void stop_if_signalled() {
-    if (int sig = signals_.pending()) throw interrupted(sig);
+    if (int sig = group_ ? agreed_signal_ : signals_.pending()) throw interrupted(sig);
   }
 
  private:
@@ -334,6 +347,8 @@ class Run {
   int64_t first_step_, step_;
   bool report_written_ = false, trace_written_ = false;
   double load_wait_us_ = 0;
+  ProcessGroup* group_;    // null in one process
+  int agreed_signal_ = 0;  // across processes: the largest signal pending on any process after a step
 };
 
 // The step's batch, and the trainer's wait for it: the report's load_wait_seconds and, when tracing,
@@ -395,8 +410,9 @@ void summarize(TrainResult& result) {
 void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   Progress progress(!o_.quiet);  // cleared when this returns or throws
   // Its thread is joined when this returns or throws, after at most the batch it is filling.
-  BatchLoader loader(data.train, {o_.batch, plan_.per_epoch, step_, plan_.total_steps, o_.seed, o_.shuffle},
-                     o_.workers);
+  LoaderPlan lp{o_.batch, plan_.per_epoch, step_, plan_.total_steps, o_.seed, o_.shuffle, {}};
+  if (group_) lp.rows = [this](int n) { return engine_.slice(n); };  // this process's rows only
+  BatchLoader loader(data.train, lp, o_.workers);
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);
     const double epoch_start_us = engine_.now_us();
@@ -407,6 +423,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
       test_point("step", step_ + 1);
       const HostBatch& batch = next_batch(loader);
       StepResult r = engine_.step(batch.x.data(), batch.y.data(), batch.n);
+      if (group_) agreed_signal_ = reduce_step(*group_, r, signals_.pending(), o_.timeout);
       if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);
       ++step_;
       // Checked before anything is saved: a bad step never reaches a checkpoint.
@@ -427,7 +444,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
     signals_.stage(Stage::evaluation);
     if (step_ >= plan_.total_steps) test_point("final-eval");
     const auto eval_start = std::chrono::steady_clock::now();
-    evaluate(engine_, data.test, rec);
+    evaluate(engine_, data.test, rec, group_);
     const double eval_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - eval_start).count();
     if (log_) io([&] { log_->epoch(rec, step_, eval_seconds); });
     progress.clear();
@@ -456,36 +473,53 @@ std::string divergence_hint(const TrainOptions& o) {
   return hint;
 }
 
-TrainResult train(const TrainOptions& opt) {
+TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
+  ProcessGroup* g = group && group->size() > 1 ? group : nullptr;  // a job of one process is no job
+  const bool lead = !g || g->rank() == 0;
   // First: from here on a signal at any moment, even while the output paths are probed, stops the run
   // at its next safe point with 128 + signal and a line saying what was saved.
   SignalGuard signals(grace_seconds());
   test_point("start");  // reads DP_TEST_AT: a malformed value is refused before anything runs
-  check_options(opt);
+  check_options(opt, lead);
+  if (g) check_job_options(opt, g->size());
   const ModelSpec spec = make_model(opt.model);
   const DataSets data = load_data(opt, spec);
   // Refuses a step count it cannot run before any device starts.
   const Schedule plan = schedule(opt, data.train.count);
   DeviceSet devs = make_devices(opt.devices);
-  check_batchnorm(opt, spec, plan, data.train.count, int(devs.devices.size()));
-  const RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), int(devs.devices.size()));
+  const int job_devices = int(devs.devices.size()) * (g ? g->size() : 1);
+  check_batchnorm(opt, spec, plan, data.train.count, job_devices);
+  const RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), job_devices);
   const Resumed resumed = resume_checkpoint(opt, spec, id);  // step 0 and no weights without --resume
+  if (g) {  // every process's settings against rank 0's, before any collective that depends on them
+    Settings s = id.required;
+    s.insert(s.end(), id.exact_only.begin(), id.exact_only.end());
+    s.insert(s.end(), {{"model", spec.name},
+                       {"devices_per_process", std::to_string(devs.devices.size())},
+                       {"steps", std::to_string(plan.total_steps)},
+                       {"test_samples", std::to_string(data.test.count)},
+                       {"resume_step", std::to_string(resumed.global_step)},
+                       {"timeout", std::to_string(opt.timeout)}});
+    check_agreement(*g, s, opt.timeout);
+  }
 
   if (!opt.quiet) std::printf("%s\n", devs.notice.c_str());
-  const EngineConfig ec = engine_config(opt, data.train.count);
+  EngineConfig ec = engine_config(opt, data.train.count);
+  ec.group = g;
   Engine engine(pointers(devs), spec, ec);
   if (!opt.quiet) note_clamped_sizes(opt, data);
   if (!opt.quiet) note_idle_devices(opt, ec.batch, engine.size());
-  const Checkpoint init = initial_state(opt, spec, resumed);
+  Checkpoint init = initial_state(opt, spec, resumed);
+  if (g) broadcast_state(*g, init, opt.timeout);  // rank 0's: every replica of the job starts from it
   place(engine, init);
   std::optional<Verifier> verify;  // --verify: the same steps on one device with the full batch
   if (opt.verify) verify.emplace(opt.devices, spec, ec, init);
 
   if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, plan, resumed.global_step);
   CheckpointSaver saver(opt, spec, id, plan.per_epoch);
-  std::optional<TrainLog> log;  // opened (truncated) as training starts
-  if (!opt.log.empty()) log.emplace(opt.log, opt.log_every, opt.lr, opt.sync, engine.phase_seconds());
-  Run run(opt, plan, engine, saver, signals, log ? &*log : nullptr, resumed.global_step);
+  std::optional<TrainLog> log;  // opened (truncated) as training starts; rank 0's alone
+  if (!opt.log.empty() && lead) log.emplace(opt.log, opt.log_every, opt.lr, opt.sync, engine.phase_seconds());
+  Run run(opt, plan, engine, saver, signals, log ? &*log : nullptr, resumed.global_step, g);
   run.stop_if_signalled();  // one that came during the setup: nothing trained, nothing saved
   TrainResult result;
   run.epochs(data, verify ? &*verify : nullptr, result);
@@ -497,6 +531,8 @@ TrainResult train(const TrainOptions& opt) {
     result.verify_max_diff = v.max_diff, result.verify_tolerance = v.tolerance, result.verify_ok = v.ok;
   }
   run.stop_if_signalled();
+  // Across processes: every device of every process, their weights checked identical.
+  const nlohmann::json job_devices_json = g ? gather_devices(*g, engine, opt.timeout) : nlohmann::json();
   if (run.speak()) std::printf("%s", device_table(engine).c_str());
   if (!opt.save.empty()) {
     signals.stage(Stage::save);
@@ -505,10 +541,16 @@ TrainResult train(const TrainOptions& opt) {
     if (run.speak()) std::printf("saved %s\n", opt.save.c_str());
   }
   run.stop_if_signalled();
-  if (!opt.report.empty())
-    run.output(Stage::report,
-               [&] { write_json(opt.report, train_report(opt, spec, plan.epochs, plan.total_steps, result, engine)); });
-  if (!opt.trace.empty()) run.output(Stage::trace, [&] { write_json(opt.trace, trace_json(engine)); });
+  if (!opt.report.empty() && lead)
+    run.output(Stage::report, [&] {
+      nlohmann::json j = train_report(opt, spec, plan.epochs, plan.total_steps, result, engine);
+      if (g) {
+        j["devices"] = job_devices_json;
+        j["processes"] = {{"count", g->size()}, {"hosts", g->hosts()}};
+      }
+      write_json(opt.report, j);
+    });
+  if (!opt.trace.empty() && lead) run.output(Stage::trace, [&] { write_json(opt.trace, trace_json(engine)); });
   run.stop_if_signalled();
   return result;
 }

@@ -9,6 +9,7 @@
 
 #include "engine/device.h"
 #include "engine/engine.h"
+#include "engine/process_group.h"
 #include "engine/verify.h"  // summation_tolerance, the bound --verify holds a run to
 
 namespace dp {
@@ -60,7 +61,9 @@ struct TrainResult {
 };
 
 // Throws UsageError for bad input, DeviceError / NumericalError for failures during training.
-TrainResult train(const TrainOptions& opt);
+// group: the job's processes when an MPI launcher started this one (process_group.h); null in one
+// process. Across processes rank 0 alone writes the checkpoint, report, trace and log.
+TrainResult train(const TrainOptions& opt, ProcessGroup* group = nullptr);
 
 struct EvalResult {
   int64_t images = 0;

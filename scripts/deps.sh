@@ -3,6 +3,7 @@
 # Usage: scripts/deps.sh [--bench]   (--bench adds PyTorch and matplotlib for bench/ comparisons)
 set -euo pipefail
 pkgs=(cmake g++ make pkg-config libblis-serial-dev zlib1g-dev doctest-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
+      libopenmpi-dev openmpi-bin
       clang libclang-rt-dev clang-format)
 if [ "${1:-}" = "--bench" ]; then pkgs+=(python3-torch python3-matplotlib); fi
 missing=()

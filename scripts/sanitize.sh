@@ -20,7 +20,9 @@ export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:exitcode=86:second_deadlock_
 
 build() {  # build dir, sanitizer list
   # -O1: the sanitizers' own recommendation, and half the compile time of -O2 with their instrumentation.
-  cmake -S . -B "$1" -DDP_CUDA=OFF -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DDP_SANITIZE="$2" > /dev/null
+  # DP_MPI=OFF: OpenMPI is not built with the sanitizers (ASan needs dlclose off and LSan suppressions for
+  # it, TSan sees its uninstrumented threads race); the mpi: tests then say they are skipped. Not done.
+  cmake -S . -B "$1" -DDP_CUDA=OFF -DDP_MPI=OFF -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DDP_SANITIZE="$2" > /dev/null
   cmake --build "$1" -j "$jobs" --target dp_train dp_tests
 }
 

@@ -51,7 +51,7 @@ TEST_CASE("loader: both worker counts hand out the plan's batches, mid-epoch sta
   // 10 samples in batches of 4: 3 steps an epoch, the last of 2; steps 2..7 start and end mid-epoch.
   const Dataset d = numbered(10);
   for (bool shuffle : {true, false}) {
-    const LoaderPlan plan{4, 3, 2, 8, 5, shuffle};
+    const LoaderPlan plan{4, 3, 2, 8, 5, shuffle, {}};
     for (int workers : {0, 1}) {
       CAPTURE(shuffle);
       CAPTURE(workers);
@@ -70,7 +70,7 @@ TEST_CASE("loader: both worker counts hand out the plan's batches, mid-epoch sta
 
 TEST_CASE("loader: destroyed while its thread fills or waits, it joins at once") {
   const Dataset d = numbered(64);
-  const LoaderPlan plan{8, 8, 0, 1000, 1, true};
+  const LoaderPlan plan{8, 8, 0, 1000, 1, true, {}};
   for (int taken : {0, 1, 5}) {
     CAPTURE(taken);
     auto t0 = std::chrono::steady_clock::now();
@@ -80,7 +80,7 @@ TEST_CASE("loader: destroyed while its thread fills or waits, it joins at once")
     }
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
   }
-  BatchLoader empty(d, LoaderPlan{8, 8, 3, 3, 1, true}, 1);  // nothing to load: no thread
+  BatchLoader empty(d, LoaderPlan{8, 8, 3, 3, 1, true, {}}, 1);  // nothing to load: no thread
   CHECK_THROWS_AS(empty.next(), std::logic_error);
 }
 

@@ -31,6 +31,7 @@ struct Fwd {
     float* yb;          // (K, P, L)
   };
   static constexpr auto kRows = S::kFwdRows, kCols = S::kFwdCols;
+  static constexpr int kPaddingShare = S::kPaddingShare;
   static constexpr bool kColsOuter = S::kFwdPositionsOuter;
   template <int R, int C>
   static void run(const Args& a, int k0, int p0) {
@@ -88,6 +89,7 @@ struct Dgrad {
     float* dxp;        // (C, HP, WP, L), accumulated
   };
   static constexpr auto kRows = S::kRows, kCols = S::kCols;
+  static constexpr int kPaddingShare = S::kPaddingShare;
   template <int R, int C>
   static void run(const Args& a, int c0, int p0) {
     using V = typename S::V;
@@ -147,6 +149,7 @@ struct Wgrad {
     float* dw;         // (K, taps), accumulated
   };
   static constexpr auto kRows = S::kWgradRows, kCols = S::kWgradCols;
+  static constexpr int kPaddingShare = S::kPaddingShare;
   template <int R, int C>
   static void run(const Args& a, int k0, int t0) {
     using V = typename S::V;

@@ -35,6 +35,7 @@ struct DirectFwd {
     float* y;  // the image's output, (K, OH, OW)
   };
   static constexpr auto kRows = S::kDirectRows, kCols = S::kDirectCols;
+  static constexpr int kPaddingShare = S::kPaddingShare;
   template <int R, int NV>
   static void run(const Args& a, int k0, int oy) {
     using V = typename S::V;
@@ -83,6 +84,7 @@ struct DirectWgrad {
     float* dw;        // (K, taps), accumulated
   };
   static constexpr auto kRows = S::kWgradRows, kCols = S::kWgradCols;
+  static constexpr int kPaddingShare = S::kPaddingShare;
   template <int R, int C>
   static void run(const Args& a, int k0, int t0) {
     using V = typename S::V;

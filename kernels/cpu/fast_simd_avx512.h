@@ -29,6 +29,7 @@ struct Simd {
   // The weight gradient's: 5x5 (LeNet's conv2, 50 output channels), 4x6 (LeNet-5's, 16: the output
   // gradients of 4 channels stay in L1, 99 GFLOP/s against 55 for 8x3, measured), 6x4, 8x3.
   static constexpr std::array<int, 4> kWgradRows{5, 4, 6, 8}, kWgradCols{5, 6, 4, 3};
+  static constexpr int kPaddingShare = 0;  // pick_rows: the least padding first (see fast_simd_avx2.h)
 
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }

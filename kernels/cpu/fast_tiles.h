@@ -98,13 +98,16 @@ TileFn<K> tile(int option, int cols) {
 }
 
 // The row option of kernel K for `count` rows (output or input channels) among those with at least
-// `cols` columns: the least padding, then the larger tile. -1 if none has the columns.
+// `cols` columns: the least padding, then the larger tile; padding of at most 1/K::kPaddingShare of
+// the rows (0: none) counts as none, where more accumulators pay more than the padded rows cost. -1 if
+// none has the columns.
 template <class K>
 int pick_rows(int count, int cols = 1) {
   int best = -1, best_waste = 1 << 30, best_area = 0;
   for (int i = 0; i < 4; ++i) {
     if (K::kCols[i] < cols) continue;
-    const int r = K::kRows[i], waste = (count + r - 1) / r * r - count, area = r * K::kCols[i];
+    const int r = K::kRows[i], padding = (count + r - 1) / r * r - count, area = r * K::kCols[i];
+    const int waste = K::kPaddingShare > 0 && padding * K::kPaddingShare <= count ? 0 : padding;
     if (waste < best_waste || (waste == best_waste && area > best_area)) best = i, best_waste = waste, best_area = area;
   }
   return best;

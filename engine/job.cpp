@@ -1,0 +1,134 @@
+#include "engine/job.h"
+
+#include <cstdio>
+#include <algorithm>
+#include <cstring>
+
+#include "engine/report.h"
+
+namespace dp {
+
+void check_job_options(const TrainOptions& o, int processes) {
+  const std::string across = " across processes (mpirun -np " + std::to_string(processes) + ")";
+  if (o.sync != Sync::allreduce)
+    throw UsageError("--sync scatter" + across +
+                     ": nn.DataParallel is one process by design (the batch lands on one device, which alone steps "
+                     "the optimizer); across processes use --sync allreduce, as DDP and Horovod do");
+  if (o.all_reduce != AllReduceAlgorithm::ring)
+    throw UsageError("--allreduce naive" + across +
+                     ": not supported; the hierarchical ring (reduce-scatter, all-reduce across processes, "
+                     "all-gather) is: drop --allreduce");
+  if (o.verify)
+    throw UsageError("--verify" + across +
+                     ": not yet supported (it needs the whole batch on rank 0); run it in one process, e.g. "
+                     "dp_train --devices 4 --sync allreduce --verify");
+  if (o.devices.backend == "cuda")
+    throw UsageError("--backend cuda" + across +
+                     ": not yet supported (NCCL across processes is not built yet); use --backend cpu, or one "
+                     "process with all its GPUs (--gpus 0,1,...)");
+  if (o.eval) throw UsageError("--eval" + across + ": evaluate in one process (dp_train --eval --load FILE)");
+}
+
+void check_agreement(ProcessGroup& g, const Settings& mine, double timeout) {
+  std::string line;
+  for (const auto& [k, v] : mine) line += k + "=" + v + "\n";
+  const std::vector<std::string> all = g.all_gather(line, Deadline::after(timeout), "the start-up check");
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) return;
+  // Parsed back: every rank's value of each of rank 0's settings.
+  auto value = [](const std::string& text, const std::string& key) {
+    for (size_t p = 0; p < text.size();) {
+      const size_t end = text.find('\n', p);
+      if (text.compare(p, key.size() + 1, key + "=") == 0) return text.substr(p + key.size() + 1, end - p - key.size() - 1);
+      p = end + 1;
+    }
+    return std::string("(none)");
+  };
+  std::string msg;
+  for (const auto& [k, v0] : mine) {
+    const std::string ref = value(all[0], k);
+    bool same = true;
+    for (const std::string& s : all) same = same && value(s, k) == ref;
+    if (same) continue;
+    msg += (msg.empty() ? "" : "; ") + k + ":";
+    for (int r = 0; r < g.size(); ++r) msg += (r ? ", " : " ") + g.who(r) + " has " + value(all[size_t(r)], k);
+  }
+  throw JobMismatch("the processes of this job disagree: " + msg +
+                    ". Start every process with the same options and data (mpirun runs one command line)");
+}
+
+namespace {
+
+void broadcast_floats(ProcessGroup& g, std::vector<float>& v, double timeout, const char* what) {
+  double n = double(v.size());
+  g.broadcast(kHostChannel, &n, sizeof n, 0, Deadline::after(timeout), what, nullptr);
+  v.resize(size_t(n));
+  if (!v.empty())
+    g.broadcast(kHostChannel, v.data(), int64_t(v.size() * sizeof(float)), 0, Deadline::after(timeout), what,
+                nullptr);
+}
+
+// FNV-1a, 64 bits, over the bytes of a replica's weights.
+std::string fnv1a(const std::vector<float>& v) {
+  uint64_t h = 1469598103934665603ull;
+  const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+  for (size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  char s[17];
+  std::snprintf(s, sizeof s, "%016llx", (unsigned long long)h);
+  return s;
+}
+
+}  // namespace
+
+void broadcast_state(ProcessGroup& g, Checkpoint& state, double timeout) {
+  broadcast_floats(g, state.params, timeout, "the broadcast of rank 0's weights");
+  broadcast_floats(g, state.momentum, timeout, "the broadcast of rank 0's momentum");
+  broadcast_floats(g, state.buffers, timeout, "the broadcast of rank 0's running statistics");
+  g.broadcast(kHostChannel, &state.batches_tracked, sizeof state.batches_tracked, 0, Deadline::after(timeout),
+              "the broadcast of rank 0's step count", nullptr);
+}
+
+int reduce_step(ProcessGroup& g, StepResult& r, int pending_signal, double timeout) {
+  double sums[2] = {r.loss, double(r.correct)}, stop = pending_signal;
+  g.all_reduce_sum(sums, 2, Deadline::after(timeout), "the step's loss across processes");
+  g.all_reduce_max(&stop, 1, Deadline::after(timeout), "the step's stop flag across processes");
+  r.loss = sums[0], r.correct = int64_t(sums[1]);
+  return int(stop);
+}
+
+std::pair<int64_t, int64_t> evaluation_slice(const ProcessGroup& g, int64_t n) {
+  const int64_t per = n / g.size(), extra = n % g.size(), r = g.rank();
+  const int64_t lo = r * per + std::min(r, extra);
+  return {lo, lo + per + (r < extra ? 1 : 0)};
+}
+
+void reduce_evaluation(ProcessGroup& g, StepResult& r, int64_t n, double timeout) {
+  double sums[2] = {r.loss * r.n, double(r.correct)};
+  g.all_reduce_sum(sums, 2, Deadline::after(timeout), "the evaluation's sums across processes");
+  r.n = int(n), r.loss = n > 0 ? sums[0] / double(n) : 0, r.correct = int64_t(sums[1]);
+}
+
+nlohmann::json gather_devices(ProcessGroup& g, Engine& engine, double timeout) {
+  nlohmann::json mine = device_report(engine);
+  for (int r = 0; r < engine.size(); ++r) {
+    nlohmann::json& d = mine[size_t(r)];
+    const Traffic t = engine.step_inter_traffic(r);
+    d["job_rank"] = engine.first_device() + r;
+    d["process"] = g.rank();
+    d["host"] = g.host();
+    d["inter_process_bytes_sent_per_step"] = t.sent;
+    d["inter_process_bytes_received_per_step"] = t.received;
+    d["parameters_fnv1a"] = fnv1a(engine.params(r));
+  }
+  const std::vector<std::string> all = g.all_gather(mine.dump(), Deadline::after(timeout), "the report's devices");
+  nlohmann::json devices = nlohmann::json::array();
+  for (const std::string& s : all)
+    for (auto& d : nlohmann::json::parse(s)) devices.push_back(d);
+  for (const auto& d : devices)
+    if (d["parameters_fnv1a"] != devices[0]["parameters_fnv1a"])
+      throw std::runtime_error("replicas differ after training: " + g.who(d["process"].get<int>()) + "'s " +
+                               d["name"].get<std::string>() + " holds other weights than rank 0's " +
+                               devices[0]["name"].get<std::string>() + " (a bug in dp: please report it)");
+  return devices;
+}
+
+}  // namespace dp

@@ -1,0 +1,73 @@
+#include "engine/process_communicator.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <thread>
+
+#include "engine/error.h"
+
+namespace dp {
+
+ProcessCommunicator::ProcessCommunicator(std::vector<Device*> devices, ProcessGroup& group)
+    : Communicator(std::move(devices)), group_(group) {
+  group_.open_channels(size());
+  if (const char* v = std::getenv("DP_TEST_STALL_RANK"); v && *v) {
+    const std::string s = v;
+    if (s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos)
+      throw UsageError("DP_TEST_STALL_RANK=" + s + ": give a process rank, e.g. 1");
+    stall_rank_ = std::stoi(s);
+  }
+}
+
+void ProcessCommunicator::all_reduce(int rank, float* buf, int64_t count) {
+  if (all_reduce_algorithm() != AllReduceAlgorithm::ring) refuse("--allreduce naive");
+  if (count == 0) return;
+  const int n = size();
+  const std::vector<int64_t> chunk = even_chunks(count, n);
+  const int mine = n > 1 ? ring_owned_chunk(rank, n) : 0;
+  int64_t offset = 0;
+  for (int c = 0; c < mine; ++c) offset += chunk[size_t(c)];
+  if (n > 1) ring_reduce_scatter(rank, buf, count);
+  if (rank == 0 && group_.rank() == stall_rank_) {
+    stall_rank_ = -1;
+    std::this_thread::sleep_for(std::chrono::duration<double>(2 * timeout() + 1));
+  }
+  if (chunk[size_t(mine)] > 0) {
+    devices_[rank]->synchronize();  // the chunk's adds are done before MPI reads it
+    group_.all_reduce(rank, buf + offset, chunk[size_t(mine)], Deadline::after(timeout()),
+                      "the all-reduce of " + devices_[rank]->name() + "'s chunk across processes",
+                      [this] { return barrier_.aborted(); });
+    tally_inter(rank, ring_all_reduce_traffic(group_.rank(), group_.size(), chunk[size_t(mine)]));
+  }
+  if (n > 1) {
+    meet(rank, Collective::all_reduce);  // every chunk summed across processes before any is read
+    ring_all_gather(rank, buf, count);
+  }
+}
+
+void ProcessCommunicator::broadcast(int rank, float* buf, int64_t count, int root) {
+  if (root != 0) throw std::logic_error("ProcessCommunicator::broadcast: only from device 0 of process 0");
+  if (count == 0) return;
+  if (rank == 0) {
+    const int64_t bytes = count * int64_t(sizeof(float));
+    devices_[0]->synchronize();
+    group_.broadcast(0, buf, bytes, 0, Deadline::after(timeout()),
+                     "the broadcast from rank 0's " + devices_[0]->name() + " across processes",
+                     [this] { return barrier_.aborted(); });
+    const int P = group_.size();
+    tally_inter(0, group_.rank() == 0 ? Traffic{(P - 1) * bytes, 0} : Traffic{0, bytes});
+  }
+  Communicator::broadcast(rank, buf, count, 0);
+}
+
+void ProcessCommunicator::scatter(int, const float*, float*, const std::vector<int64_t>&, int) { refuse("scatter"); }
+void ProcessCommunicator::gather(int, const float*, float*, const std::vector<int64_t>&, int) { refuse("gather"); }
+void ProcessCommunicator::reduce(int, float*, int64_t, int) { refuse("reduce"); }
+
+void ProcessCommunicator::refuse(const char* what) const {
+  // The trainer refuses these options up front (exit 2); reaching here is a bug in a caller.
+  throw std::logic_error(std::string(what) + " across processes: not supported (--sync allreduce with the ring is)");
+}
+
+}  // namespace dp

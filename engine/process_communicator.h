@@ -1,0 +1,43 @@
+// The communicator of one process's devices inside a job of several processes (process_group.h), for
+// --sync allreduce on simulated devices. All-reduce is hierarchical, as Horovod's: a ring
+// reduce-scatter among the process's K devices, then each device all-reduces the chunk it holds
+// across the processes (MPI_Allreduce on its own channel, the K devices at once), then a ring
+// all-gather among the K devices. Every replica of every process ends with the same bits: each chunk
+// is summed in one place per process and MPI's sum is the same on every process.
+//
+// Bytes are counted in two books: between the process's devices (Communicator::total, the ring's
+// model over K) and to and from other processes (Communicator::inter_process, the ring's model of the
+// chunk over the P processes: what MPI's ring all-reduce moves; MPI may pick another algorithm, as
+// NCCL may, and the count stays the ring's).
+#pragma once
+
+#include "engine/communicator.h"
+#include "engine/process_group.h"
+
+namespace dp {
+
+class ProcessCommunicator : public Communicator {
+ public:
+  // Opens one channel per device in `group` (every process must have as many devices).
+  ProcessCommunicator(std::vector<Device*> devices, ProcessGroup& group);
+
+  void all_reduce(int rank, float* buf, int64_t count) override;
+  // From the job's device 0 (root 0: device 0 of process 0) to every device of every process: across
+  // processes on device 0's channel (MPI_Bcast; counted as process 0 sending the buffer to each other
+  // process), then within each process.
+  void broadcast(int rank, float* buf, int64_t count, int root) override;
+  // Only the all-reduce strategy runs across processes: nn.DataParallel is one process by design.
+  void scatter(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) override;
+  void gather(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) override;
+  void reduce(int rank, float* buf, int64_t count, int root) override;
+
+ private:
+  [[noreturn]] void refuse(const char* what) const;
+  ProcessGroup& group_;
+  // Test hook: DP_TEST_STALL_RANK=<process rank> makes that process stop answering at its first
+  // all-reduce across processes (its device 0 sleeps for twice the timeout), so that the others' --timeout
+  // trips; tests/test_mpi.cpp.
+  int stall_rank_ = -1;
+};
+
+}  // namespace dp

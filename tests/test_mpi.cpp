@@ -1,0 +1,212 @@
+// dp across processes (mpirun -np P dp_train --sync allreduce; engine/process_group.h): the same
+// training as one process with all the devices, every replica of every process bitwise identical, the
+// bytes of the hierarchical all-reduce equal to their model, and no hang: a process that dies or
+// stops answering ends the job within seconds; settings that differ and scatter across processes are
+// refused before anything runs; a signal stops every process after the same step, with one valid
+// checkpoint that resumes bit-exact. Every mpirun runs on loopback under timeout(1). Where this build
+// has no MPI or mpirun is missing, each case says so and checks nothing.
+#include <doctest/doctest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <thread>
+
+#include "engine/communicator.h"
+#include "engine/verify.h"
+#include "models/model.h"
+#include "tests/util.h"
+
+using namespace dp;
+using namespace dp::test;
+
+namespace {
+
+const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
+// As root, more ranks than the 2 cores, loopback only, and ranks that yield while they wait (busy
+// polling ranks starve each other on 2 cores).
+const std::string kMpirun =
+    "env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 "
+    "OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_mpi_yield_when_idle=1 "
+    "timeout -s KILL 120 " +
+    std::string(DP_MPIEXEC[0] ? DP_MPIEXEC : "mpirun");
+
+bool have_mpi() {
+  if (!DP_TESTS_MPI || !std::filesystem::exists(DP_MPIEXEC)) {
+    MESSAGE("skipped: this build has no MPI backend or no mpirun (apt-get install libopenmpi-dev openmpi-bin)");
+    return false;
+  }
+  return true;
+}
+
+// 192 training images, batches of 24: 8 steps an epoch.
+struct Job {
+  TempDir dir;
+  std::string args;
+  Job() {
+    std::filesystem::create_directory(dir / "data");
+    write_synthetic_dataset(dir / "data", 192, 40);
+    args = " --data " + dir / "data" + " --sync allreduce --quiet";
+  }
+  // P processes running dp_train with `more`.
+  CommandResult mpirun(int processes, const std::string& more) const {
+    return run_command(kMpirun + " -np " + std::to_string(processes) + " " + kTrain + with(more));
+  }
+  CommandResult one(const std::string& more) const { return run_command("timeout -s KILL 120 " + kTrain + with(more)); }
+  // --batch 24 unless `more` gives one.
+  std::string with(const std::string& more) const {
+    return args + (more.find("--batch") == std::string::npos ? " --batch 24 " : " ") + more;
+  }
+};
+
+std::vector<float> weights(const std::string& path) { return load_checkpoint(path, make_model("lenet")).params; }
+
+}  // namespace
+
+TEST_CASE("mpi: P processes x K devices train as one process with P*K devices, replicas bitwise equal") {
+  if (!have_mpi()) return;
+  Job job;
+  struct Case {
+    int processes, devices;
+    std::string extra;
+  };
+  // 24 over 4 devices even; --batch 10 over 2x2 with chunk: 3/3/3/1; buckets overlapped with backward;
+  // 3 processes of one device.
+  for (const Case& c : {Case{2, 1, ""}, Case{2, 2, ""}, Case{2, 2, "--batch 10 --split chunk"},
+                        Case{2, 2, "--bucket-kb 16"}, Case{3, 1, "--split chunk"}}) {
+    CAPTURE(c.processes);
+    CAPTURE(c.devices);
+    CAPTURE(c.extra);
+    const int steps = 12;
+    const std::string run = " --steps " + std::to_string(steps) + " " + c.extra;
+    CommandResult m = job.mpirun(c.processes, "--devices " + std::to_string(c.devices) + run + " --save " +
+                                                  job.dir / "p.st" + " --report " + job.dir / "p.json");
+    INFO(m.output);
+    REQUIRE(m.exit_code == 0);
+    const int all = c.processes * c.devices;
+    CommandResult o = job.one("--devices " + std::to_string(all) + run + " --save " + job.dir / "o.st");
+    REQUIRE(o.exit_code == 0);
+    CommandResult d = job.one("--devices 1" + run + " --save " + job.dir / "d.st");
+    REQUIRE(d.exit_code == 0);
+    const int batch = c.extra.find("--batch 10") != std::string::npos ? 10 : 24;
+    const double tol = summation_tolerance(steps, batch, 0.1f, 0.9f);
+    const std::vector<float> p = weights(job.dir / "p.st");
+    CHECK(max_diff(p, weights(job.dir / "o.st")) <= tol);
+    CHECK(max_diff(p, weights(job.dir / "d.st")) <= tol);
+
+    // Every device of every process in the report, in the job's order, the same weights bit for bit.
+    const nlohmann::json r = read_json(job.dir / "p.json");
+    CHECK(r["processes"]["count"] == c.processes);
+    REQUIRE(r["devices"].size() == size_t(all));
+    for (int g = 0; g < all; ++g) {
+      const nlohmann::json& dev = r["devices"][size_t(g)];
+      CHECK(dev["job_rank"] == g);
+      CHECK(dev["process"] == g / c.devices);
+      CHECK(dev["parameters_fnv1a"] == r["devices"][0]["parameters_fnv1a"]);
+    }
+  }
+}
+
+TEST_CASE("mpi: bytes per device equal the hierarchical model, inside the process and across processes") {
+  if (!have_mpi()) return;
+  Job job;
+  const int64_t P = make_model("lenet").param_count;
+  for (int K : {1, 2, 3}) {
+    CAPTURE(K);
+    CommandResult m = job.mpirun(2, "--devices " + std::to_string(K) + " --steps 2 --report " + job.dir / "r.json");
+    INFO(m.output);
+    REQUIRE(m.exit_code == 0);
+    const nlohmann::json r = read_json(job.dir / "r.json");
+    for (const nlohmann::json& dev : r["devices"]) {
+      const int k = dev["rank"], process = dev["process"];
+      // The ring over the process's K devices, then device k's chunk over the 2 processes.
+      const Traffic local = ring_all_reduce_traffic(k, K, P);
+      const int64_t chunk = even_chunks(P, K)[size_t(K > 1 ? ring_owned_chunk(k, K) : 0)];
+      const Traffic inter = ring_all_reduce_traffic(process, 2, chunk);
+      CHECK(dev["bytes_sent_per_step"] == local.sent);
+      CHECK(dev["bytes_received_per_step"] == local.received);
+      CHECK(dev["inter_process_bytes_sent_per_step"] == inter.sent);
+      CHECK(dev["inter_process_bytes_received_per_step"] == inter.received);
+    }
+  }
+}
+
+TEST_CASE("mpi: refused before anything runs: settings that differ between processes, scatter across them") {
+  if (!have_mpi()) return;
+  Job job;
+  // Two command lines in one job (MPMD): rank 1 asks for another batch.
+  const std::string same = " --data " + job.dir / "data" + " --sync allreduce --quiet --steps 2";
+  CommandResult r = run_command(kMpirun + " -np 1 " + kTrain + same + " --batch 24 : -np 1 " + kTrain + same +
+                                " --batch 12");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("disagree: batch: rank 0 (") != std::string::npos);
+  CHECK(r.output.find("has 24, rank 1 (") != std::string::npos);
+  CHECK(r.output.find("has 12") != std::string::npos);
+
+  r = run_command(kMpirun + " -np 2 " + kTrain + " --data " + job.dir / "data" + " --batch 24 --steps 2 --quiet");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("nn.DataParallel is one process by design") != std::string::npos);
+  CHECK(r.output.find("use --sync allreduce") != std::string::npos);
+
+  r = job.mpirun(2, "--steps 2 --allreduce naive");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("--allreduce naive across processes") != std::string::npos);
+}
+
+TEST_CASE("mpi: a process that stops answering trips --timeout; one that is killed ends the job; no process left") {
+  if (!have_mpi()) return;
+  Job job;
+  auto start = std::chrono::steady_clock::now();
+  CommandResult r = run_command("env DP_TEST_STALL_RANK=1 " + kMpirun + " -np 2 -x DP_TEST_STALL_RANK " + kTrain +
+                                job.args + " --batch 24 --steps 4 --timeout 1");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  INFO(r.output);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find("rank 0 (") != std::string::npos);
+  CHECK(r.output.find("across processes on rank 0") != std::string::npos);
+  CHECK(r.output.find("did not finish within 1 s (--timeout)") != std::string::npos);
+  CHECK(seconds < 30);  // a bound on a hang, not a speed: the stalled rank sleeps 3 s, then is aborted
+
+  // SIGKILL to one rank mid-training: mpirun notices and ends the others.
+  const std::string marker = job.dir / "data";  // in every rank's command line, and only theirs
+  start = std::chrono::steady_clock::now();
+  Spawned job_run(kMpirun + " -np 2 " + kTrain + job.with("--epochs 100000"));
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  CommandResult pids = run_command("pgrep -f '^" + std::string(DP_TRAIN_BIN) + ".*" + marker + "'");
+  REQUIRE(pids.output.size() > 1);
+  const pid_t victim = pid_t(std::stol(pids.output));
+  REQUIRE(::kill(victim, SIGKILL) == 0);
+  int status = 0;
+  REQUIRE(::waitpid(job_run.pid, &status, 0) == job_run.pid);
+  job_run.pid = -1;
+  CHECK((WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status)) != 0);
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 30);
+  CHECK(run_command("pgrep -f '^" + std::string(DP_TRAIN_BIN) + ".*" + marker + "'").exit_code == 1);  // none left
+}
+
+TEST_CASE("mpi: a signal on one process stops every process after the same step; the checkpoint resumes bit-exact") {
+  if (!have_mpi()) return;
+  Job job;
+  // Rank 1 alone is signalled, before global step 6 runs: the step's collective carries it to rank 0,
+  // and both stop after step 6; rank 0 saves.
+  const std::string ck = job.dir / "ck.st", full = job.dir / "full.st";
+  const std::string args = job.with("--devices 2 --epochs 2 --save " + ck);
+  CommandResult r = run_command(kMpirun + " -np 1 " + kTrain + args + " : -np 1 env DP_TEST_AT=step-6:SIGTERM " +
+                                kTrain + args);
+  INFO(r.output);
+  CHECK(r.exit_code == 143);
+  CHECK(r.output.find("rank 0 (") != std::string::npos);
+  CHECK(r.output.find("after step 6; checkpoint saved to " + ck) != std::string::npos);
+  REQUIRE(std::filesystem::exists(ck));
+  CHECK(load_checkpoint(ck, make_model("lenet")).metadata.at("global_step") == "6");
+
+  // Resumed across processes, it ends where an uninterrupted job ends, bit for bit.
+  r = job.mpirun(2, "--devices 2 --epochs 2 --resume " + ck + " --save " + ck);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  r = job.mpirun(2, "--devices 2 --epochs 2 --save " + full);
+  REQUIRE(r.exit_code == 0);
+  check_same_tensors(ck, full);
+}
