@@ -1,7 +1,7 @@
 #include "engine/job.h"
 
-#include <cstdio>
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "engine/report.h"
@@ -38,7 +38,8 @@ void check_agreement(ProcessGroup& g, const Settings& mine, double timeout) {
   auto value = [](const std::string& text, const std::string& key) {
     for (size_t p = 0; p < text.size();) {
       const size_t end = text.find('\n', p);
-      if (text.compare(p, key.size() + 1, key + "=") == 0) return text.substr(p + key.size() + 1, end - p - key.size() - 1);
+      if (text.compare(p, key.size() + 1, key + "=") == 0)
+        return text.substr(p + key.size() + 1, end - p - key.size() - 1);
       p = end + 1;
     }
     return std::string("(none)");
@@ -63,8 +64,7 @@ void broadcast_floats(ProcessGroup& g, std::vector<float>& v, double timeout, co
   g.broadcast(kHostChannel, &n, sizeof n, 0, Deadline::after(timeout), what, nullptr);
   v.resize(size_t(n));
   if (!v.empty())
-    g.broadcast(kHostChannel, v.data(), int64_t(v.size() * sizeof(float)), 0, Deadline::after(timeout), what,
-                nullptr);
+    g.broadcast(kHostChannel, v.data(), int64_t(v.size() * sizeof(float)), 0, Deadline::after(timeout), what, nullptr);
 }
 
 // FNV-1a, 64 bits, over the bytes of a replica's weights.

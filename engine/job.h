@@ -4,11 +4,10 @@
 // evaluation's sums, and what the report gathers.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
 #include "engine/engine.h"

@@ -136,8 +136,8 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   Job job;
   // Two command lines in one job (MPMD): rank 1 asks for another batch.
   const std::string same = " --data " + job.dir / "data" + " --sync allreduce --quiet --steps 2";
-  CommandResult r = run_command(kMpirun + " -np 1 " + kTrain + same + " --batch 24 : -np 1 " + kTrain + same +
-                                " --batch 12");
+  CommandResult r =
+      run_command(kMpirun + " -np 1 " + kTrain + same + " --batch 24 : -np 1 " + kTrain + same + " --batch 12");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("disagree: batch: rank 0 (") != std::string::npos);
@@ -193,8 +193,8 @@ TEST_CASE("mpi: a signal on one process stops every process after the same step;
   // and both stop after step 6; rank 0 saves.
   const std::string ck = job.dir / "ck.st", full = job.dir / "full.st";
   const std::string args = job.with("--devices 2 --epochs 2 --save " + ck);
-  CommandResult r = run_command(kMpirun + " -np 1 " + kTrain + args + " : -np 1 env DP_TEST_AT=step-6:SIGTERM " +
-                                kTrain + args);
+  CommandResult r =
+      run_command(kMpirun + " -np 1 " + kTrain + args + " : -np 1 env DP_TEST_AT=step-6:SIGTERM " + kTrain + args);
   INFO(r.output);
   CHECK(r.exit_code == 143);
   CHECK(r.output.find("rank 0 (") != std::string::npos);

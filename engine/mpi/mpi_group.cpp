@@ -103,8 +103,7 @@ class MpiGroup final : public ProcessGroup {
     int64_t total = 0;
     for (int r = 0; r < size_; ++r) at[size_t(r)] = mpi_count(total, what), total += lens[size_t(r)];
     std::string all(size_t(total), '\0');
-    DP_MPI(MPI_Iallgatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), at.data(), MPI_CHAR, host_comm_,
-                           &req));
+    DP_MPI(MPI_Iallgatherv(mine.data(), len, MPI_CHAR, all.data(), lens.data(), at.data(), MPI_CHAR, host_comm_, &req));
     wait(req, deadline, what, nullptr);
     std::vector<std::string> out;
     for (int r = 0; r < size_; ++r) out.push_back(all.substr(size_t(at[size_t(r)]), size_t(lens[size_t(r)])));
@@ -132,16 +131,15 @@ class MpiGroup final : public ProcessGroup {
 
   // MPI_Test until the request completes. Past the deadline or on an abort the request stays active:
   // the caller's failure ends the job (MPI_Abort), which is the only way to end an MPI collective.
-  void wait(MPI_Request& req, const Deadline& deadline, const std::string& what,
-            const std::function<bool()>& aborted) {
+  void wait(MPI_Request& req, const Deadline& deadline, const std::string& what, const std::function<bool()>& aborted) {
     auto done = [&] {
       int flag = 0;
       DP_MPI(MPI_Test(&req, &flag, MPI_STATUS_IGNORE));
       return flag != 0;
     };
     try {
-      poll_until(done, aborted ? aborted : [] { return false; }, deadline, rank_,
-                 [&] { return what + " on " + who(); });
+      poll_until(
+          done, aborted ? aborted : [] { return false; }, deadline, rank_, [&] { return what + " on " + who(); });
     } catch (const TimedOut&) {
       // Not one device's error but the processes': named by rank and host (a device thread's caller
       // adds its device).

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Across processes against one process, side by side on this machine: `mpirun -np 2 dp_train --devices 1`
+# and `dp_train --devices 2` (both --sync allreduce, simulated devices), alternating, for lenet and lenet5;
+# prints each run's images/s (the last epoch's) and the ratio of the best of each.
+#
+#   bench/mpi_speed.sh [ROUNDS]      # default 3 rounds; BUILD=dir picks the build (default build-blas)
+set -euo pipefail
+here=$(cd -P "$(dirname "$0")/.." && pwd)
+build=${BUILD:-$here/build-blas}
+rounds=${1:-3}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+  OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_mpi_yield_when_idle=1
+args="--backend cpu --sync allreduce --epochs 2 --limit-train 15360 --limit-test 1000 --batch 256"
+rate() { grep '^epoch 2/' | sed -E 's/.* ([0-9]+) img\/s.*/\1/'; }
+isa=$(grep -q avx512f /proc/cpuinfo && echo "AVX-512" || echo "AVX2, no AVX-512")
+echo "$(nproc) cores, $isa; $args"
+for model in lenet lenet5; do
+  best_mpi=0 best_one=0
+  for ((i = 1; i <= rounds; i++)); do
+    m=$(mpirun -np 2 "$build/dp_train" $args --model "$model" --devices 1 | rate)
+    o=$("$build/dp_train" $args --model "$model" --devices 2 | rate)
+    echo "  $model round $i: mpirun -np 2 --devices 1: $m img/s   one process --devices 2: $o img/s"
+    ((m > best_mpi)) && best_mpi=$m
+    ((o > best_one)) && best_one=$o
+  done
+  echo "$model: best $best_mpi vs $best_one img/s: 2 processes / 1 process = $(awk "BEGIN{printf \"%.2f\", $best_mpi/$best_one}")x (target 0.9x)"
+done
