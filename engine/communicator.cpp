@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <numeric>
 
 #include "engine/error.h"
 
@@ -73,6 +74,12 @@ std::vector<int64_t> even_chunks(int64_t count, int n) {
   std::vector<int64_t> c(n, count / n);
   for (int64_t i = 0; i < count % n; ++i) ++c[i];
   return c;
+}
+
+std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> at(counts.size());
+  std::exclusive_scan(counts.begin(), counts.end(), at.begin(), int64_t(0));
+  return at;
 }
 
 namespace {
@@ -252,8 +259,7 @@ void Communicator::scatter(int rank, const float* send, float* recv, const std::
   if (n == 1) return;
   slots_[rank] = send;
   meet(rank, Collective::scatter);
-  int64_t offset = 0;
-  for (int r = 0; r < rank; ++r) offset += counts[r];
+  const int64_t offset = chunk_offsets(counts)[size_t(rank)];
   if (rank == root) {
     int64_t sent = 0;
     for (int r = 0; r < n; ++r)
@@ -268,8 +274,7 @@ void Communicator::scatter(int rank, const float* send, float* recv, const std::
 
 void Communicator::gather(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) {
   const int n = size();
-  int64_t offset = 0;
-  for (int r = 0; r < rank; ++r) offset += counts[r];
+  const int64_t offset = chunk_offsets(counts)[size_t(rank)];
   if (rank == root && counts[rank] > 0 && send != recv + offset)
     devices_[rank]->copy(recv + offset, send, size_t(counts[rank]) * sizeof(float));
   if (n == 1) return;
@@ -340,8 +345,7 @@ void Communicator::ring_all_reduce(int rank, float* buf, int64_t count) {
 void Communicator::ring_reduce_scatter(int rank, float* buf, int64_t count) {
   const int n = size();
   const std::vector<int64_t> chunk = even_chunks(count, n);
-  std::vector<int64_t> offset(n, 0);
-  for (int c = 1; c < n; ++c) offset[c] = offset[c - 1] + chunk[c - 1];
+  const std::vector<int64_t> offset = chunk_offsets(chunk);
   float* recv = scratch(rank, chunk[0]);  // (largest chunk)
   const int prev = (rank + n - 1) % n;
   slots_[rank] = buf;
@@ -364,8 +368,7 @@ void Communicator::ring_reduce_scatter(int rank, float* buf, int64_t count) {
 void Communicator::ring_all_gather(int rank, float* buf, int64_t count) {
   const int n = size();
   const std::vector<int64_t> chunk = even_chunks(count, n);
-  std::vector<int64_t> offset(n, 0);
-  for (int c = 1; c < n; ++c) offset[c] = offset[c - 1] + chunk[c - 1];
+  const std::vector<int64_t> offset = chunk_offsets(chunk);
   const int prev = (rank + n - 1) % n;
   Device& dev = *devices_[rank];
   const Traffic t = ring_all_gather_traffic(rank, n, count);

@@ -82,6 +82,8 @@ struct Interval {
 
 // Chunk sizes that differ by at most one, larger first: 10 over 3 -> 4, 3, 3.
 std::vector<int64_t> even_chunks(int64_t count, int n);
+// Where each of back-to-back chunks starts: the running sum of the counts before it (4, 3, 3 -> 0, 4, 7).
+std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& counts);
 
 // The bytes rank `rank` of n sends and receives in a ring all-reduce of count floats: reduce-scatter,
 // then all-gather, over even_chunks(count, n), so 2 (n-1) chunks each way. Every communicator counts

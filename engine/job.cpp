@@ -96,9 +96,11 @@ int reduce_step(ProcessGroup& g, StepResult& r, int pending_signal, double timeo
 }
 
 std::pair<int64_t, int64_t> evaluation_slice(const ProcessGroup& g, int64_t n) {
-  const int64_t per = n / g.size(), extra = n % g.size(), r = g.rank();
-  const int64_t lo = r * per + std::min(r, extra);
-  return {lo, lo + per + (r < extra ? 1 : 0)};
+  // As Engine::evaluate splits over its devices: even shares, larger first.
+  const std::vector<int> sizes = split_batch(int(n), g.size(), Split::even);
+  int64_t lo = 0;
+  for (int r = 0; r < g.rank(); ++r) lo += sizes[size_t(r)];
+  return {lo, lo + sizes[size_t(g.rank())]};
 }
 
 void reduce_evaluation(ProcessGroup& g, StepResult& r, int64_t n, double timeout) {

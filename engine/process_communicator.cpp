@@ -26,8 +26,7 @@ void ProcessCommunicator::all_reduce(int rank, float* buf, int64_t count) {
   const int n = size();
   const std::vector<int64_t> chunk = even_chunks(count, n);
   const int mine = n > 1 ? ring_owned_chunk(rank, n) : 0;
-  int64_t offset = 0;
-  for (int c = 0; c < mine; ++c) offset += chunk[size_t(c)];
+  const int64_t offset = chunk_offsets(chunk)[size_t(mine)];
   if (n > 1) ring_reduce_scatter(rank, buf, count);
   if (rank == 0 && group_.rank() == stall_rank_) {
     stall_rank_ = -1;
