@@ -259,7 +259,7 @@ TEST_CASE("lenet-bn: bad input exits 2 before any step, saying what would work")
   CHECK(ok.output.find(" ok") != std::string::npos);
 }
 
-TEST_CASE("checkpoints: BatchNorm's buffers under PyTorch's names and dtypes; a 'module.' prefix is read without it") {
+TEST_CASE("checkpoints: BatchNorm's buffers under PyTorch's names and dtypes, a 'module.' prefix is read without it") {
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 64, 16);
   const std::string train = std::string(DP_TRAIN_BIN) + " --backend cpu --quiet --data " + dir.path.string();

@@ -216,7 +216,7 @@ TEST_CASE("an aborted collective releases every waiting rank") {
 }
 
 TEST_CASE(
-    "a rank that stops answering: the all-reduce is aborted on every rank within the timeout, named; then it "
+    "a rank that stops answering: the all-reduce is aborted on every rank within the timeout, named, then it "
     "recovers") {
   auto devs = dp::test::make_test_devices("cpu", 3);
   auto comm = make_communicator(raw(devs));

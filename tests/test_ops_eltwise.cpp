@@ -148,7 +148,7 @@ Pooled pool(Backend& be, const PoolShape& s, const Vec& x, const Vec& dy) {
   return {be.get(ay), be.get(adx), be.get(my), be.get(mdx), be.get_i32(arg)};
 }
 
-DP_OPS_TEST("pool: average values and zero gradient past the last window; max's first maximum wins") {
+DP_OPS_TEST("pool: average values and zero gradient past the last window, max's first maximum wins") {
   SUBCASE("average") {
     Vec x(16);
     for (int i = 0; i < 16; ++i) x[size_t(i)] = float(i);  // (1, 1, 4, 4) ramp

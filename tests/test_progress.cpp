@@ -61,7 +61,7 @@ TEST_CASE("progress: the bar fills in proportion to the steps done") {
   }
 }
 
-TEST_CASE("progress: times are mm:ss, h:mm:ss from an hour; unknown ones are '?'") {
+TEST_CASE("progress: times are mm:ss, h:mm:ss from an hour, unknown ones are '?'") {
   CHECK(format_duration(0) == "00:00");
   CHECK(format_duration(4.9) == "00:04");
   CHECK(format_duration(59 * 60 + 59.5) == "59:59");

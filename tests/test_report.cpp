@@ -139,7 +139,7 @@ TEST_CASE("report: checkpoints record dp_version, and one without it still resum
   CHECK(run_command(base + " --steps 1 --load " + dir / "old.safetensors").exit_code == 0);
 }
 
-TEST_CASE("report: with no device flags a machine without a GPU trains on two simulated devices; the skew line") {
+TEST_CASE("report: with no device flags a machine without a GPU trains on two simulated devices, the skew line") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 64);
   const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --steps 2 --backend cpu";

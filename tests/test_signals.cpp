@@ -104,7 +104,7 @@ TEST_CASE("signals: SIGTERM, SIGINT, SIGHUP after the last step save the checkpo
   }
 }
 
-TEST_CASE("signals: a signal before the first step saves nothing; one after every output still exits 128 + signal") {
+TEST_CASE("signals: a signal before the first step saves nothing, one after every output still exits 128 + signal") {
   Fixture f;
   const std::string ck = f.dir / "ck";
   CommandResult early = f.train("DP_TEST_AT=start:SIGTERM", "--save " + ck);

@@ -1,0 +1,233 @@
+// dp_bench comm under mpirun: the all-reduce across processes beside MPI's own, in the same run.
+//
+//   mpirun -np P dp_bench comm --devices K ...
+//
+// For each message size S (doubling from --min-bytes to --max-bytes, plus LeNet's gradient, the size a
+// training step all-reduces), two measurements one after the other:
+//   dp    the all-reduce a training job runs (ProcessCommunicator: reduce-scatter among the process's K
+//         devices, each device's chunk all-reduced with the same device of every other process, then
+//         all-gather among the K), on every device of every process: n = P·K ranks.
+//   MPI   a bare MPI_Allreduce of S bytes between the P processes, from one thread each (no deadline,
+//         no polling of ours): the reference dp's path is measured against. n = P.
+// Each is reported as nccl-tests does: time per op = the slowest rank's mean over the timed ops (every
+// rank's clock starts after a barrier), algbw = S / time, busbw = algbw × 2(n-1)/n. With K = 1 both
+// move the same bytes over the same links, so their busbw ratio is what dp's path costs over MPI's.
+//
+// Then one all-reduce of LeNet's gradient on every device, its bytes (inside the process and across
+// processes) against hierarchical_all_reduce_traffic; a device off the model fails the run (exit 1).
+// Rank 0 prints (the others' stdout is silenced) and writes --json; --plot and the α-β fit are the
+// one-process comm's.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "bench/bench.h"
+#include "bench/commands.h"
+#include "engine/error.h"
+#include "engine/paths.h"
+#include "engine/process_communicator.h"
+#include "engine/process_group.h"
+#include "engine/report.h"
+#include "models/model.h"
+
+namespace dp::bench {
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+
+double since(clock::time_point t0) { return std::chrono::duration<double>(clock::now() - t0).count(); }
+
+struct Measured {
+  double seconds = 0;  // per op, the slowest rank of every process
+  int iters = 0;
+  double algbw = 0, busbw = 0;
+};
+
+// The largest of every process's value (the host channel's max).
+double job_max(ProcessGroup& group, double v, double timeout) {
+  group.all_reduce_max(&v, 1, Deadline::after(timeout), "dp_bench comm's timing");
+  return v;
+}
+
+// Times `op` (this process's part of one collective, returning when it is done here) as time_op does
+// in one process, across processes: a warm-up op sizes the run to the budget (its slowest time over
+// the job, so every process runs as many ops), then every process starts after a barrier.
+Measured measure(ProcessGroup& group, const CommOptions& o, double timeout, int64_t bytes, int n,
+                 const std::function<void()>& op) {
+  const clock::time_point w0 = clock::now();
+  op();
+  const double warm = job_max(group, since(w0), timeout);
+  Measured m;
+  m.iters = std::clamp(int(o.budget_seconds / std::max(warm, 1e-9)), 1, std::max(1, o.iters));
+  group.barrier(Deadline::after(timeout), "dp_bench comm's start barrier");
+  const clock::time_point t0 = clock::now();
+  for (int i = 0; i < m.iters; ++i) op();
+  m.seconds = job_max(group, since(t0), timeout) / m.iters;
+  m.algbw = double(bytes) / m.seconds;
+  m.busbw = m.algbw * busbw_factor(Collective::all_reduce, n);
+  return m;
+}
+
+// "vm" or "node1, node2": the job's hosts, each once, in rank order.
+std::string comm_hosts(const ProcessGroup& group) {
+  std::vector<std::string> seen;
+  std::string out;
+  for (const std::string& h : group.hosts())
+    if (std::find(seen.begin(), seen.end(), h) == seen.end()) out += (seen.empty() ? "" : ", ") + h, seen.push_back(h);
+  return out;
+}
+
+nlohmann::json json_of(const Measured& m, int n) {
+  return {{"ranks", n},
+          {"iters", m.iters},
+          {"time_us", m.seconds * 1e6},
+          {"algbw_gbps", m.algbw / 1e9},
+          {"busbw_gbps", m.busbw / 1e9}};
+}
+
+// Every process runs the same sweep on as many devices: checked before any channel opens (a process
+// with fewer devices would leave the others waiting in a collective). A mismatch fails every process
+// alike, naming the first setting that differs.
+void check_same_settings(ProcessGroup& group, int K, const CommSweep& sw, const CommOptions& o) {
+  const std::vector<std::pair<const char*, double>> settings{{"devices per process (--gpus/--devices)", K},
+                                                             {"--min-bytes", double(sw.min_bytes)},
+                                                             {"--max-bytes", double(sw.max_bytes)},
+                                                             {"--iters", o.iters}};
+  std::vector<double> hi, lo;
+  for (auto& s : settings) hi.push_back(s.second), lo.push_back(-s.second);
+  const Deadline deadline = Deadline::after(kDefaultTimeout);
+  group.all_reduce_max(hi.data(), int(hi.size()), deadline, "dp_bench comm's settings check");
+  group.all_reduce_max(lo.data(), int(lo.size()), deadline, "dp_bench comm's settings check");
+  for (size_t i = 0; i < settings.size(); ++i)
+    if (hi[i] != -lo[i])
+      throw UsageError(std::string("the processes of this job disagree: ") + settings[i].first + " ranges from " +
+                       std::to_string(int64_t(-lo[i])) + " to " + std::to_string(int64_t(hi[i])) +
+                       "; give every process the same");
+}
+
+}  // namespace
+
+int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& group) {
+  DeviceSet set = make_devices(o.devices);
+  const int K = int(set.devices.size()), P = group.size(), n = P * K;
+  check_same_settings(group, K, sw, o);
+  if (n < 2)
+    throw UsageError("comm across processes: one process of one device has no collective to measure; run more "
+                     "processes (mpirun -np 2) or give more devices");
+  if (set.devices[0]->kind() == DeviceKind::cuda)
+    throw UsageError(
+        "comm across processes: GPUs across processes go through NCCL, which this measurement does not cover yet; "
+        "use --backend cpu (simulated devices)");
+  std::vector<Device*> devices;
+  for (auto& d : set.devices) devices.push_back(d.get());
+  std::printf("%s\n", set.notice.c_str());
+  ProcessCommunicator comm(devices, group);
+  const double timeout = comm.timeout();
+
+  // The sweep's sizes and LeNet's gradient, ascending; each device holds one buffer of the largest.
+  const int64_t lenet_bytes = make_model("lenet").param_count * int64_t(sizeof(float));
+  std::vector<int64_t> sizes = sweep_sizes(sw.min_bytes, sw.max_bytes);
+  if (std::find(sizes.begin(), sizes.end(), lenet_bytes) == sizes.end()) sizes.push_back(lenet_bytes);
+  std::sort(sizes.begin(), sizes.end());
+  const int64_t max_count = sizes.back() / 4;
+  std::vector<Buffer> buf(static_cast<size_t>(K));
+  spmd(comm, devices, [&](int k) {
+    buf[size_t(k)] = devices[size_t(k)]->alloc_floats(max_count, Category::workspace);
+    devices[size_t(k)]->ops().fill(max_count, 0.0f, buf[size_t(k)].f());  // zeros: repeated sums stay finite
+    devices[size_t(k)]->synchronize();
+  });
+  std::vector<float> host(size_t(max_count), 0.0f);  // MPI's buffer, in this process's memory
+
+  std::printf(
+      "\nall-reduce across %d processes (%s): dp over %d devices (%d per process) vs a bare MPI_Allreduce over "
+      "the %d processes; time per op = the slowest rank's mean over up to %d ops after one warm-up\n",
+      P, comm_hosts(group).c_str(), n, K, P, o.iters);
+  std::printf("algbw = S / time; busbw = algbw x 2(n-1)/n, n = %d for dp and %d for MPI; GB/s = 1e9 B/s\n\n", n, P);
+  Table t;
+  t.row({"S", "dp µs", "algbw", "busbw", "MPI µs", "algbw", "busbw", "dp/MPI busbw"});
+  nlohmann::json pts = nlohmann::json::array();
+  for (int64_t bytes : sizes) {
+    const int64_t count = bytes / 4;
+    const Measured dp = measure(group, o, timeout, bytes, n, [&] {
+      spmd(comm, devices, [&](int k) {
+        comm.all_reduce(k, buf[size_t(k)].f(), count);
+        devices[size_t(k)]->synchronize();
+      });
+    });
+    const Measured mpi = measure(group, o, timeout, bytes, P, [&] { group.all_reduce_blocking(host.data(), count); });
+    const double ratio = dp.busbw / mpi.busbw;
+    t.row({format_bytes(bytes) + (bytes == lenet_bytes ? " (lenet)" : ""), fixed(dp.seconds * 1e6, 1),
+           fixed(dp.algbw / 1e9, 2), fixed(dp.busbw / 1e9, 2), fixed(mpi.seconds * 1e6, 1), fixed(mpi.algbw / 1e9, 2),
+           fixed(mpi.busbw / 1e9, 2), fixed(ratio, 2) + "x"});
+    pts.push_back({{"bytes", bytes},
+                   {"lenet_gradient", bytes == lenet_bytes},
+                   {"dp", json_of(dp, n)},
+                   {"mpi", json_of(mpi, P)},
+                   {"busbw_ratio", ratio}});
+  }
+  std::printf("%s", t.str(2).c_str());
+
+  // One all-reduce of LeNet's gradient, every device's bytes against the model; each process checks
+  // its own devices and sends rank 0 its lines.
+  const int64_t count = lenet_bytes / 4;
+  comm.reset_traffic();
+  spmd(comm, devices, [&](int k) { comm.all_reduce(k, buf[size_t(k)].f(), count); });
+  std::string lines;
+  nlohmann::json mine = nlohmann::json::array();
+  bool off = false;
+  for (int k = 0; k < K; ++k) {
+    const HierarchicalTraffic model = hierarchical_all_reduce_traffic(count, K, P, k, group.rank());
+    const Traffic local = comm.traffic(k, Collective::all_reduce), inter = comm.inter_process(k);
+    const bool ok = local.sent == model.local.sent && local.received == model.local.received &&
+                    inter.sent == model.inter.sent && inter.received == model.inter.received;
+    off |= !ok;
+    char line[320];
+    std::snprintf(line, sizeof line, "  %-18s %-8s in the process %s / %s B (model %s / %s), across %s / %s B (model %s / %s)%s\n",
+                  group.who().c_str(), devices[size_t(k)]->name().c_str(), commas(local.sent).c_str(),
+                  commas(local.received).c_str(), commas(model.local.sent).c_str(),
+                  commas(model.local.received).c_str(), commas(inter.sent).c_str(), commas(inter.received).c_str(),
+                  commas(model.inter.sent).c_str(), commas(model.inter.received).c_str(), ok ? "" : "  OFF THE MODEL");
+    lines += line;
+    mine.push_back({{"process", group.rank()},
+                    {"device", devices[size_t(k)]->name()},
+                    {"job_rank", group.rank() * K + k},
+                    {"local_sent", local.sent},
+                    {"local_received", local.received},
+                    {"inter_sent", inter.sent},
+                    {"inter_received", inter.received},
+                    {"model_local_sent", model.local.sent},
+                    {"model_local_received", model.local.received},
+                    {"model_inter_sent", model.inter.sent},
+                    {"model_inter_received", model.inter.received},
+                    {"matches_model", ok}});
+  }
+  const Deadline deadline = Deadline::after(timeout);
+  const std::vector<std::string> all_lines = group.all_gather(lines, deadline, "dp_bench comm's byte lines");
+  const std::vector<std::string> all_json = group.all_gather(mine.dump(), deadline, "dp_bench comm's byte records");
+  const bool any_off = job_max(group, off ? 1 : 0, timeout) > 0;
+  std::printf("\nbytes of one all-reduce of lenet's gradient (%s), sent / received, against the hierarchical model:\n",
+              format_bytes(lenet_bytes).c_str());
+  for (const std::string& l : all_lines) std::printf("%s", l.c_str());
+  std::printf("%s\n", any_off ? "bytes: OFF the model (see the lines marked)" : "bytes: every device equals the model");
+
+  nlohmann::json bytes_check = nlohmann::json::array();
+  for (const std::string& s : all_json)
+    for (auto& d : nlohmann::json::parse(s)) bytes_check.push_back(d);
+  nlohmann::json j = {{"command", o.command},
+                      {"processes", P},
+                      {"devices_per_process", K},
+                      {"hosts", group.hosts()},
+                      {"min_bytes", sw.min_bytes},
+                      {"max_bytes", sw.max_bytes},
+                      {"max_iters", o.iters},
+                      {"lenet_gradient_bytes", lenet_bytes},
+                      {"points", pts},
+                      {"bytes_check", bytes_check},
+                      {"bytes_match_model", !any_off}};
+  if (group.rank() == 0 && !o.json.empty()) write_json(o.json, j);
+  for (int k = 0; k < K; ++k) devices[size_t(k)]->run([&, k] { buf[size_t(k)].reset(); }).get();
+  return any_off ? 1 : 0;
+}
+
+}  // namespace dp::bench
