@@ -58,6 +58,14 @@ std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
   return t;
 }
 
+HierarchicalTraffic hierarchical_all_reduce_traffic(int64_t count, int K, int P, int k, int p) {
+  HierarchicalTraffic t;
+  if (K > 1) t.local = dp::ring_all_reduce_traffic(k, K, count);
+  const int64_t chunk = K > 1 ? even_chunks(count, K)[size_t(ring_owned_chunk(k, K))] : count;
+  if (P > 1) t.inter = dp::ring_all_reduce_traffic(p, P, chunk);
+  return t;
+}
+
 // Bytes per step, with P parameters, D input floats per image, C classes, n devices, n_i the split
 // sizes (split_batch) and 4 bytes a float. No collective runs on one device.
 //

@@ -44,6 +44,16 @@ struct CollectiveTraffic {
 // even_chunks(count, n)): what each rank sends and receives.
 std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n);
 
+// The hierarchical all-reduce across processes (ProcessCommunicator, Horovod's): P processes of K
+// devices each, device k of process p. Inside the process a ring over the K devices (its reduce-scatter,
+// then its all-gather: ring_all_reduce_traffic over K); across processes the chunk k owns after the
+// reduce-scatter (even_chunks(count, K)[(k + 1) mod K], the whole buffer when K = 1) all-reduced with
+// the same device of every other process, counted as a ring over P.
+struct HierarchicalTraffic {
+  Traffic local, inter;
+};
+HierarchicalTraffic hierarchical_all_reduce_traffic(int64_t count, int K, int P, int k, int p);
+
 // The collectives of one full training step and their bytes per rank (formulas in bench.cpp);
 // all_reduce picks the allreduce strategy's algorithm (scatter ignores it). A model with BatchNorm
 // adds, with local BatchNorm, the broadcast of device 0's running statistics; with sync_bn

@@ -123,6 +123,12 @@ void check_memory(const CommSweep& sw, int n, bool simulated) {
 int run_comm(const CommOptions& o) {
   if (o.iters < 1) throw UsageError("--iters: must be at least 1");
   if (o.repeats < 1) throw UsageError("--repeats: " + std::to_string(o.repeats) + " sweeps; give at least 1");
+  if (o.group) {
+    if (!o.plot.empty())
+      throw UsageError("--plot: comm across processes prints its table and writes --json; it does not plot");
+    if (o.group->rank() == 0) check_output_file("--json", o.json);
+    return run_comm_processes(o, sweep_of(o), *o.group);
+  }
   check_output_file("--json", o.json);
   check_output_directory("--plot", o.plot);
   if (!o.plot.empty()) check_plotting();

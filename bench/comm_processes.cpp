@@ -113,8 +113,9 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
   const int K = int(set.devices.size()), P = group.size(), n = P * K;
   check_same_settings(group, K, sw, o);
   if (n < 2)
-    throw UsageError("comm across processes: one process of one device has no collective to measure; run more "
-                     "processes (mpirun -np 2) or give more devices");
+    throw UsageError(
+        "comm across processes: one process of one device has no collective to measure; run more "
+        "processes (mpirun -np 2) or give more devices");
   if (set.devices[0]->kind() == DeviceKind::cuda)
     throw UsageError(
         "comm across processes: GPUs across processes go through NCCL, which this measurement does not cover yet; "
@@ -183,7 +184,8 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
                     inter.sent == model.inter.sent && inter.received == model.inter.received;
     off |= !ok;
     char line[320];
-    std::snprintf(line, sizeof line, "  %-18s %-8s in the process %s / %s B (model %s / %s), across %s / %s B (model %s / %s)%s\n",
+    std::snprintf(line, sizeof line,
+                  "  %-18s %-8s in the process %s / %s B (model %s / %s), across %s / %s B (model %s / %s)%s\n",
                   group.who().c_str(), devices[size_t(k)]->name().c_str(), commas(local.sent).c_str(),
                   commas(local.received).c_str(), commas(model.local.sent).c_str(),
                   commas(model.local.received).c_str(), commas(inter.sent).c_str(), commas(inter.received).c_str(),

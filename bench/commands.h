@@ -8,6 +8,7 @@
 
 #include "engine/device.h"
 #include "engine/engine.h"
+#include "engine/process_group.h"
 
 namespace dp::bench {
 
@@ -34,6 +35,7 @@ struct CommOptions {
   double budget_seconds = 0.1;
   std::string json, plot;
   std::string command;
+  ProcessGroup* group = nullptr;  // started by mpirun: comm measures across the job's processes
 };
 
 struct SkewOptions {
@@ -66,6 +68,9 @@ struct BnOptions {
 
 int run_compare(const CompareOptions& o);
 int run_comm(const CommOptions& o);
+struct CommSweep;
+// comm under mpirun (comm_processes.cpp): dp's all-reduce across processes beside a bare MPI_Allreduce.
+int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& group);
 int run_skew(const SkewOptions& o);
 int run_bn(const BnOptions& o);
 

@@ -1,7 +1,8 @@
 // dp_bench: measurements of the dp engine, on the same library dp_train uses.
 //   compare  scatter vs naive (d2l's all-reduce) vs allreduce: step time, phases, bytes against the byte
 //            model, memory
-//   comm     the collectives alone: time, algbw, busbw (nccl-tests' definitions), alpha-beta fit
+//   comm     the collectives alone: time, algbw, busbw (nccl-tests' definitions), alpha-beta fit; under
+//            mpirun the all-reduce across processes beside a bare MPI_Allreduce (comm_processes.cpp)
 //   skew     memory per device by category: device 0's extra under scatter; with --device-memory,
 //            the largest batch each strategy fits
 //   bn       BatchNorm across replicas (lenet-bn, real data): local BatchNorm vs SyncBatchNorm at
@@ -110,7 +111,7 @@ Subcommand add_compare(CLI::App& app) {
           }};
 }
 
-Subcommand add_comm(CLI::App& app) {
+Subcommand add_comm(CLI::App& app, ProcessGroup* group) {
   auto mo = std::make_shared<CommOptions>();
   auto dev = std::make_shared<DeviceFlags>();
   auto min_bytes = std::make_shared<std::string>("8"), max_bytes = std::make_shared<std::string>("256M");
@@ -132,6 +133,7 @@ Subcommand add_comm(CLI::App& app) {
             mo->min_bytes = parse_bytes(*min_bytes, "--min-bytes", 4);
             mo->max_bytes = parse_bytes(*max_bytes, "--max-bytes", 4);
             mo->command = command;
+            mo->group = group;
             return run_comm(*mo);
           }};
 }
@@ -220,32 +222,47 @@ Subcommand add_bn(CLI::App& app) {
           }};
 }
 
-int run(int argc, char** argv) {
+int run(int argc, char** argv, ProcessGroup* group) {
   CLI::App app(
       "dp_bench: measure the dp engine (scatter vs allreduce, collectives, memory skew, BatchNorm across replicas)",
       "dp_bench");
   app.set_version_flag("--version", std::string("dp_bench ") + dp::version());
   app.require_subcommand(1);
-  const Subcommand subcommands[] = {add_compare(app), add_comm(app), add_skew(app), add_bn(app)};
+  const Subcommand subcommands[] = {add_compare(app), add_comm(app, group), add_skew(app), add_bn(app)};
   if (!run_parser(app, argc, argv)) return 0;
   for (const Subcommand& s : subcommands)
-    if (s.app->parsed()) return s.run(shell_command_line(argc, argv));
+    if (s.app->parsed()) {
+      if (group && s.app->get_name() != "comm")
+        throw UsageError(s.app->get_name() +
+                         " measures the devices of one process; under mpirun only comm measures across processes "
+                         "(mpirun -np 2 dp_bench comm --devices 1)");
+      return s.run(shell_command_line(argc, argv));
+    }
   return 0;  // unreachable: CLI11 requires one subcommand
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Under mpirun (comm across processes) rank 0 alone prints; an error on any rank ends the job with
+  // its exit code (MPI_Abort), since the others may be waiting for it in a collective.
+  std::unique_ptr<dp::ProcessGroup> group = dp::join_if_launched("dp_bench");
+  const std::string who = group && group->size() > 1 ? group->who() + ": " : "";
+  auto fail = [&](int code, const char* prefix, const char* what) {
+    std::fprintf(stderr, "%sdp_bench: %s%s\n", who.c_str(), prefix, what);
+    if (!who.empty()) {
+      std::fflush(stderr);
+      group->abort(code);
+    }
+    return code;
+  };
   try {
-    return run(argc, argv);
+    return run(argc, argv, group.get());
   } catch (const dp::UsageError& e) {
-    std::fprintf(stderr, "dp_bench: %s\n", e.what());
-    return 2;
+    return fail(2, "", e.what());
   } catch (const dp::bench::PlotUnavailable& e) {
-    std::fprintf(stderr, "dp_bench: %s\n", e.what());
-    return 1;
+    return fail(1, "", e.what());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "dp_bench: error: %s\n", e.what());
-    return 1;
+    return fail(1, "error: ", e.what());
   }
 }

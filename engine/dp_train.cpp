@@ -78,21 +78,6 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   // Started by mpirun (or another MPI launcher): join the job's other processes. Only rank 0 speaks on
   // stdout; every rank's errors go to stderr, prefixed with its rank and host.
-  std::unique_ptr<dp::ProcessGroup> group;
-  if (dp::launched_by_mpi()) {
-    try {
-      group = dp::join_process_group();
-    } catch (const dp::UsageError& e) {
-      std::fprintf(stderr, "dp_train: %s\n", e.what());
-      return 2;
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "dp_train: error: could not join the other processes: %s\n", e.what());
-      return 1;
-    }
-    if (group->rank() != 0 && !std::freopen("/dev/null", "w", stdout)) {
-      std::fprintf(stderr, "%s: dp_train: error: cannot silence stdout\n", group->who().c_str());
-      group->abort(1);
-    }
-  }
+  std::unique_ptr<dp::ProcessGroup> group = dp::join_if_launched("dp_train");
   return run(argc, argv, group.get());  // the group, destroyed after it, finalises MPI
 }

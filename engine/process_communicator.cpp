@@ -40,7 +40,10 @@ void ProcessCommunicator::all_reduce(int rank, float* buf, int64_t count) {
     tally_inter(rank, ring_all_reduce_traffic(group_.rank(), group_.size(), chunk[size_t(mine)]));
   }
   if (n > 1) {
-    meet(rank, Collective::all_reduce);  // every chunk summed across processes before any is read
+    // Every chunk summed across processes before any is read. A peer may spend up to the timeout in
+    // its own wait across processes, so this meeting waits twice that: where another process stopped
+    // answering, the error names that wait, not a local peer still inside it.
+    meet(rank, "the all-reduce", Deadline::after(2 * timeout()));
     ring_all_gather(rank, buf, count);
   }
 }

@@ -62,6 +62,9 @@ class ProcessGroup {
                                               const std::string& what) = 0;
   // Host channel: returns once every process has called it.
   virtual void barrier(const Deadline& deadline, const std::string& what) = 0;
+  // Host channel: MPI_Allreduce (sum) as MPI gives it, blocking, with no deadline and no abort: the
+  // reference dp_bench comm measures the all-reduce across processes against. Not for training.
+  virtual void all_reduce_blocking(float* buf, int64_t count) = 0;
   // Ends every process of the job with exit status `code` (MPI_Abort): the one way out when this
   // process failed and the others may be waiting for it in a collective.
   [[noreturn]] virtual void abort(int code) = 0;
@@ -75,5 +78,11 @@ class ProcessGroup {
 // Initialises MPI (MPI_THREAD_MULTIPLE: every device thread calls it) and joins the job's processes.
 // Throws UsageError where this build has no MPI. The group finalises MPI when destroyed.
 std::unique_ptr<ProcessGroup> join_process_group();
+
+// For a program's main (dp_train, dp_bench): null when no MPI launcher started this process;
+// otherwise the joined group, with stdout silenced on every rank but 0 (rank 0 alone speaks; every
+// rank's errors still reach stderr). Where joining fails it prints "<program>: ..." and exits: 2 when
+// this build has no MPI, 1 when MPI failed.
+std::unique_ptr<ProcessGroup> join_if_launched(const char* program);
 
 }  // namespace dp

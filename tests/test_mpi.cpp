@@ -155,7 +155,7 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   CHECK(r.output.find("--allreduce naive across processes") != std::string::npos);
 }
 
-TEST_CASE("mpi: a process that stops answering trips --timeout; one that is killed ends the job; no process left") {
+TEST_CASE("mpi: a process that stops answering trips --timeout, one that is killed ends the job, no process left") {
   if (!have_mpi()) return;
   Job job;
   auto start = std::chrono::steady_clock::now();
@@ -186,7 +186,7 @@ TEST_CASE("mpi: a process that stops answering trips --timeout; one that is kill
   CHECK(run_command("pgrep -f '^" + std::string(DP_TRAIN_BIN) + ".*" + marker + "'").exit_code == 1);  // none left
 }
 
-TEST_CASE("mpi: a signal on one process stops every process after the same step; the checkpoint resumes bit-exact") {
+TEST_CASE("mpi: a signal on one process stops every process after the same step, the checkpoint resumes bit-exact") {
   if (!have_mpi()) return;
   Job job;
   // Rank 1 alone is signalled, before global step 6 runs: the step's collective carries it to rank 0,
@@ -209,4 +209,59 @@ TEST_CASE("mpi: a signal on one process stops every process after the same step;
   r = job.mpirun(2, "--devices 2 --epochs 2 --save " + full);
   REQUIRE(r.exit_code == 0);
   check_same_tensors(ck, full);
+}
+
+TEST_CASE("mpi: dp_bench comm measures the all-reduce across processes beside MPI_Allreduce, bytes on the model") {
+  if (!have_mpi()) return;
+  TempDir dir;
+  const std::string bench = std::string(DP_BENCH_BIN) + " comm --backend cpu";
+  const int64_t lenet = make_model("lenet").param_count;
+  for (int K : {1, 2}) {
+    CAPTURE(K);
+    const std::string json = dir / "c.json";
+    CommandResult r = run_command(kMpirun + " -np 2 " + bench + " --devices " + std::to_string(K) +
+                                  " --min-bytes 4K --max-bytes 64K --iters 2 --json " + json);
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    CHECK(r.output.find("bytes: every device equals the model") != std::string::npos);
+    const nlohmann::json j = read_json(json);
+    CHECK(j["processes"] == 2);
+    CHECK(j["devices_per_process"] == K);
+    // 4K..64K doubling, and LeNet's gradient, ascending.
+    REQUIRE(j["points"].size() == 6);
+    CHECK(j["points"][5]["bytes"] == lenet * 4);
+    CHECK(j["points"][5]["lenet_gradient"] == true);
+    for (const nlohmann::json& p : j["points"]) {
+      const int n = 2 * K;
+      CHECK(p["dp"]["ranks"] == n);
+      CHECK(p["mpi"]["ranks"] == 2);
+      // nccl-tests' definitions: algbw = S / t, busbw = algbw x 2(n-1)/n.
+      const double t = p["dp"]["time_us"].get<double>() * 1e-6;
+      CHECK(p["dp"]["algbw_gbps"].get<double>() == doctest::Approx(p["bytes"].get<double>() / t / 1e9));
+      CHECK(p["dp"]["busbw_gbps"].get<double>() ==
+            doctest::Approx(p["dp"]["algbw_gbps"].get<double>() * 2 * (n - 1) / n));
+      CHECK(p["mpi"]["busbw_gbps"].get<double>() == doctest::Approx(p["mpi"]["algbw_gbps"].get<double>()));
+    }
+    // Every device of both processes, its bytes as the trainer's test derives them.
+    REQUIRE(j["bytes_check"].size() == size_t(2 * K));
+    for (const nlohmann::json& d : j["bytes_check"]) {
+      const int process = d["process"], k = d["job_rank"].get<int>() % K;
+      const Traffic local = K > 1 ? ring_all_reduce_traffic(k, K, lenet) : Traffic{};
+      const int64_t chunk = even_chunks(lenet, K)[size_t(K > 1 ? ring_owned_chunk(k, K) : 0)];
+      const Traffic inter = ring_all_reduce_traffic(process, 2, chunk);
+      CHECK(d["local_sent"] == local.sent);
+      CHECK(d["local_received"] == local.received);
+      CHECK(d["inter_sent"] == inter.sent);
+      CHECK(d["inter_received"] == inter.received);
+      CHECK(d["matches_model"] == true);
+    }
+  }
+  // Processes with different device counts are refused before any channel opens; the other
+  // subcommands measure one process.
+  CommandResult m = run_command(kMpirun + " -np 1 " + bench + " --devices 1 : -np 1 " + bench + " --devices 2");
+  CHECK(m.exit_code == 2);
+  CHECK(m.output.find("disagree: devices per process") != std::string::npos);
+  CommandResult c = run_command(kMpirun + " -np 2 " + DP_BENCH_BIN + " compare --backend cpu --devices 2");
+  CHECK(c.exit_code == 2);
+  CHECK(c.output.find("only comm measures across processes") != std::string::npos);
 }
