@@ -87,7 +87,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       throw UsageError(
           "--sync scatter: nn.DataParallel is one process by design; across processes use --sync allreduce");
     world_ = cfg_.group->size() * n, first_ = cfg_.group->rank() * n;
-    comm_ = std::make_unique<ProcessCommunicator>(devices_, *cfg_.group);
+    comm_ = make_process_communicator(devices_, *cfg_.group);  // NCCL on GPUs, MPI otherwise
   } else {
     comm_ = make_communicator(devices_);
   }

@@ -16,16 +16,8 @@ void check_job_options(const TrainOptions& o, int processes) {
                      "the optimizer); across processes use --sync allreduce, as DDP and Horovod do");
   if (o.all_reduce != AllReduceAlgorithm::ring)
     throw UsageError("--allreduce naive" + across +
-                     ": not supported; the hierarchical ring (reduce-scatter, all-reduce across processes, "
-                     "all-gather) is: drop --allreduce");
-  if (o.verify)
-    throw UsageError("--verify" + across +
-                     ": not yet supported (it needs the whole batch on rank 0); run it in one process, e.g. "
-                     "dp_train --devices 4 --sync allreduce --verify");
-  if (o.devices.backend == "cuda")
-    throw UsageError("--backend cuda" + across +
-                     ": not yet supported (NCCL across processes is not built yet); use --backend cpu, or one "
-                     "process with all its GPUs (--gpus 0,1,...)");
+                     ": not supported; the ring is (NCCL's over every GPU of every process on GPUs, the hierarchical "
+                     "ring over MPI on simulated devices): drop --allreduce");
   if (o.eval) throw UsageError("--eval" + across + ": evaluate in one process (dp_train --eval --load FILE)");
 }
 
@@ -77,7 +69,38 @@ std::string fnv1a(const std::vector<float>& v) {
   return s;
 }
 
+// Rank 0's string into every process's.
+std::string broadcast_string(ProcessGroup& g, std::string s, double timeout, const std::string& what) {
+  int64_t n = int64_t(s.size());
+  g.broadcast(kHostChannel, &n, sizeof n, 0, Deadline::after(timeout), what, nullptr);
+  s.resize(size_t(n));
+  if (n > 0) g.broadcast(kHostChannel, s.data(), n, 0, Deadline::after(timeout), what, nullptr);
+  return s;
+}
+
 }  // namespace
+
+Resumed resume_on_rank0(ProcessGroup& g, const TrainOptions& o, const ModelSpec& spec, const RunIdentity& id) {
+  Resumed r;
+  // "step N", or "error " and the refusal (plain bytes: a path need not be UTF-8).
+  std::string status = "step 0";
+  if (g.rank() == 0) try {
+      r = resume_checkpoint(o, spec, id);  // a warning on an exact-only difference: rank 0's stderr alone
+      status = "step " + std::to_string(r.global_step);
+    } catch (const UsageError& e) {
+      status = std::string("error ") + e.what();
+    }
+  status = broadcast_string(g, status, o.timeout, "rank 0's reading of --resume");
+  if (status.rfind("error ", 0) == 0) throw JobMismatch(status.substr(6));
+  r.global_step = std::stoll(status.substr(5));
+  return r;
+}
+
+void broadcast_verify(ProcessGroup& g, VerifyResult& v, double timeout) {
+  double f[4] = {double(v.steps), v.max_diff, v.tolerance, v.ok ? 1.0 : 0.0};
+  g.broadcast(kHostChannel, f, sizeof f, 0, Deadline::after(timeout), "the broadcast of rank 0's --verify", nullptr);
+  v.steps = int64_t(f[0]), v.max_diff = f[1], v.tolerance = f[2], v.ok = f[3] != 0;
+}
 
 void broadcast_state(ProcessGroup& g, Checkpoint& state, double timeout) {
   broadcast_floats(g, state.params, timeout, "the broadcast of rank 0's weights");

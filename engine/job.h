@@ -13,12 +13,15 @@
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/process_group.h"
+#include "engine/resume.h"
 #include "engine/trainer.h"
+#include "engine/verify.h"
 
 namespace dp {
 
 // Processes disagree on a setting: every process knows it from the same gathered settings, so every
-// process exits 2 and rank 0 alone prints the message.
+// process exits 2 and rank 0 alone prints the message. Also what every process throws when rank 0
+// refused an input that it alone reads (--resume), with rank 0's message.
 struct JobMismatch : UsageError {
   using UsageError::UsageError;
 };
@@ -30,6 +33,19 @@ using Settings = std::vector<std::pair<std::string, std::string>>;
 // Every process's settings, gathered, against rank 0's: a difference is a JobMismatch naming each
 // differing setting with every process's value. Collective.
 void check_agreement(ProcessGroup& g, const Settings& mine, double timeout);
+
+// --resume across processes: rank 0 alone reads and checks the checkpoint (resume_checkpoint), so that
+// on several hosts only rank 0 needs the file; every process gets its global step, and its weights,
+// momentum and statistics follow with broadcast_state. Rank 0 first broadcasts how the reading went:
+// a refusal there (no such file, a corrupt one, another run's) is thrown on every process as a
+// JobMismatch with rank 0's message, so every process exits 2, rank 0 alone saying why, and none waits.
+// Collective, also without --resume (rank 0 then sends step 0), so that every process calls it alike.
+Resumed resume_on_rank0(ProcessGroup& g, const TrainOptions& o, const ModelSpec& spec, const RunIdentity& id);
+
+// --verify across processes: rank 0 alone keeps the one-device reference (it is given the whole
+// batch) and compares its replica, which gather_devices finds bitwise equal to every other; its result
+// to every process, so that every process exits alike. Collective.
+void broadcast_verify(ProcessGroup& g, VerifyResult& v, double timeout);
 
 // Rank 0's weights, momentum, running statistics and step count to every process. Collective.
 void broadcast_state(ProcessGroup& g, Checkpoint& state, double timeout);

@@ -11,6 +11,9 @@
 // NCCL may, and the count stays the ring's).
 #pragma once
 
+#include <memory>
+#include <vector>
+
 #include "engine/communicator.h"
 #include "engine/process_group.h"
 
@@ -39,5 +42,13 @@ class ProcessCommunicator : public Communicator {
   // trips; tests/test_mpi.cpp.
   int stall_rank_ = -1;
 };
+
+// The communicator of a job's process (Engine, with a group of more than one process), beside
+// make_communicator: on GPUs, one NCCL communicator over every GPU of every process (engine/cuda/
+// nccl_process_communicator.cpp; it starts at the first collective, and where it cannot start every
+// process fails with the same message: GPU memory never goes to MPI); on simulated devices, and in a
+// build without CUDA (engine/stub/), ProcessCommunicator. Throws UsageError for a GPU shared by
+// several local replicas.
+std::unique_ptr<Communicator> make_process_communicator(std::vector<Device*> devices, ProcessGroup& group);
 
 }  // namespace dp

@@ -411,7 +411,10 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   Progress progress(!o_.quiet);  // cleared when this returns or throws
   // Its thread is joined when this returns or throws, after at most the batch it is filling.
   LoaderPlan lp{o_.batch, plan_.per_epoch, step_, plan_.total_steps, o_.seed, o_.shuffle, {}};
-  if (group_) lp.rows = [this](int n) { return engine_.slice(n); };  // this process's rows only
+  // Across processes, this process's rows only; but rank 0 under --verify (the one process with a
+  // Verifier) loads the whole batch for the reference, of which its engine's rows are the first
+  // (Engine::slice starts at row 0 on rank 0).
+  if (group_ && !verify) lp.rows = [this](int n) { return engine_.slice(n); };
   BatchLoader loader(data.train, lp, o_.workers);
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);
@@ -490,7 +493,9 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   const int job_devices = int(devs.devices.size()) * (g ? g->size() : 1);
   check_batchnorm(opt, spec, plan, data.train.count, job_devices);
   const RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), job_devices);
-  const Resumed resumed = resume_checkpoint(opt, spec, id);  // step 0 and no weights without --resume
+  // Step 0 and no weights without --resume. Across processes rank 0 alone reads the checkpoint; the
+  // others get its step now and its state from broadcast_state.
+  const Resumed resumed = g ? resume_on_rank0(*g, opt, spec, id) : resume_checkpoint(opt, spec, id);
   if (g) {  // every process's settings against rank 0's, before any collective that depends on them
     Settings s = id.required;
     s.insert(s.end(), id.exact_only.begin(), id.exact_only.end());
@@ -498,7 +503,10 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
                        {"devices_per_process", std::to_string(devs.devices.size())},
                        {"steps", std::to_string(plan.total_steps)},
                        {"test_samples", std::to_string(data.test.count)},
-                       {"resume_step", std::to_string(resumed.global_step)},
+                       {"resume", opt.resume.empty() ? "none" : "a checkpoint"},
+                       // Each adds collectives at the end (verify's result, the trace's gather).
+                       {"verify", opt.verify ? "on" : "off"},
+                       {"trace", opt.trace.empty() ? "off" : "on"},
                        {"timeout", std::to_string(opt.timeout)}});
     check_agreement(*g, s, opt.timeout);
   }
@@ -512,8 +520,10 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   Checkpoint init = initial_state(opt, spec, resumed);
   if (g) broadcast_state(*g, init, opt.timeout);  // rank 0's: every replica of the job starts from it
   place(engine, init);
-  std::optional<Verifier> verify;  // --verify: the same steps on one device with the full batch
-  if (opt.verify) verify.emplace(opt.devices, spec, ec, init);
+  std::optional<Verifier> verify;  // --verify: the same steps on one device with the full batch (rank 0's)
+  if (opt.verify && lead) verify.emplace(opt.devices, spec, ec, init);
+  // Across processes, every rank's trace onto rank 0's clock (read before the first span).
+  const double trace_offset_us = g && ec.trace ? clock_offset_to_rank0(*g, engine, opt.timeout) : 0;
 
   if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, plan, resumed.global_step);
   CheckpointSaver saver(opt, spec, id, plan.per_epoch);
@@ -525,14 +535,19 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   run.epochs(data, verify ? &*verify : nullptr, result);
   summarize(result);
 
-  if (verify) {
+  if (opt.verify) {
     signals.stage(Stage::verify);
-    VerifyResult v = verify->compare(engine, ec.batch);  // the batch trained, not --batch
+    VerifyResult v;
+    if (verify) v = verify->compare(engine, ec.batch);  // the batch trained, not --batch
+    if (g) broadcast_verify(*g, v, opt.timeout);
     result.verify_max_diff = v.max_diff, result.verify_tolerance = v.tolerance, result.verify_ok = v.ok;
   }
   run.stop_if_signalled();
-  // Across processes: every device of every process, their weights checked identical.
+  // Across processes: every device of every process, their weights checked identical; every rank's
+  // trace, on rank 0.
   const nlohmann::json job_devices_json = g ? gather_devices(*g, engine, opt.timeout) : nlohmann::json();
+  const nlohmann::json job_trace =
+      g && ec.trace ? job_trace_json(*g, engine, trace_offset_us, opt.timeout) : nlohmann::json();
   if (run.speak()) std::printf("%s", device_table(engine).c_str());
   if (!opt.save.empty()) {
     signals.stage(Stage::save);
@@ -550,7 +565,8 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
       }
       write_json(opt.report, j);
     });
-  if (!opt.trace.empty() && lead) run.output(Stage::trace, [&] { write_json(opt.trace, trace_json(engine)); });
+  if (!opt.trace.empty() && lead)
+    run.output(Stage::trace, [&] { write_json(opt.trace, g ? job_trace : trace_json(engine)); });
   run.stop_if_signalled();
   return result;
 }

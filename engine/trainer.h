@@ -62,7 +62,8 @@ struct TrainResult {
 
 // Throws UsageError for bad input, DeviceError / NumericalError for failures during training.
 // group: the job's processes when an MPI launcher started this one (process_group.h); null in one
-// process. Across processes rank 0 alone writes the checkpoint, report, trace and log.
+// process. Across processes rank 0 alone writes the checkpoint, report, trace (every rank's events) and
+// log, reads --resume and runs --verify's one-device reference.
 TrainResult train(const TrainOptions& opt, ProcessGroup* group = nullptr);
 
 struct EvalResult {

@@ -28,8 +28,9 @@ double summation_tolerance(int64_t steps, int batch, float lr, float momentum) {
 
 namespace {
 
+// One device in this process, also when the run is one process of a job (EngineConfig::group).
 EngineConfig one_device(EngineConfig c) {
-  c.sync = Sync::allreduce, c.bucket_kb = 0, c.trace = false;
+  c.sync = Sync::allreduce, c.bucket_kb = 0, c.trace = false, c.group = nullptr;
   return c;
 }
 

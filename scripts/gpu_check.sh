@@ -21,6 +21,8 @@
 #   compare, skew, comm
 #             dp_bench on --gpus 0,0 --allow-shared-device --backend cuda
 #   torch     PyTorch eager training the same LeNet at the same batch and epochs on the same GPU
+# No step runs NCCL across processes (mpirun -np 2 dp_train --gpus ...): on one GPU the two processes
+# would share it, and NCCL refuses one GPU twice in a communicator (dp says so before NCCL starts).
 # then a summary table (step, exit code, seconds, key number) in OUT/summary.txt; the exit code is 1
 # if any step failed, 2 if the machine cannot run the check at all (no nvidia-smi, nvcc or kit).
 #

@@ -44,12 +44,16 @@
 // rather than happening in the wait that saw the failure because ncclCommAbort frees the
 // communicator, and another rank's thread may at that moment still be polling its own.
 //
+// The class is declared in nccl_communicator.h: the job's form (several processes, one clique over all
+// their GPUs; nccl_process_communicator.cpp) derives from it and replaces the start, the byte count
+// and the broadcast; the waits, events, watches and the ends are these.
+//
 // Bytes are counted by ring_all_reduce_traffic, as the base ring counts them, so reports compare across
 // communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch systems) and move a
 // different number of bytes over different links; the count is the ring model's, the bus-bandwidth
 // convention of nccl-tests. The naive all-reduce is counted by naive_all_reduce_traffic, as the base
 // class counts it.
-#include <nccl.h>
+#include "engine/cuda/nccl_communicator.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -58,62 +62,13 @@
 #include <set>
 #include <utility>
 
-#include "engine/communicator.h"
-#include "engine/cuda/cuda_device.h"
 #include "engine/error.h"
 #include "kernels/cuda/check.h"
 
 namespace dp {
-namespace {
-
-class NcclCommunicator final : public Communicator {
- public:
-  explicit NcclCommunicator(std::vector<Device*> devices);
-  ~NcclCommunicator() override;
-
-  void all_reduce(int rank, float* buf, int64_t count) override;
-  void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr) override;
-  void wait(int rank) override;
-  void recover() override;
-
- private:
-  enum class Clique { none, ready, unavailable };
-
-  CudaDevice& gpu(int rank) const { return static_cast<CudaDevice&>(*devices_[rank]); }
-  void tally_all_reduce(int rank, int64_t count);
-  // The all-reduce of all_reduce_algorithm(), enqueued on `stream`.
-  void enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream);
-  // Whether this all-reduce goes through NCCL; the first call on every rank starts the clique.
-  bool use_nccl(int rank);
-  void start_clique(int rank);
-  // The watch's questions (CudaDevice::Watch), asked on the rank's thread while it waits.
-  bool failed(int rank);
-  std::string outstanding(int rank);
-  // Ends the clique: the watches off, then the communicators destroyed once every stream drained,
-  // or aborted (`failure`, or a drain that did not finish) and the streams drained after. Only when
-  // no rank thread uses the communicator.
-  void end_clique(bool failure) noexcept;
-  // Waits, up to the timeout, until both streams of every GPU are idle; says so on stderr if not.
-  bool drain() noexcept;
-  void release_events() noexcept;
-
-  struct RankEvents {
-    std::vector<cuda::Event> ready;     // per bucket in flight: recorded on the compute stream
-    std::vector<cuda::Event> finished;  // per bucket in flight: on the comm stream after its all-reduce
-    size_t used = 0;                    // buckets started since the last wait()
-    size_t in_flight = 0;               // buckets the last wait() covered
-    cuda::Event done;                   // recorded on the comm stream after the last bucket
-  };
-  std::vector<ncclComm_t> comms_;
-  // Written by rank 0 between the two meetings of start_clique, read by every rank after the second
-  // (or before its first, when none is there yet); reset by recover() with every rank idle.
-  Clique clique_ = Clique::none;
-  std::mutex events_mu_;  // events_[r] is the compute thread's; outstanding() may run on another
-  std::vector<RankEvents> events_;
-};
 
 NcclCommunicator::NcclCommunicator(std::vector<Device*> devices)
-    : Communicator(std::move(devices)), comms_(devices_.size(), nullptr), events_(devices_.size()) {
+    : Communicator(std::move(devices)), world_(size()), comms_(devices_.size(), nullptr), events_(devices_.size()) {
   try {
     for (int r = 0; r < size(); ++r) devices_[r]->run([this, r] { events_[r].done = cuda::make_event(); }).get();
   } catch (...) {
@@ -157,13 +112,7 @@ void NcclCommunicator::start_clique(int rank) {
         DP_CUDA_CHECK_PRINT(cudaSetDevice(ids[0]));
         throw;
       }
-      for (int r = 0; r < size(); ++r) {
-        auto watch = std::make_shared<CudaDevice::Watch>();
-        watch->aborted = [this, r] { return failed(r); };
-        watch->what = [this, r] { return outstanding(r); };
-        watch->timeout = timeout_;
-        gpu(r).set_watch(std::move(watch));
-      }
+      watch_clique();
       clique_ = Clique::ready;
     } catch (const std::exception& e) {
       clique_ = Clique::unavailable;
@@ -174,6 +123,30 @@ void NcclCommunicator::start_clique(int rank) {
   // at least the default timeout, so that a short --timeout (for a quick verdict on a stuck step)
   // does not fail a start that is merely slow.
   meet(rank, "the start of NCCL", Deadline::after(std::max(timeout_, kDefaultTimeout)));
+}
+
+void NcclCommunicator::watch_clique() {
+  for (int r = 0; r < size(); ++r) {
+    auto watch = std::make_shared<CudaDevice::Watch>();
+    watch->aborted = [this, r] { return failed(r); };
+    watch->what = [this, r] { return outstanding(r); };
+    watch->timeout = timeout_;
+    gpu(r).set_watch(std::move(watch));
+  }
+}
+
+ncclResult_t NcclCommunicator::enqueued(int rank, ncclResult_t result) {
+  if (result != ncclInProgress) return result;
+  ncclResult_t state = ncclInProgress;
+  const CudaDevice& d = gpu(rank);
+  poll_until(
+      [&] {
+        DP_NCCL_CHECK(ncclCommGetAsyncError(comms_[rank], &state));
+        return state != ncclInProgress;
+      },
+      [this] { return barrier_.aborted(); }, Deadline::after(timeout_), d.id(),
+      [&d] { return "NCCL's enqueueing of a collective on " + d.name(); });
+  return state;
 }
 
 bool NcclCommunicator::failed(int rank) {
@@ -213,22 +186,29 @@ void NcclCommunicator::end_clique(bool failure) noexcept {
   if (clique_ != Clique::ready) return;  // none, or NCCL could not start: then it stays the peer ring
   for (int r = 0; r < size(); ++r) gpu(r).set_watch(nullptr);  // before the communicators they ask go
   const bool drained = !failure && drain();
-  // With several communicators in one process the last ncclCommDestroy (or ncclCommAbort) frees
-  // them all, so one thread may end them one after another.
-  devices_[0]
-      ->run([this, drained] {
-        for (ncclComm_t& c : comms_) {
-          if (!c) continue;
-          if (drained)
-            DP_NCCL_CHECK_PRINT(ncclCommDestroy(std::exchange(c, nullptr)));
-          else
-            DP_NCCL_CHECK_PRINT(ncclCommAbort(std::exchange(c, nullptr)));
-        }
-        DP_CUDA_CHECK_PRINT(cudaSetDevice(devices_[0]->id()));
-      })
-      .wait();
+  end_comms(/*abort=*/!drained);
   if (!drained) drain();  // the aborted kernels have quit; what was queued behind them runs out
   clique_ = Clique::none;
+}
+
+void NcclCommunicator::end_comms(bool abort) noexcept {
+  std::vector<std::future<void>> ends;
+  for (int r = 0; r < size(); ++r)
+    ends.push_back(devices_[r]->run([this, r, abort] {
+      end_comm(std::exchange(comms_[r], nullptr), abort);
+      DP_CUDA_CHECK_PRINT(cudaSetDevice(devices_[r]->id()));  // NCCL's end may leave another device current
+    }));
+  for (std::future<void>& f : ends) f.wait();
+}
+
+void NcclCommunicator::end_comm(ncclComm_t comm, bool abort) noexcept {
+  if (!comm) return;
+  // A nonblocking communicator may answer ncclInProgress: the end goes on inside NCCL, and the handle
+  // is not ours to ask any more.
+  const ncclResult_t st = abort ? ncclCommAbort(comm) : ncclCommDestroy(comm);
+  if (st != ncclSuccess && st != ncclInProgress)
+    cuda::print_failure("NCCL", abort ? "ncclCommAbort" : "ncclCommDestroy", ncclGetErrorString(st), __FILE__,
+                        __LINE__);
 }
 
 bool NcclCommunicator::drain() noexcept {
@@ -252,23 +232,23 @@ bool NcclCommunicator::drain() noexcept {
 }
 
 void NcclCommunicator::tally_all_reduce(int rank, int64_t count) {
-  const Traffic t = all_reduce_traffic(all_reduce_algorithm(), rank, size(), count);
+  const Traffic t = all_reduce_traffic(all_reduce_algorithm(), rank, world_, count);
   tally(rank, Collective::all_reduce, t.sent, t.received);
 }
 
 void NcclCommunicator::enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream) {
   if (all_reduce_algorithm() == AllReduceAlgorithm::ring) {
-    DP_NCCL_CHECK(ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], stream));
+    DP_NCCL_CHECK(enqueued(rank, ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], stream)));
     return;
   }
   // In place on every rank: rank 0's buf receives the sum (the others' are only read), then every
   // rank's buf receives rank 0's. Stream order puts the broadcast after the reduce.
-  DP_NCCL_CHECK(ncclReduce(buf, buf, size_t(count), ncclFloat, ncclSum, 0, comms_[rank], stream));
-  DP_NCCL_CHECK(ncclBroadcast(buf, buf, size_t(count), ncclFloat, 0, comms_[rank], stream));
+  DP_NCCL_CHECK(enqueued(rank, ncclReduce(buf, buf, size_t(count), ncclFloat, ncclSum, 0, comms_[rank], stream)));
+  DP_NCCL_CHECK(enqueued(rank, ncclBroadcast(buf, buf, size_t(count), ncclFloat, 0, comms_[rank], stream)));
 }
 
 void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
-  if (size() == 1 || count == 0) return;
+  if (world_ == 1 || count == 0) return;
   if (!use_nccl(rank)) return Communicator::all_reduce(rank, buf, count);
   tally_all_reduce(rank, count);
   meet(rank, Collective::all_reduce);
@@ -279,7 +259,7 @@ void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
 // returning, i.e. when the collective was enqueued, not when the GPU ran it (which follows on the comm
 // stream and ends, at the latest, within the engine's all-reduce phase, which synchronises).
 void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
-  if (size() == 1 || count == 0) return;
+  if (world_ == 1 || count == 0) return;
   CudaDevice& dev = gpu(rank);
   cudaEvent_t ready = nullptr, finished = nullptr;
   {
@@ -321,8 +301,6 @@ void NcclCommunicator::wait(int rank) {
   DP_CUDA_CHECK(cudaEventRecord(done, dev.comm_stream()));
   DP_CUDA_CHECK(cudaStreamWaitEvent(dev.stream(), done, 0));  // the optimizer waits on the GPU, not here
 }
-
-}  // namespace
 
 std::unique_ptr<Communicator> make_communicator(std::vector<Device*> devices) {
   bool nccl = devices.size() >= 2;  // one rank has nothing to reduce: no NCCL

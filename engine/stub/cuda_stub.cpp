@@ -1,7 +1,9 @@
 // Linked instead of kernels/cuda/ when dp is built without CUDA: the probe reports why there are no
-// CUDA devices, and the communicator is the peer ring for every device set.
+// CUDA devices, and the communicator is the peer ring for every device set (across processes, the
+// hierarchical ring over MPI).
 #include "engine/communicator.h"
 #include "engine/error.h"
+#include "engine/process_communicator.h"
 
 namespace dp {
 
@@ -16,6 +18,10 @@ std::unique_ptr<Device> make_cuda_device(int, int id, int64_t) {
 
 std::unique_ptr<Communicator> make_communicator(std::vector<Device*> devices) {
   return std::make_unique<Communicator>(std::move(devices));
+}
+
+std::unique_ptr<Communicator> make_process_communicator(std::vector<Device*> devices, ProcessGroup& group) {
+  return std::make_unique<ProcessCommunicator>(std::move(devices), group);
 }
 
 }  // namespace dp

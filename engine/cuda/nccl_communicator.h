@@ -1,0 +1,81 @@
+// The NCCL communicator of the CUDA build (its design: nccl_communicator.cpp), shared by its two forms:
+// one process whose GPUs form the whole clique (nccl_communicator.cpp, ncclCommInitAll), and one
+// process's GPUs inside a job of several processes, the clique over every GPU of every process
+// (nccl_process_communicator.cpp, ncclCommInitRank bootstrapped over MPI). Internal to engine/cuda/.
+#pragma once
+
+#include <nccl.h>
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/cuda/cuda_device.h"
+
+namespace dp {
+
+class NcclCommunicator : public Communicator {
+ public:
+  explicit NcclCommunicator(std::vector<Device*> devices);
+  ~NcclCommunicator() override;
+
+  void all_reduce(int rank, float* buf, int64_t count) override;
+  void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr) override;
+  void wait(int rank) override;
+  void recover() override;
+
+ protected:
+  enum class Clique { none, ready, unavailable };
+
+  CudaDevice& gpu(int rank) const { return static_cast<CudaDevice&>(*devices_[rank]); }
+  // Counts one all-reduce of count floats on local rank `rank` (the ring's or naive's model over the
+  // clique; the job's form splits it into bytes inside and across processes).
+  virtual void tally_all_reduce(int rank, int64_t count);
+  // The all-reduce of all_reduce_algorithm(), enqueued on `stream`.
+  void enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream);
+  // Whether this all-reduce goes through NCCL; the first call on every rank starts the clique.
+  bool use_nccl(int rank);
+  // Every local rank calls it at its first collective; it leaves clique_ ready or unavailable (the
+  // one-process form then falls back to peer copies) or throws (the job's form: no fallback).
+  virtual void start_clique(int rank);
+  // Once comms_ are made: every GPU's host waits poll the communicators (CudaDevice::Watch).
+  void watch_clique();
+  // A call's result on a nonblocking communicator (the job's form: its init has a deadline) may be
+  // ncclInProgress: this polls ncclCommGetAsyncError until the call is through, up to the timeout, and
+  // returns the final result for DP_NCCL_CHECK. Blocking communicators never return ncclInProgress.
+  ncclResult_t enqueued(int rank, ncclResult_t result);
+  // The watch's questions (CudaDevice::Watch), asked on the rank's thread while it waits.
+  bool failed(int rank);
+  std::string outstanding(int rank);
+  // Ends the clique: the watches off, then the communicators destroyed once every stream drained,
+  // or aborted (`failure`, or a drain that did not finish) and the streams drained after. Only when
+  // no rank thread uses the communicator.
+  void end_clique(bool failure) noexcept;
+  // ncclCommDestroy or ncclCommAbort of every local rank's communicator, each on its GPU's own thread
+  // and all at once: both are intra-node collective calls in NCCL's API (every rank on the node calls
+  // them, or they may hang). Leaves comms_ null.
+  void end_comms(bool abort) noexcept;
+  // One communicator's end on the calling thread (null: nothing); a failure is printed.
+  static void end_comm(ncclComm_t comm, bool abort) noexcept;
+  // Waits, up to the timeout, until both streams of every GPU are idle; says so on stderr if not.
+  bool drain() noexcept;
+  void release_events() noexcept;
+
+  struct RankEvents {
+    std::vector<cuda::Event> ready;     // per bucket in flight: recorded on the compute stream
+    std::vector<cuda::Event> finished;  // per bucket in flight: on the comm stream after its all-reduce
+    size_t used = 0;                    // buckets started since the last wait()
+    size_t in_flight = 0;               // buckets the last wait() covered
+    cuda::Event done;                   // recorded on the comm stream after the last bucket
+  };
+  int world_;  // NCCL ranks in the clique: size() in one process, every process's GPUs in a job
+  std::vector<ncclComm_t> comms_;
+  // Written by rank 0 between the two meetings of start_clique, read by every rank after the second
+  // (or before its first, when none is there yet); reset by recover() with every rank idle.
+  Clique clique_ = Clique::none;
+  std::mutex events_mu_;  // events_[r] is the compute thread's; outstanding() may run on another
+  std::vector<RankEvents> events_;
+};
+
+}  // namespace dp
