@@ -50,20 +50,17 @@ double job_max(ProcessGroup& group, double v, double timeout) {
   return v;
 }
 
-// Times `op` (this process's part of one collective, returning when it is done here) as time_op does
-// in one process, across processes: a warm-up op sizes the run to the budget (its slowest time over
-// the job, so every process runs as many ops), then every process starts after a barrier.
+// Times one collective across processes as time_op does in one process: `run(iters)` runs this
+// process's part of `iters` back-to-back ops and returns its seconds (its slowest thread's). A warm-up
+// op sizes the run to the budget (its slowest time over the job, so every process runs as many ops),
+// then every process starts after a barrier; the op takes as long as the slowest process.
 Measured measure(ProcessGroup& group, const CommOptions& o, double timeout, int64_t bytes, int n,
-                 const std::function<void()>& op) {
-  const clock::time_point w0 = clock::now();
-  op();
-  const double warm = job_max(group, since(w0), timeout);
+                 const std::function<double(int)>& run) {
+  const double warm = job_max(group, run(1), timeout);
   Measured m;
   m.iters = std::clamp(int(o.budget_seconds / std::max(warm, 1e-9)), 1, std::max(1, o.iters));
   group.barrier(Deadline::after(timeout), "dp_bench comm's start barrier");
-  const clock::time_point t0 = clock::now();
-  for (int i = 0; i < m.iters; ++i) op();
-  m.seconds = job_max(group, since(t0), timeout) / m.iters;
+  m.seconds = job_max(group, run(m.iters), timeout) / m.iters;
   m.algbw = double(bytes) / m.seconds;
   m.busbw = m.algbw * busbw_factor(Collective::all_reduce, n);
   return m;
@@ -150,13 +147,23 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
   nlohmann::json pts = nlohmann::json::array();
   for (int64_t bytes : sizes) {
     const int64_t count = bytes / 4;
-    const Measured dp = measure(group, o, timeout, bytes, n, [&] {
+    // dp: each device's thread runs the ops back to back, as in a training step (the hand-off to the
+    // threads is paid once per run, not per op).
+    const Measured dp = measure(group, o, timeout, bytes, n, [&](int iters) {
+      std::vector<double> elapsed(static_cast<size_t>(K));
       spmd(comm, devices, [&](int k) {
-        comm.all_reduce(k, buf[size_t(k)].f(), count);
+        const clock::time_point t0 = clock::now();
+        for (int i = 0; i < iters; ++i) comm.all_reduce(k, buf[size_t(k)].f(), count);
         devices[size_t(k)]->synchronize();
+        elapsed[size_t(k)] = since(t0);
       });
+      return *std::max_element(elapsed.begin(), elapsed.end());
     });
-    const Measured mpi = measure(group, o, timeout, bytes, P, [&] { group.all_reduce_blocking(host.data(), count); });
+    const Measured mpi = measure(group, o, timeout, bytes, P, [&](int iters) {
+      const clock::time_point t0 = clock::now();
+      for (int i = 0; i < iters; ++i) group.all_reduce_blocking(host.data(), count);
+      return since(t0);
+    });
     const double ratio = dp.busbw / mpi.busbw;
     t.row({format_bytes(bytes) + (bytes == lenet_bytes ? " (lenet)" : ""), fixed(dp.seconds * 1e6, 1),
            fixed(dp.algbw / 1e9, 2), fixed(dp.busbw / 1e9, 2), fixed(mpi.seconds * 1e6, 1), fixed(mpi.algbw / 1e9, 2),

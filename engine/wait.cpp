@@ -24,7 +24,7 @@ std::string timeout_message(const std::string& what, double seconds, const std::
 }
 
 void poll_until(const std::function<bool()>& done, const std::function<bool()>& aborted, const Deadline& deadline,
-                int device, const std::function<std::string()>& what) {
+                int device, const std::function<std::string()>& what, std::chrono::microseconds spin) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   for (;;) {
@@ -33,7 +33,7 @@ void poll_until(const std::function<bool()>& done, const std::function<bool()>& 
     const Clock::time_point now = Clock::now();
     if (now >= deadline.at)
       throw TimedOut(device, timeout_message(what(), deadline.seconds, "a peer stopped answering"));
-    if (now - start < std::chrono::milliseconds(1))
+    if (now - start < spin)
       std::this_thread::yield();
     else
       std::this_thread::sleep_for(std::chrono::microseconds(100));

@@ -36,9 +36,11 @@ std::string timeout_message(const std::string& what, double seconds, const std::
 // when the deadline passes first it throws TimedOut(device, timeout_message(what(), ...,
 // "a peer stopped answering")). done() is asked first, so finished work is never reported as a
 // failure. Either predicate may throw an error of its own (an NCCL error, say), which propagates.
-// It yields between polls for the first millisecond (a GPU wait keeps a latency of microseconds),
-// then sleeps 100 µs per poll (a long wait costs no core).
+// It yields between polls for the first `spin` (1 ms: a GPU wait keeps a latency of microseconds),
+// then sleeps 100 µs per poll (a long wait costs no core). MPI's non-blocking collectives move only
+// while they are polled, so their waits spin longer (mpi_group.cpp).
 void poll_until(const std::function<bool()>& done, const std::function<bool()>& aborted, const Deadline& deadline,
-                int device, const std::function<std::string()>& what);
+                int device, const std::function<std::string()>& what,
+                std::chrono::microseconds spin = std::chrono::milliseconds(1));
 
 }  // namespace dp

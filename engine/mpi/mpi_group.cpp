@@ -5,6 +5,7 @@
 // with the call, file and line.
 #include <mpi.h>
 
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <stdexcept>
@@ -138,6 +139,12 @@ class MpiGroup final : public ProcessGroup {
     return channels_[size_t(channel)];
   }
 
+  // OpenMPI's non-blocking collectives (coll/libnbc) advance only inside MPI_Test: a wait that sleeps
+  // 100 µs between tests stalls each of the ring's rounds that long. So the test is repeated with a
+  // yield for the first kSpin of a wait (MPI's blocking calls poll the whole time), and only a longer
+  // wait (a peer still computing, saving) sleeps between tests.
+  static constexpr std::chrono::microseconds kSpin = std::chrono::milliseconds(20);
+
   // MPI_Test until the request completes. Past the deadline or on an abort the request stays active:
   // the caller's failure ends the job (MPI_Abort), which is the only way to end an MPI collective.
   void wait(MPI_Request& req, const Deadline& deadline, const std::string& what, const std::function<bool()>& aborted) {
@@ -148,7 +155,8 @@ class MpiGroup final : public ProcessGroup {
     };
     try {
       poll_until(
-          done, aborted ? aborted : [] { return false; }, deadline, rank_, [&] { return what + " on " + who(); });
+          done, aborted ? aborted : [] { return false; }, deadline, rank_, [&] { return what + " on " + who(); },
+          kSpin);
     } catch (const TimedOut&) {
       // Not one device's error but the processes': named by rank and host (a device thread's caller
       // adds its device).
