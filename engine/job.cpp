@@ -80,19 +80,23 @@ std::string broadcast_string(ProcessGroup& g, std::string s, double timeout, con
 
 }  // namespace
 
-Resumed resume_on_rank0(ProcessGroup& g, const TrainOptions& o, const ModelSpec& spec, const RunIdentity& id) {
-  Resumed r;
-  // "step N", or "error " and the refusal (plain bytes: a path need not be UTF-8).
-  std::string status = "step 0";
+void on_rank0(ProcessGroup& g, double timeout, const std::string& what, const std::function<void()>& read) {
+  // "ok", or "error " and the refusal (plain bytes: a path need not be UTF-8).
+  std::string status = "ok";
   if (g.rank() == 0) try {
-      r = resume_checkpoint(o, spec, id);  // a warning on an exact-only difference: rank 0's stderr alone
-      status = "step " + std::to_string(r.global_step);
+      read();
     } catch (const UsageError& e) {
       status = std::string("error ") + e.what();
     }
-  status = broadcast_string(g, status, o.timeout, "rank 0's reading of --resume");
+  status = broadcast_string(g, status, timeout, what);
   if (status.rfind("error ", 0) == 0) throw JobMismatch(status.substr(6));
-  r.global_step = std::stoll(status.substr(5));
+}
+
+Resumed resume_on_rank0(ProcessGroup& g, const TrainOptions& o, const ModelSpec& spec, const RunIdentity& id) {
+  Resumed r;  // a warning on an exact-only difference: rank 0's stderr alone
+  on_rank0(g, o.timeout, "rank 0's reading of --resume", [&] { r = resume_checkpoint(o, spec, id); });
+  g.broadcast(kHostChannel, &r.global_step, sizeof r.global_step, 0, Deadline::after(o.timeout),
+              "the broadcast of rank 0's resumed step", nullptr);
   return r;
 }
 

@@ -4,6 +4,7 @@
 // evaluation's sums, and what the report gathers.
 #pragma once
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -33,6 +34,12 @@ using Settings = std::vector<std::pair<std::string, std::string>>;
 // Every process's settings, gathered, against rank 0's: a difference is a JobMismatch naming each
 // differing setting with every process's value. Collective.
 void check_agreement(ProcessGroup& g, const Settings& mine, double timeout);
+
+// Runs `read` (a checkpoint's reading) on rank 0 alone, then tells every process how it went: a
+// refusal there (a UsageError: no such file, a corrupt one, another run's) is thrown on every process
+// as a JobMismatch with rank 0's message, so every process exits 2, rank 0 alone saying why, and none
+// waits. Collective: every process calls it alike.
+void on_rank0(ProcessGroup& g, double timeout, const std::string& what, const std::function<void()>& read);
 
 // --resume across processes: rank 0 alone reads and checks the checkpoint (resume_checkpoint), so that
 // on several hosts only rank 0 needs the file; every process gets its global step, and its weights,

@@ -517,7 +517,12 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   Engine engine(pointers(devs), spec, ec);
   if (!opt.quiet) note_clamped_sizes(opt, data);
   if (!opt.quiet) note_idle_devices(opt, ec.batch, engine.size());
-  Checkpoint init = initial_state(opt, spec, resumed);
+  // Across processes rank 0 alone reads --load (the others take its state from broadcast_state).
+  Checkpoint init;
+  if (g && !opt.load.empty())
+    on_rank0(*g, opt.timeout, "rank 0's reading of --load", [&] { init = initial_state(opt, spec, resumed); });
+  else
+    init = initial_state(opt, spec, resumed);
   if (g) broadcast_state(*g, init, opt.timeout);  // rank 0's: every replica of the job starts from it
   place(engine, init);
   std::optional<Verifier> verify;  // --verify: the same steps on one device with the full batch (rank 0's)

@@ -351,7 +351,7 @@ TEST_CASE("mpi: --verify compares rank 0's replica with one device on the whole 
   CHECK(read_json(job.dir / "r.json")["verify"]["ok"] == false);
 }
 
-TEST_CASE("mpi: --resume is read by rank 0 alone and broadcast, its refusal ends every process with exit 2") {
+TEST_CASE("mpi: --resume and --load are read by rank 0 alone and broadcast, a refusal ends every process with exit 2") {
   if (!have_mpi()) return;
   Job job;
   const std::string ck = job.dir / "ck.st", full = job.dir / "full.st", resumed = job.dir / "resumed.st";
@@ -391,6 +391,26 @@ TEST_CASE("mpi: --resume is read by rank 0 alone and broadcast, its refusal ends
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("disagree: resume: rank 0 (") != std::string::npos);
+
+  // --load likewise: rank 0 alone reads it (rank 1's names no file) and every replica starts from its
+  // weights, as when both read it; a refusal on rank 0 ends every process with exit 2.
+  const std::string loaded = job.dir / "loaded.st", both = job.dir / "both.st";
+  const std::string load = job.with("--devices 2 --steps 3 --load " + ck + " --save ");
+  r = run_command(kMpirun + " -np 1 " + kTrain + load + loaded + " : -np 1 " + kTrain +
+                  job.with("--devices 2 --steps 3 --load " + job.dir / "absent.st" + " --save " + loaded));
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  REQUIRE(job.mpirun(2, "--devices 2 --steps 3 --load " + ck + " --save " + both).exit_code == 0);
+  check_same_tensors(loaded, both);
+  const std::string fresh = job.dir / "fresh.st";  // and the load mattered: from --seed's weights it ends elsewhere
+  REQUIRE(job.mpirun(2, "--devices 2 --steps 3 --save " + fresh).exit_code == 0);
+  CHECK(max_diff(weights(loaded), weights(fresh)) > 0.01);
+  r = run_command(kMpirun + " -np 1 " + kTrain + job.with("--devices 2 --steps 3 --load " + corrupt) + " : -np 1 " +
+                  kTrain + load + loaded);
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find(corrupt + ": not a valid safetensors file: ") != std::string::npos);
+  CHECK(r.output.find("rank 1 (") == std::string::npos);
 }
 
 // GPUs across processes: one NCCL communicator over every GPU of every process (engine/cuda/
