@@ -24,6 +24,7 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
+#include "engine/job.h"
 #include "engine/paths.h"
 #include "engine/process_communicator.h"
 #include "engine/process_group.h"
@@ -83,32 +84,19 @@ nlohmann::json json_of(const Measured& m, int n) {
           {"busbw_gbps", m.busbw / 1e9}};
 }
 
-// Every process runs the same sweep on as many devices: checked before any channel opens (a process
-// with fewer devices would leave the others waiting in a collective). A mismatch fails every process
-// alike, naming the first setting that differs.
-void check_same_settings(ProcessGroup& group, int K, const CommSweep& sw, const CommOptions& o) {
-  const std::vector<std::pair<const char*, double>> settings{{"devices per process (--gpus/--devices)", K},
-                                                             {"--min-bytes", double(sw.min_bytes)},
-                                                             {"--max-bytes", double(sw.max_bytes)},
-                                                             {"--iters", o.iters}};
-  std::vector<double> hi, lo;
-  for (auto& s : settings) hi.push_back(s.second), lo.push_back(-s.second);
-  const Deadline deadline = Deadline::after(kDefaultTimeout);
-  group.all_reduce_max(hi.data(), int(hi.size()), deadline, "dp_bench comm's settings check");
-  group.all_reduce_max(lo.data(), int(lo.size()), deadline, "dp_bench comm's settings check");
-  for (size_t i = 0; i < settings.size(); ++i)
-    if (hi[i] != -lo[i])
-      throw UsageError(std::string("the processes of this job disagree: ") + settings[i].first + " ranges from " +
-                       std::to_string(int64_t(-lo[i])) + " to " + std::to_string(int64_t(hi[i])) +
-                       "; give every process the same");
-}
-
 }  // namespace
 
 int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& group) {
   DeviceSet set = make_devices(o.devices);
   const int K = int(set.devices.size()), P = group.size(), n = P * K;
-  check_same_settings(group, K, sw, o);
+  // Every process runs the same sweep on as many devices, checked before any channel opens (a process
+  // with fewer devices would leave the others waiting in a collective).
+  check_agreement(group,
+                  {{"devices per process (--gpus/--devices)", std::to_string(K)},
+                   {"--min-bytes", std::to_string(sw.min_bytes)},
+                   {"--max-bytes", std::to_string(sw.max_bytes)},
+                   {"--iters", std::to_string(o.iters)}},
+                  kDefaultTimeout);
   if (n < 2)
     throw UsageError(
         "comm across processes: one process of one device has no collective to measure; run more "
@@ -176,28 +164,14 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
   }
   std::printf("%s", t.str(2).c_str());
 
-  // One all-reduce of LeNet's gradient, every device's bytes against the model; each process checks
-  // its own devices and sends rank 0 its lines.
+  // One all-reduce of LeNet's gradient, every device's bytes against the model.
   const int64_t count = lenet_bytes / 4;
   comm.reset_traffic();
   spmd(comm, devices, [&](int k) { comm.all_reduce(k, buf[size_t(k)].f(), count); });
-  std::string lines;
   nlohmann::json mine = nlohmann::json::array();
-  bool off = false;
   for (int k = 0; k < K; ++k) {
     const HierarchicalTraffic model = hierarchical_all_reduce_traffic(count, K, P, k, group.rank());
     const Traffic local = comm.traffic(k, Collective::all_reduce), inter = comm.inter_process(k);
-    const bool ok = local.sent == model.local.sent && local.received == model.local.received &&
-                    inter.sent == model.inter.sent && inter.received == model.inter.received;
-    off |= !ok;
-    char line[320];
-    std::snprintf(line, sizeof line,
-                  "  %-18s %-8s in the process %s / %s B (model %s / %s), across %s / %s B (model %s / %s)%s\n",
-                  group.who().c_str(), devices[size_t(k)]->name().c_str(), commas(local.sent).c_str(),
-                  commas(local.received).c_str(), commas(model.local.sent).c_str(),
-                  commas(model.local.received).c_str(), commas(inter.sent).c_str(), commas(inter.received).c_str(),
-                  commas(model.inter.sent).c_str(), commas(model.inter.received).c_str(), ok ? "" : "  OFF THE MODEL");
-    lines += line;
     mine.push_back({{"process", group.rank()},
                     {"device", devices[size_t(k)]->name()},
                     {"job_rank", group.rank() * K + k},
@@ -209,20 +183,29 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
                     {"model_local_received", model.local.received},
                     {"model_inter_sent", model.inter.sent},
                     {"model_inter_received", model.inter.received},
-                    {"matches_model", ok}});
+                    {"matches_model", local.sent == model.local.sent && local.received == model.local.received &&
+                                          inter.sent == model.inter.sent && inter.received == model.inter.received}});
   }
-  const Deadline deadline = Deadline::after(timeout);
-  const std::vector<std::string> all_lines = group.all_gather(lines, deadline, "dp_bench comm's byte lines");
-  const std::vector<std::string> all_json = group.all_gather(mine.dump(), deadline, "dp_bench comm's byte records");
-  const bool any_off = job_max(group, off ? 1 : 0, timeout) > 0;
+  // Every process's records, in rank order: every process judges and prints alike (rank 0's stdout is
+  // the one that shows).
+  nlohmann::json bytes_check = nlohmann::json::array();
+  for (const std::string& s : group.all_gather(mine.dump(), Deadline::after(timeout), "dp_bench comm's byte records"))
+    for (auto& d : nlohmann::json::parse(s)) bytes_check.push_back(d);
   std::printf("\nbytes of one all-reduce of lenet's gradient (%s), sent / received, against the hierarchical model:\n",
               format_bytes(lenet_bytes).c_str());
-  for (const std::string& l : all_lines) std::printf("%s", l.c_str());
+  bool any_off = false;
+  for (const nlohmann::json& d : bytes_check) {
+    auto b = [&](const char* key) { return commas(d[key].get<int64_t>()); };
+    const bool ok = d["matches_model"];
+    any_off |= !ok;
+    std::printf("  %-18s %-8s in the process %s / %s B (model %s / %s), across %s / %s B (model %s / %s)%s\n",
+                group.who(d["process"].get<int>()).c_str(), d["device"].get<std::string>().c_str(),
+                b("local_sent").c_str(), b("local_received").c_str(), b("model_local_sent").c_str(),
+                b("model_local_received").c_str(), b("inter_sent").c_str(), b("inter_received").c_str(),
+                b("model_inter_sent").c_str(), b("model_inter_received").c_str(), ok ? "" : "  OFF THE MODEL");
+  }
   std::printf("%s\n", any_off ? "bytes: OFF the model (see the lines marked)" : "bytes: every device equals the model");
 
-  nlohmann::json bytes_check = nlohmann::json::array();
-  for (const std::string& s : all_json)
-    for (auto& d : nlohmann::json::parse(s)) bytes_check.push_back(d);
   nlohmann::json j = {{"command", o.command},
                       {"processes", P},
                       {"devices_per_process", K},

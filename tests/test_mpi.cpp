@@ -66,6 +66,16 @@ struct Job {
   }
 };
 
+// The hierarchical all-reduce's bytes for device k of `process` (K devices a process, P processes), as
+// derived here from the ring's model: the ring over the process's K devices, then device k's chunk
+// over the P processes.
+struct Hierarchical {
+  Traffic local, inter;
+  Hierarchical(int64_t count, int K, int P, int k, int process)
+      : local(ring_all_reduce_traffic(k, K, count)),
+        inter(ring_all_reduce_traffic(process, P, even_chunks(count, K)[size_t(K > 1 ? ring_owned_chunk(k, K) : 0)])) {}
+};
+
 std::vector<float> weights(const std::string& path) { return load_checkpoint(path, make_model("lenet")).params; }
 
 }  // namespace
@@ -126,14 +136,11 @@ TEST_CASE("mpi: bytes per device equal the hierarchical model, inside the proces
     const nlohmann::json r = read_json(job.dir / "r.json");
     for (const nlohmann::json& dev : r["devices"]) {
       const int k = dev["rank"], process = dev["process"];
-      // The ring over the process's K devices, then device k's chunk over the 2 processes.
-      const Traffic local = ring_all_reduce_traffic(k, K, P);
-      const int64_t chunk = even_chunks(P, K)[size_t(K > 1 ? ring_owned_chunk(k, K) : 0)];
-      const Traffic inter = ring_all_reduce_traffic(process, 2, chunk);
-      CHECK(dev["bytes_sent_per_step"] == local.sent);
-      CHECK(dev["bytes_received_per_step"] == local.received);
-      CHECK(dev["inter_process_bytes_sent_per_step"] == inter.sent);
-      CHECK(dev["inter_process_bytes_received_per_step"] == inter.received);
+      const Hierarchical m(P, K, 2, k, process);
+      CHECK(dev["bytes_sent_per_step"] == m.local.sent);
+      CHECK(dev["bytes_received_per_step"] == m.local.received);
+      CHECK(dev["inter_process_bytes_sent_per_step"] == m.inter.sent);
+      CHECK(dev["inter_process_bytes_received_per_step"] == m.inter.received);
     }
   }
 }
@@ -253,13 +260,11 @@ TEST_CASE("mpi: dp_bench comm measures the all-reduce across processes beside MP
     REQUIRE(j["bytes_check"].size() == size_t(2 * K));
     for (const nlohmann::json& d : j["bytes_check"]) {
       const int process = d["process"], k = d["job_rank"].get<int>() % K;
-      const Traffic local = K > 1 ? ring_all_reduce_traffic(k, K, lenet) : Traffic{};
-      const int64_t chunk = even_chunks(lenet, K)[size_t(K > 1 ? ring_owned_chunk(k, K) : 0)];
-      const Traffic inter = ring_all_reduce_traffic(process, 2, chunk);
-      CHECK(d["local_sent"] == local.sent);
-      CHECK(d["local_received"] == local.received);
-      CHECK(d["inter_sent"] == inter.sent);
-      CHECK(d["inter_received"] == inter.received);
+      const Hierarchical m(lenet, K, 2, k, process);
+      CHECK(d["local_sent"] == m.local.sent);
+      CHECK(d["local_received"] == m.local.received);
+      CHECK(d["inter_sent"] == m.inter.sent);
+      CHECK(d["inter_received"] == m.inter.received);
       CHECK(d["matches_model"] == true);
     }
   }
