@@ -1,19 +1,37 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds dp CPU-only and (where nvcc exists) with the CUDA backend, and
-# runs the test suite on each build. The CUDA build's GPU cases skip visibly on a machine without a GPU.
+# Installs what is missing, builds dp and runs the test suite: with the CUDA backend where nvcc
+# exists (the configuration that holds everything: the GPU cases run where a GPU is, and skip visibly
+# where none is, the rest running on simulated devices as in a CPU-only build), else CPU-only.
+# The CPU-only configuration's one difference, the CUDA stub, is built and tested by
+# scripts/sanitize.sh (CI runs both); `scripts/test.sh cpu` tests it here too.
+#
+# Without a GPU the CUDA code is compiled for one architecture only (sm_90): it has to compile and
+# link, not run, and a second architecture would double the device code's build for nothing. With a
+# GPU, for that GPU (CMake's `native`).
+# Usage: scripts/test.sh [cpu|cuda]   (default: cuda where nvcc exists, else cpu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 jobs=$(nproc)
+nvcc_found() { command -v nvcc > /dev/null || [ -x /usr/local/cuda/bin/nvcc ]; }
+what=${1:-$(nvcc_found && echo cuda || echo cpu)}
 
-cmake -S . -B build-cpu -DDP_CUDA=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
-cmake --build build-cpu -j "$jobs"
-(cd build-cpu && ctest --output-on-failure -j "$jobs")
-
-if command -v nvcc > /dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
-  cmake -S . -B build-cuda -DDP_CUDA=ON -DCMAKE_BUILD_TYPE=Release > /dev/null
-  cmake --build build-cuda -j "$jobs"
-  (cd build-cuda && ctest --output-on-failure -j "$jobs")
-else
-  echo "no nvcc: the CUDA build is skipped"
-fi
+case "$what" in
+  cpu)
+    cmake -S . -B build-cpu -DDP_CUDA=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
+    cmake --build build-cpu -j "$jobs"
+    (cd build-cpu && ctest --output-on-failure -j "$jobs")
+    ;;
+  cuda)
+    archs=90
+    if nvidia-smi -L 2> /dev/null | grep -q '^GPU'; then archs=native; fi
+    echo "CUDA architectures: $archs"
+    cmake -S . -B build-cuda -DDP_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$archs" > /dev/null
+    cmake --build build-cuda -j "$jobs"
+    (cd build-cuda && ctest --output-on-failure -j "$jobs")
+    ;;
+  *)
+    echo "usage: scripts/test.sh [cpu|cuda]" >&2
+    exit 2
+    ;;
+esac
