@@ -54,10 +54,10 @@ void explain_scatter(StrategySkew& s, const ModelSpec& spec, int batch, int n, c
                                   "the whole batch, " + B + " x " + sD + " floats + " + B +
                                       " labels: it lands on device 0 before it is scattered (the others: their " + sb +
                                       " images, " + commas(b * D * F) + " B)"));
-  s.explanation.push_back(explain("outputs", 2 * batch * C * F + 2 * F, at(Category::outputs),
+  s.explanation.push_back(explain("outputs", 2 * batch * C * F + 3 * F, at(Category::outputs),
                                   "the gathered logits and their gradient, 2 x " + B + " x " + sC +
-                                      " floats + 8 B loss/correct: the loss runs on device 0 (the others: " + sb +
-                                      " x " + sC + " floats + 8 B)"));
+                                      " floats + 12 B loss/correct/finite: the loss runs on device 0 (the others: " +
+                                      sb + " x " + sC + " floats + 12 B)"));
   s.explanation.push_back(
       explain("comm", (n - 1) * P * F, at(Category::comm),
               "the reduce buffer, " + std::to_string(n - 1) +
@@ -80,8 +80,9 @@ void explain_allreduce(StrategySkew& s, const ModelSpec& spec, int batch, int n,
                           sb + " images, and");
   s.explanation.push_back(explain("inputs", b * D * F + b * 4, at(Category::inputs),
                                   "its own shard, " + sb + " x " + sD + " floats + " + sb + " labels"));
-  s.explanation.push_back(explain("outputs", b * C * F + 2 * F, at(Category::outputs),
-                                  "its shard's logit gradient, " + sb + " x " + sC + " floats + 8 B loss/correct"));
+  s.explanation.push_back(
+      explain("outputs", b * C * F + 3 * F, at(Category::outputs),
+              "its shard's logit gradient, " + sb + " x " + sC + " floats + 12 B loss/correct/finite"));
   s.explanation.push_back(explain("comm", even_chunks(P, n)[0] * F, at(Category::comm),
                                   "one ring chunk, ceil(P / " + std::to_string(n) + ") floats"));
   if (o.momentum != 0)

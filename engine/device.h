@@ -73,6 +73,12 @@ class Device {
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // Page-locks the host memory [p, p + bytes) for uploads from it until the returned handle goes
+  // away: on CUDA (cudaHostRegister, for every GPU of the process) an upload from it is then one DMA
+  // the host does not wait for, instead of a copy staged through the driver's bounce buffer. Null
+  // on a simulated device, whose copies are memcpy. p and bytes should be whole pages (a range that
+  // shares a page with one already locked is refused): the loader's PageAllocator.
+  virtual std::shared_ptr<void> pin_host(void* /*p*/, size_t /*bytes*/) { return nullptr; }
 
   // Timing without waiting. mark() notes the point the device's work has reached in its order and
   // returns its index: on a simulated device the host clock (its work is done when a call returns),

@@ -47,6 +47,10 @@ std::vector<int> split_batch(int b, int n, Split split) {
   return sizes;
 }
 
+// A replica's stats: the loss sum, the correct count and, on device 0 after a step, 1 where the
+// step's gradient held a value that is not finite (else 0).
+constexpr int kStats = 3, kNonfinite = 2;
+
 // Everything one device holds for its replica. Shapes use B (global batch), b (largest local
 // batch), P (parameters), D (input size), C (classes).
 struct Engine::Replica {
@@ -58,7 +62,7 @@ struct Engine::Replica {
   Buffer input;    // (b, D) this device's chunk (not on device 0 under scatter: a view)
   Buffer labels;   // (b) allreduce only: the loss is local
   Buffer dlogits;  // (b, C) this device's logit gradients (not on device 0 under scatter)
-  Buffer stats;    // (2) loss sum, correct count
+  Buffer stats;    // (kStats) loss sum, correct count, and on device 0 the step's gradient check
   // scatter, device 0 only: the whole batch, the gathered logits and their gradients
   Buffer full_input;     // (B, D)
   Buffer full_labels;    // (B)
@@ -115,7 +119,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       dev.synchronize();  // init is a local
     }
     rep->net = std::make_unique<Network>(spec_, dev, eval_b);
-    rep->stats = dev.alloc_floats(2, Category::outputs);
+    rep->stats = dev.alloc_floats(kStats, Category::outputs);
     if (cfg_.sync == Sync::scatter && r == 0) {
       rep->full_input = dev.alloc_floats(int64_t(cfg_.batch) * D, Category::inputs);
       rep->full_labels = dev.alloc(size_t(cfg_.batch) * sizeof(int32_t), Category::inputs);
@@ -249,7 +253,7 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
   const std::vector<int> sizes = split_batch(n, world_, cfg_.split);
   std::vector<Traffic> before(size()), before_inter(size());
   for (int r = 0; r < size(); ++r) before[r] = comm_->total(r), before_inter[r] = comm_->inter_process(r);
-  std::vector<std::array<float, 2>> stats(size(), {0.0f, 0.0f});
+  std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
   run_all([&](int r) {
     // A new set of marks each step, also after a failed one, which left its marks behind.
     devices_[r]->clear_marks();
@@ -259,9 +263,10 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
     else
       step_allreduce(r, x, y, sizes);
     // The loss and the correct count: on device 0 under scatter, a share on each device under
-    // allreduce. The download waits for the step's work; close_phases then has nothing to wait for.
+    // allreduce; device 0's also says whether the gradient was finite. The download waits for the
+    // step's work (the step's one round trip); close_phases then has nothing to wait for.
     if (cfg_.sync == Sync::allreduce || r == 0)
-      devices_[r]->download(stats[size_t(r)].data(), replicas_[r]->stats.f(), sizeof(float) * 2);
+      devices_[r]->download(stats[size_t(r)].data(), replicas_[r]->stats.f(), sizeof(float) * kStats);
     close_phases(r);
   });
   StepResult res;
@@ -270,6 +275,7 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
     res.loss += s[0];
     res.correct += int64_t(s[1]);
   }
+  res.finite_gradients = stats[0][kNonfinite] == 0.0f;
   if (spec_.has_batchnorm()) ++batches_tracked_;
   if (n == cfg_.batch)
     for (int r = 0; r < size(); ++r) {
@@ -338,7 +344,7 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
   timed(r, Phase::gather_loss, [&] {
     comm_->gather(r, logits, rep.gathered.f(), out_counts, 0);
     if (r == 0) {
-      ops.fill(2, 0.0f, rep.stats.f());
+      ops.fill(kStats, 0.0f, rep.stats.f());
       ops.softmax_xent(B, int(C), rep.gathered.f(), rep.full_labels.i32(), 1.0f / float(B), rep.gathered_grad.f(),
                        rep.stats.f());
     }
@@ -353,8 +359,10 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
   });
   timed(r, Phase::reduce, [&] { comm_->reduce(r, rep.grads.f(), P, 0); });
   timed(r, Phase::optimizer, [&] {
-    if (r == 0)
+    if (r == 0) {
+      ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
       ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
+    }
   });
 }
 
@@ -390,7 +398,7 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
   });
   // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly.
   timed(r, Phase::gather_loss, [&] {
-    ops.fill(2, 0.0f, rep.stats.f());
+    ops.fill(kStats, 0.0f, rep.stats.f());
     if (mine > 0)
       ops.softmax_xent(mine, int(C), logits, rep.labels.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
   });
@@ -417,6 +425,8 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
   });
   if (cfg_.trace && !buckets_.empty()) record_buckets(r);
   timed(r, Phase::optimizer, [&] {
+    // Every replica holds the same gradient now: device 0's check speaks for all.
+    if (r == 0) ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
     ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
   });
 }
@@ -535,7 +545,8 @@ std::string Engine::first_nonfinite_gradient() {
   devices_[0]
       ->run([&] {
         Replica& rep = *replicas_[0];
-        // One pass over the flat buffer each step (one host sync on CUDA); per tensor only on failure.
+        // Called for a bad step only (a good one says so in its stats): the whole buffer, then
+        // tensor by tensor.
         if (devices_[0]->ops().all_finite(spec_.param_count, rep.grads.f())) return;
         // In backward order: the layer where the non-finite values entered, not where they ended up.
         for (auto p = spec_.params.rbegin(); p != spec_.params.rend(); ++p)

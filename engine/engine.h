@@ -91,6 +91,7 @@ struct StepResult {
   double loss = 0;      // mean over the batch
   int64_t correct = 0;  // argmax == label
   int n = 0;
+  bool finite_gradients = true;  // every element of the step's (reduced) gradient is finite
 };
 
 struct Bucket {
@@ -129,7 +130,11 @@ class Engine {
   int first_device() const { return first_; }
   // Data-parallel inference over n samples: each device its shard, in chunks.
   StepResult evaluate(const float* x, const int32_t* y, int n);
+  // Page-locks host memory the uploads of step() will read (Device::pin_host, on device 0 for the
+  // process: a CUDA lock serves every GPU); null where the devices do not lock.
+  std::shared_ptr<void> pin_host(void* p, size_t bytes) { return devices_[0]->pin_host(p, bytes); }
   // The parameter, in backward order, whose gradient on device 0 is first not finite ("" if none).
+  // A host round trip per tensor: for a step whose StepResult::finite_gradients is false.
   std::string first_nonfinite_gradient();
 
   int size() const { return int(devices_.size()); }

@@ -15,6 +15,14 @@ BatchLoader::BatchLoader(const Dataset& data, const LoaderPlan& plan, int worker
     b.x.resize(capacity * size_t(data.image_size()));
     b.y.resize(capacity);
   }
+  // A device that does not lock (a null handle) is asked once.
+  if (plan_.pin)
+    for (HostBatch& b : slots_) {
+      std::shared_ptr<void> x = plan_.pin(b.x.data(), b.x.size() * sizeof(float));
+      if (!x) break;
+      pins_.push_back(std::move(x));
+      if (std::shared_ptr<void> y = plan_.pin(b.y.data(), b.y.size() * sizeof(int32_t))) pins_.push_back(std::move(y));
+    }
   if (workers_ > 0 && plan_.first_step < plan_.end_step) thread_ = std::thread([this] { load(); });
 }
 

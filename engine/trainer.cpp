@@ -261,10 +261,11 @@ void print_epoch(const EpochRecord& rec, int epochs) {
               rec.train_loss, rec.train_accuracy, test, rec.images_per_second, rec.seconds);
 }
 
-// What went wrong in a step whose loss or gradients are not finite; "" for a good step.
+// What went wrong in a step whose loss or gradients are not finite; "" for a good step. The check
+// came back with the step's loss (StepResult::finite_gradients); only a bad step looks for the layer.
 std::string nonfinite_step(const StepResult& r, Engine& engine, int64_t global_step, int64_t epoch) {
+  if (std::isfinite(r.loss) && r.finite_gradients) return "";
   std::string layer = engine.first_nonfinite_gradient();
-  if (std::isfinite(r.loss) && layer.empty()) return "";
   return "step " + std::to_string(global_step) + " (epoch " + std::to_string(epoch + 1) + "): non-finite " +
          (std::isfinite(r.loss) ? std::string("gradients") : "loss (" + std::to_string(r.loss) + ")") +
          (layer.empty() ? std::string() : "; the first layer with a non-finite gradient is " + layer);
@@ -410,11 +411,12 @@ void summarize(TrainResult& result) {
 void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   Progress progress(!o_.quiet);  // cleared when this returns or throws
   // Its thread is joined when this returns or throws, after at most the batch it is filling.
-  LoaderPlan lp{o_.batch, plan_.per_epoch, step_, plan_.total_steps, o_.seed, o_.shuffle, {}};
+  LoaderPlan lp{o_.batch, plan_.per_epoch, step_, plan_.total_steps, o_.seed, o_.shuffle, {}, {}};
   // Across processes, this process's rows only; but rank 0 under --verify (the one process with a
   // Verifier) loads the whole batch for the reference, of which its engine's rows are the first
   // (Engine::slice starts at row 0 on rank 0).
   if (group_ && !verify) lp.rows = [this](int n) { return engine_.slice(n); };
+  lp.pin = [this](void* p, size_t bytes) { return engine_.pin_host(p, bytes); };
   BatchLoader loader(data.train, lp, o_.workers);
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);

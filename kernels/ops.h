@@ -140,6 +140,9 @@ class Ops {
   virtual void fill(int64_t n, float value, float* x) = 0;
   // True when every element is finite. Synchronises with the host.
   virtual bool all_finite(int64_t n, const float* x) = 0;
+  // Sets *flag (device memory) to 1 when an element of x is not finite and leaves it as it was
+  // otherwise: queued like any op, so a step's check travels in its one download of the stats.
+  virtual void flag_nonfinite(int64_t n, const float* x, float* flag) = 0;
 };
 
 }  // namespace dp

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 
 #include "engine/engine.h"
 #include "engine/error.h"
@@ -168,6 +169,30 @@ TEST_CASE("a fault on one device ends the step on all devices and names the devi
     // the engine recovers: the next step runs on every device
     auto r = e.step(data.x[1].data(), data.y[1].data(), 12);
     CHECK(r.n == 12);
+  });
+}
+
+TEST_CASE("a step says whether its gradient was finite, and only then is a layer looked for") {
+  ModelSpec spec = make_model("lenet5");
+  std::vector<float> good(size_t(spec.param_count)), bad;
+  init_params(spec, 1, good.data());
+  bad = good;
+  bad[size_t(spec.params.back().offset)] = std::numeric_limits<float>::quiet_NaN();  // in the last parameter
+  Batches data = make_batches(2, 12, 9);
+  for_each_strategy([&](Sync sync, int64_t bucket_kb) {
+    auto devs = dp::test::make_test_devices("cpu", 2);
+    EngineConfig c;
+    c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb;
+    Engine e(raw(devs), spec, c);
+    e.set_params(good);
+    StepResult r = e.step(data.x[0].data(), data.y[0].data(), 12);
+    CHECK(r.finite_gradients);
+    CHECK(std::isfinite(r.loss));
+    CHECK(e.first_nonfinite_gradient().empty());
+    e.set_params(bad);
+    r = e.step(data.x[1].data(), data.y[1].data(), 12);
+    CHECK_FALSE(r.finite_gradients);
+    CHECK(e.first_nonfinite_gradient() == spec.params.back().name);
   });
 }
 

@@ -51,7 +51,7 @@ TEST_CASE("loader: both worker counts hand out the plan's batches, mid-epoch sta
   // 10 samples in batches of 4: 3 steps an epoch, the last of 2; steps 2..7 start and end mid-epoch.
   const Dataset d = numbered(10);
   for (bool shuffle : {true, false}) {
-    const LoaderPlan plan{4, 3, 2, 8, 5, shuffle, {}};
+    const LoaderPlan plan{4, 3, 2, 8, 5, shuffle, {}, {}};
     for (int workers : {0, 1}) {
       CAPTURE(shuffle);
       CAPTURE(workers);
@@ -68,9 +68,54 @@ TEST_CASE("loader: both worker counts hand out the plan's batches, mid-epoch sta
   }
 }
 
+TEST_CASE("loader: each staging buffer is page-locked whole (LoaderPlan::pin), and unlocked with the loader") {
+  const Dataset d = numbered(10);
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  struct Lock {
+    uintptr_t p;
+    size_t bytes;
+  };
+  std::vector<Lock> locked;
+  int unlocked = 0;
+  LoaderPlan plan{4, 3, 0, 3, 5, true, {}, {}};
+  plan.pin = [&](void* p, size_t bytes) {
+    locked.push_back({uintptr_t(p), bytes});
+    return std::shared_ptr<void>(p, [&](void*) { ++unlocked; });
+  };
+  for (int workers : {0, 1}) {
+    CAPTURE(workers);
+    locked.clear(), unlocked = 0;
+    {
+      BatchLoader loader(d, plan, workers);
+      // x and y of both staging buffers: 4 rows of 6 floats, 4 labels; each on pages of its own
+      REQUIRE(locked.size() == 4);
+      for (size_t i = 0; i < locked.size(); ++i) {
+        CAPTURE(i);
+        CHECK(locked[i].p % page == 0);
+        CHECK(locked[i].bytes == (i % 2 == 0 ? 4 * 6 * sizeof(float) : 4 * sizeof(int32_t)));
+        for (size_t j = 0; j < i; ++j) CHECK((locked[i].p / page != locked[j].p / page));
+      }
+      const HostBatch& b = loader.next();
+      CHECK(uintptr_t(b.x.data()) == locked[0].p);
+      check_batch(b, d, plan, 0);
+      CHECK(unlocked == 0);
+    }
+    CHECK(unlocked == 4);
+  }
+  // A device that does not lock (a null handle, the simulated devices) is asked once.
+  int asked = 0;
+  plan.pin = [&](void*, size_t) {
+    ++asked;
+    return std::shared_ptr<void>();
+  };
+  BatchLoader loader(d, plan, 0);
+  CHECK(asked == 1);
+  check_batch(loader.next(), d, plan, 0);
+}
+
 TEST_CASE("loader: destroyed while its thread fills or waits, it joins at once") {
   const Dataset d = numbered(64);
-  const LoaderPlan plan{8, 8, 0, 1000, 1, true, {}};
+  const LoaderPlan plan{8, 8, 0, 1000, 1, true, {}, {}};
   for (int taken : {0, 1, 5}) {
     CAPTURE(taken);
     auto t0 = std::chrono::steady_clock::now();
@@ -80,7 +125,7 @@ TEST_CASE("loader: destroyed while its thread fills or waits, it joins at once")
     }
     CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
   }
-  BatchLoader empty(d, LoaderPlan{8, 8, 3, 3, 1, true, {}}, 1);  // nothing to load: no thread
+  BatchLoader empty(d, LoaderPlan{8, 8, 3, 3, 1, true, {}, {}}, 1);  // nothing to load: no thread
   CHECK_THROWS_AS(empty.next(), std::logic_error);
 }
 

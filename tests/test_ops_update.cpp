@@ -1,6 +1,6 @@
 // The optimizer step and the flat-buffer ops over the op matrix (tests/ops_matrix.h): SGD against
-// PyTorch's rule worked out by hand and against the reference in double on a large buffer; add, fill
-// and all_finite; and every op's empty edge (n = 0, null pointers) touching nothing.
+// PyTorch's rule worked out by hand and against the reference in double on a large buffer; add, fill,
+// all_finite and flag_nonfinite; and every op's empty edge (n = 0, null pointers) touching nothing.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -89,7 +89,7 @@ DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
   }
 }
 
-DP_OPS_TEST("add, fill and all_finite") {
+DP_OPS_TEST("add, fill, all_finite and flag_nonfinite") {
   SUBCASE("by hand; all_finite reads only the first n") {
     Mem x = be.put(Vec{1, 2, 3}), y = be.put(Vec{10, 20, 30});
     be.run([&](Ops& ops) { ops.add(3, x.f(), y.f()); });
@@ -141,6 +141,26 @@ DP_OPS_TEST("add, fill and all_finite") {
     CHECK_FALSE(b);
     CHECK_FALSE(c);
     CHECK(empty);
+  }
+  SUBCASE("flag_nonfinite raises the flag in device memory for an infinity or a NaN, else leaves it") {
+    const int64_t n = 100'003;
+    Vec bad = random_floats(size_t(n), 77, -1, 1), nan = bad;
+    const Vec good = bad;
+    bad[size_t(n) - 1] = -std::numeric_limits<float>::infinity();
+    nan[3] = kNaN;
+    Mem gg = be.put(good), gb = be.put(bad), gn = be.put(nan);
+    // flags: a good buffer (stays 0), a bad one, a NaN, a good one on a raised flag (stays 1), the
+    // bad one's first n - 1 elements only (stays 0)
+    Mem flags = be.put(Vec{0, 0, 0, 1, 0});
+    be.run([&](Ops& ops) {
+      ops.flag_nonfinite(n, gg.f(), flags.f() + 0);
+      ops.flag_nonfinite(n, gb.f(), flags.f() + 1);
+      ops.flag_nonfinite(n, gn.f(), flags.f() + 2);
+      ops.flag_nonfinite(n, gg.f(), flags.f() + 3);
+      ops.flag_nonfinite(n - 1, gb.f(), flags.f() + 4);
+      ops.flag_nonfinite(0, gn.f(), flags.f() + 4);
+    });
+    CHECK(be.get(flags) == Vec{0, 1, 1, 1, 0});
   }
 }
 

@@ -4,6 +4,7 @@
 #include "engine/cuda/cuda_device.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include "engine/error.h"
@@ -129,6 +130,21 @@ void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
   if (bytes == 0) return;
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream_.get()));
+}
+
+std::shared_ptr<void> CudaDevice::pin_host(void* p, size_t bytes) {
+  if (bytes == 0) return nullptr;
+  DeviceGuard guard(id());
+  if (const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterPortable); err != cudaSuccess) {
+    // Not fatal: uploads from pageable memory work, only slower. Said once per buffer.
+    (void)cudaGetLastError();
+    std::fprintf(stderr, "note: %s: cudaHostRegister of %s failed (%s); its uploads stage through pageable memory\n",
+                 name().c_str(), format_bytes(int64_t(bytes)).c_str(), cudaGetErrorString(err));
+    return nullptr;
+  }
+  // Unregistered when the last copy of the handle goes, which is after the loader's last upload
+  // from it was waited for (Engine::step returns after its download).
+  return std::shared_ptr<void>(p, [](void* q) { DP_CUDA_CHECK_PRINT(cudaHostUnregister(q)); });
 }
 
 void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {

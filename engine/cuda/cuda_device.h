@@ -37,6 +37,7 @@ class CudaDevice final : public Device {
   // must stay untouched until synchronize(), as the Device contract says.
   void upload(void* dst, const void* src_host, size_t bytes) override;
   void download(void* dst_host, const void* src, size_t bytes) override;
+  std::shared_ptr<void> pin_host(void* p, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   // Ordered after everything already enqueued on both this device's stream and src_device's (an
   // event, not a host wait), on this device's stream: cudaMemcpyPeerAsync between GPUs (with peer

@@ -33,11 +33,17 @@ bool all_finite(int64_t n, const T* x) {
   return true;
 }
 
+template <class T>
+void flag_nonfinite(int64_t n, const T* x, T* flag) {
+  if (!all_finite(n, x)) *flag = T(1);
+}
+
 #define DP_INSTANTIATE(T)                                        \
   template void sgd_step<T>(int64_t, T*, const T*, T*, T, T, T); \
   template void add<T>(int64_t, const T*, T*);                   \
   template void fill<T>(int64_t, T, T*);                         \
-  template bool all_finite<T>(int64_t, const T*);
+  template bool all_finite<T>(int64_t, const T*);                \
+  template void flag_nonfinite<T>(int64_t, const T*, T*);
 DP_INSTANTIATE(float)
 DP_INSTANTIATE(double)
 #undef DP_INSTANTIATE

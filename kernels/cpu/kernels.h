@@ -159,5 +159,7 @@ template <class T>
 void fill(int64_t n, T value, T* x /* (n) */);
 template <class T>
 bool all_finite(int64_t n, const T* x /* (n) */);
+template <class T>
+void flag_nonfinite(int64_t n, const T* x /* (n) */, T* flag /* (1): set to 1 if an x is not finite */);
 
 }  // namespace dp::cpu

@@ -86,5 +86,6 @@ void ReferenceOps::sgd_step(int64_t n, float* w, const float* g, float* v, float
 void ReferenceOps::add(int64_t n, const float* x, float* y) { cpu::add(n, x, y); }
 void ReferenceOps::fill(int64_t n, float value, float* x) { cpu::fill(n, value, x); }
 bool ReferenceOps::all_finite(int64_t n, const float* x) { return cpu::all_finite(n, x); }
+void ReferenceOps::flag_nonfinite(int64_t n, const float* x, float* flag) { cpu::flag_nonfinite(n, x, flag); }
 
 }  // namespace dp::cpu

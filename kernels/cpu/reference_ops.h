@@ -59,6 +59,7 @@ class ReferenceOps : public Ops {
   void add(int64_t n, const float* x, float* y) override;
   void fill(int64_t n, float value, float* x) override;
   bool all_finite(int64_t n, const float* x) override;
+  void flag_nonfinite(int64_t n, const float* x, float* flag) override;
 };
 
 }  // namespace dp::cpu

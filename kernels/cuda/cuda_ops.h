@@ -90,6 +90,7 @@ class CudaOps final : public Ops {
   void add(int64_t n, const float* x, float* y) override;
   void fill(int64_t n, float value, float* x) override;
   bool all_finite(int64_t n, const float* x) override;
+  void flag_nonfinite(int64_t n, const float* x, float* flag) override;
 
   // The algorithms of every convolution plan made so far, three per shape (forward, backward-data,
   // backward-filter), in shape order. A shape whose choice fell back also got one warning on stderr.

@@ -28,9 +28,10 @@ __global__ void fill_kernel(int64_t n, float value, float* x) {
 }
 
 // Any thread that sees a NaN or an infinity raises the flag; they all write the same value.
-__global__ void nonfinite_kernel(int64_t n, const float* x, int32_t* flag) {
+template <class F>
+__global__ void nonfinite_kernel(int64_t n, const float* x, F* flag) {
   DP_GRID_STRIDE(i, n) {
-    if (!isfinite(x[i])) *flag = 1;
+    if (!isfinite(x[i])) *flag = F(1);
   }
 }
 
@@ -68,6 +69,12 @@ bool CudaOps::all_finite(int64_t n, const float* x) {
   DP_CUDA_CHECK(cudaMemcpyAsync(&raised, flag_, sizeof raised, cudaMemcpyDeviceToHost, stream_));
   DP_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return raised == 0;
+}
+
+void CudaOps::flag_nonfinite(int64_t n, const float* x, float* flag) {
+  if (n == 0) return;
+  nonfinite_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, flag);
+  DP_CUDA_LAUNCH_CHECK("nonfinite_kernel");
 }
 
 }  // namespace dp
