@@ -33,8 +33,11 @@ std::array<int64_t, 6> regions(const ConvShape& s) {
   for (int r : S::kFwdRows) most_rows = std::max(most_rows, r);
   for (int r : S::kDirectRows) most_rows = std::max(most_rows, r);
   const int64_t xb = whole(int64_t(s.c) * (s.h + 2 * s.pad) * (s.w + 2 * s.pad) * S::L);
+  // The direct way's wide output gradients (fast_direct.h): rows as wide as the padded input's, and
+  // the slack its rows' whole-vector stores spill into.
+  const int64_t wide = S::kDirectWideGradient ? int64_t(s.k) * s.out_h() * (s.w + 2 * s.pad) * S::L + S::L : 0;
   return {xb,
-          whole(int64_t(s.k) * s.col_cols() * S::L),
+          whole(std::max(int64_t(s.k) * s.col_cols() * S::L, wide)),
           whole(int64_t(s.k) * (s.out_h() / 2) * (s.out_w() / 2) * S::L),
           xb,
           whole((int64_t(s.k) + most_rows) * s.col_rows()),

@@ -21,8 +21,10 @@ struct DirectImages {
   int nb;
 };
 
-// Forward of one output row of one image: R output channels x NV vectors along the row (the last one
-// partial: masked loads never read past the row's end, masked stores).
+// Forward of one output row of one image: R output channels x NV vectors along the row. The last
+// vector is partial (masked loads that never read past the row's end, masked stores), or where
+// S::kDirectOverlap and the row has L or more outputs, a whole vector ending at the row's end that
+// overlaps the one before: its shared outputs are computed twice, to the same bits.
 template <class S>
 struct DirectFwd {
   struct Args {
@@ -41,7 +43,9 @@ struct DirectFwd {
     using V = typename S::V;
     constexpr int L = S::L;
     const Dims& d = a.d;
-    const int last = d.ow - (NV - 1) * L;  // lanes of the last vector
+    const bool overlap = S::kDirectOverlap && d.ow >= L;
+    const int last = overlap ? L : d.ow - (NV - 1) * L;     // lanes of the last vector
+    const int last_at = overlap ? d.ow - L : (NV - 1) * L;  // and where it starts
     const int rv = std::min(R, d.k - k0);
     V acc[R][NV];
     DP_UNROLL for (int r = 0; r < R; ++r) DP_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] =
@@ -51,12 +55,23 @@ struct DirectFwd {
       for (int i = 0; i < d.kh; ++i) {
         const float* row = a.x.x + c * a.x.plane + int64_t(oy + i) * a.x.row;
         for (int j = 0; j < d.kw; ++j, wt += R) {
-          V xv[NV];
-          DP_UNROLL for (int v = 0; v + 1 < NV; ++v) xv[v] = S::load(row + j + v * L);
-          xv[NV - 1] = S::load_n(row + j + (NV - 1) * L, last);
-          DP_UNROLL for (int r = 0; r < R; ++r) {
-            const V wv = S::set1(wt[r]);
-            DP_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(wv, xv[v], acc[r][v]);
+          if constexpr (S::kDirectHoldWeights) {
+            // R broadcasts held, one vector of x at a time: R + 1 operands (the 16 ymm registers).
+            V wv[R];
+            DP_UNROLL for (int r = 0; r < R; ++r) wv[r] = S::set1(wt[r]);
+            DP_UNROLL for (int v = 0; v < NV; ++v) {
+              const V xv = v + 1 < NV ? S::load(row + j + v * L) : S::load_n(row + j + last_at, last);
+              DP_UNROLL for (int r = 0; r < R; ++r) acc[r][v] = S::fma(wv[r], xv, acc[r][v]);
+            }
+          } else {
+            // NV vectors of x held, one broadcast at a time: NV + 1 operands.
+            V xv[NV];
+            DP_UNROLL for (int v = 0; v + 1 < NV; ++v) xv[v] = S::load(row + j + v * L);
+            xv[NV - 1] = S::load_n(row + j + last_at, last);
+            DP_UNROLL for (int r = 0; r < R; ++r) {
+              const V wv = S::set1(wt[r]);
+              DP_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = S::fma(wv, xv[v], acc[r][v]);
+            }
           }
         }
       }
@@ -68,19 +83,24 @@ struct DirectFwd {
       if (r >= rv) break;
       float* out = a.y + int64_t(k0 + r) * d.p + int64_t(oy) * d.ow;
       DP_UNROLL for (int v = 0; v + 1 < NV; ++v) S::store(out + v * L, acc[r][v]);
-      S::store_n(out + (NV - 1) * L, acc[r][NV - 1], last);
+      S::store_n(out + last_at, acc[r][NV - 1], last);
     }
   }
 };
 
-// Weight gradient: R output channels x C taps, summed over the block's images, rows and the vectors
-// along each row (masked lanes past the row read as zero in both factors).
+// Weight gradient: R output channels x C taps, summed over the block's images and the vectors along
+// each of `rows` rows of `span` outputs (masked lanes past a row read as zero in both factors). dy's
+// rows are (OH, OW), or where S::kDirectWideGradient (backward_direct builds them so), as wide as
+// x's rows, zero past OW: then the whole plane is one row, (OH - 1) * row + OW long, and only its last
+// vector is partial. (LeNet's 26 outputs a row fill 26 of 32 lanes; a plane of 26-of-28 fills 93%.)
 template <class S>
 struct DirectWgrad {
   struct Args {
     Dims d;
     DirectImages x;
-    const float* dy;  // (nb, K, OH, OW)
+    const float* dy;  // (nb, K, OH, dy_row)
+    int dy_row;       // floats per row of dy: OW, or x.row (wide)
+    int rows, span;   // rows summed over, and outputs a row: OH, OW or (wide) 1, (OH - 1) * x.row + OW
     float* dw;        // (K, taps), accumulated
   };
   static constexpr auto kRows = S::kWgradRows, kCols = S::kWgradCols;
@@ -96,26 +116,30 @@ struct DirectWgrad {
       const int tap = t0 + t, c = tap / (d.kh * d.kw), i = tap / d.kw % d.kh, j = tap % d.kw;
       tofs[t] = c * a.x.plane + int64_t(i) * a.x.row + j;
     }
+    const int64_t plane = int64_t(d.p / d.ow) * a.dy_row;  // floats of a channel of dy
     int64_t krow[R];
-    DP_UNROLL for (int r = 0; r < R; ++r) krow[r] = int64_t(k0 + std::min(r, rv - 1)) * d.p;
+    DP_UNROLL for (int r = 0; r < R; ++r) krow[r] = (k0 + std::min(r, rv - 1)) * plane;
     V acc[R][C];
     DP_UNROLL for (int r = 0; r < R; ++r) DP_UNROLL for (int t = 0; t < C; ++t) acc[r][t] = S::zero();
-    const int oh = d.p / d.ow, nv = (d.ow + L - 1) / L;
+    // acc += the products of the m lanes at xp and dp
+    auto step = [&](const float* xp, const float* dp, int m) __attribute__((always_inline)) {
+      V xv[C];
+      DP_UNROLL for (int t = 0; t < C; ++t) xv[t] = S::load_n(xp + tofs[t], m);
+      DP_UNROLL for (int r = 0; r < R; ++r) {
+        const V dv = S::load_n(dp + krow[r], m);
+        DP_UNROLL for (int t = 0; t < C; ++t) acc[r][t] = S::fma(dv, xv[t], acc[r][t]);
+      }
+    };
+    const int whole = a.span / L, tail = a.span - whole * L;
     for (int n = 0; n < a.x.nb; ++n) {
       const float* xn = a.x.x + n * a.x.image;
-      const float* dyn = a.dy + int64_t(n) * d.k * d.p;
-      for (int oy = 0; oy < oh; ++oy)
-        for (int v = 0; v < nv; ++v) {
-          const int m = std::min(L, d.ow - v * L);
-          const float* xp = xn + int64_t(oy) * a.x.row + v * L;
-          const float* dp = dyn + int64_t(oy) * d.ow + v * L;
-          V xv[C];
-          DP_UNROLL for (int t = 0; t < C; ++t) xv[t] = S::load_n(xp + tofs[t], m);
-          DP_UNROLL for (int r = 0; r < R; ++r) {
-            const V dv = S::load_n(dp + krow[r], m);
-            DP_UNROLL for (int t = 0; t < C; ++t) acc[r][t] = S::fma(dv, xv[t], acc[r][t]);
-          }
-        }
+      const float* dyn = a.dy + n * d.k * plane;
+      for (int y = 0; y < a.rows; ++y) {
+        const float* xp = xn + int64_t(y) * a.x.row;
+        const float* dp = dyn + int64_t(y) * a.dy_row;
+        for (int v = 0; v < whole; ++v, xp += L, dp += L) step(xp, dp, L);
+        if (tail) step(xp, dp, tail);
+      }
     }
     add_sums<S>(d, acc, k0, t0, rv, a.dw);
   }
@@ -179,29 +203,54 @@ void forward_direct(const ConvShape& s, const float* x, const float* w, const fl
 }
 
 // conv2d_backward the direct way, without dx (a first layer): no transposes. With f, each block's
-// output gradients are first built in dy_block (L, K, OH, OW) from the pooled output's gradient.
-// images: as forward_direct's. dw and db are accumulated.
+// output gradients are first built in dy_block (L, K, OH, OW) from the pooled output's gradient; where
+// S::kDirectWideGradient, dy_block is (L, K, OH, WP) (see DirectWgrad), from dy without f. images: as forward_direct's.
+// dw and db are accumulated.
 template <class S>
 void backward_direct(const ConvShape& s, const float* x, const float* dy, float* dw, float* db, const Fusion* f,
                      float* images, float* dy_block) {
   constexpr int L = S::L;
   using K = DirectWgrad<S>;
   const Dims d = dims_of<S>(s);
-  const int opt = pick_rows<K>(s.k);
-  const int64_t out_image = int64_t(s.k) * d.p, pool_image = int64_t(s.k) * (s.out_h() / 2) * (s.out_w() / 2);
+  const int opt = pick_rows<K>(s.k), oh = s.out_h(), ow = s.out_w();
+  const int dy_row = S::kDirectWideGradient ? s.w + 2 * s.pad : ow;
+  const int64_t out_image = int64_t(s.k) * d.p, pool_image = int64_t(s.k) * (oh / 2) * (ow / 2),
+                block_image = int64_t(s.k) * oh * dy_row;
   for (int n0 = 0; n0 < s.n; n0 += L) {
+    const DirectImages images_block = direct_images<S>(s, x, n0, std::min(L, s.n - n0), images);
+    const bool wide = dy_row > ow;  // then dy_row == images_block.row
     const typename K::Args a{.d = d,
-                             .x = direct_images<S>(s, x, n0, std::min(L, s.n - n0), images),
-                             .dy = f ? dy_block : dy + n0 * out_image,
+                             .x = images_block,
+                             .dy = f || wide ? dy_block : dy + n0 * out_image,
+                             .dy_row = dy_row,
+                             .rows = wide ? 1 : oh,
+                             .span = wide ? (oh - 1) * dy_row + ow : ow,
                              .dw = dw};
     if (f)
       for (int n = 0; n < a.x.nb; ++n)
-        unpool_act<S>(f->act, s.k, s.out_h(), s.out_w(), f->y_act + (n0 + n) * out_image,
-                      f->dy_pool + (n0 + n) * pool_image, dy_block + n * out_image);
+        unpool_act<S>(f->act, s.k, oh, ow, f->y_act + (n0 + n) * out_image, f->dy_pool + (n0 + n) * pool_image,
+                      dy_block + n * block_image, dy_row);
+    else if (wide)  // dy's rows widened, as the fused way builds them: the same sums, to the bit
+      for (int n = 0; n < a.x.nb; ++n)
+        for (int r = 0; r < s.k * oh; ++r)  // in order: a row's last vector spills zeros into the next
+          for (int ox = 0; ox < dy_row; ox += L)
+            S::store(dy_block + n * block_image + int64_t(r) * dy_row + ox,
+                     ox < ow ? S::load_n(dy + (n0 + n) * out_image + int64_t(r) * ow + ox, std::min(L, ow - ox))
+                             : S::zero());
     tiles<K>(a, opt, s.k, d.taps);
     for (int n = 0; n < a.x.nb; ++n)
       for (int k = 0; k < s.k; ++k) {
-        const float* dk = a.dy + n * out_image + int64_t(k) * d.p;
+        const float* dk = a.dy + n * block_image + k * int64_t(oh) * dy_row;
+        if (wide) {  // zero past OW; 4 sums, not to wait on the adds' latency
+          const int p_end = oh * dy_row;
+          typename S::V acc[4] = {S::zero(), S::zero(), S::zero(), S::zero()};
+          int p = 0;
+          for (; p + 4 * L <= p_end; p += 4 * L)
+            DP_UNROLL for (int u = 0; u < 4; ++u) acc[u] = S::add(acc[u], S::load(dk + p + u * L));
+          for (; p < p_end; p += L) acc[0] = S::add(acc[0], S::load_n(dk + p, std::min(L, p_end - p)));
+          db[k] += S::hsum(S::add(S::add(acc[0], acc[1]), S::add(acc[2], acc[3])));
+          continue;
+        }
         typename S::V acc = S::zero();
         for (int p = 0; p < d.p; p += L) acc = S::add(acc, S::load_n(dk + p, std::min(L, d.p - p)));
         db[k] += S::hsum(acc);

@@ -147,22 +147,38 @@ struct Fusion {
 
 // The convolution's output gradient of one image, dy (K, OH, OW), from y_act (K, OH, OW) and dy_pool
 // (K, OH/2, OW/2): the pooling's backward, then the activation's, as the separate ops compute them.
+// With dy_row > OW, dy is (K, OH, dy_row) instead, zero past OW; its rows are then written as whole
+// vectors, a row's last spilling zeros into the next row before that row is written, so dy needs L - 1
+// floats of slack at its end.
 template <class S>
-void unpool_act(Activation a, int k, int oh, int ow, const float* y_act, const float* dy_pool, float* dy) {
+void unpool_act(Activation a, int k, int oh, int ow, const float* y_act, const float* dy_pool, float* dy, int dy_row) {
   constexpr int L = S::L;
   const int oh2 = oh / 2, ow2 = ow / 2;
   const typename S::V quarter = S::set1(0.25f);
+  const bool wide = dy_row > ow;
   for (int kk = 0; kk < k; ++kk)
-    for (int oy = 0; oy < oh; ++oy) {
+    for (int oy = 0; oy < oh; oy += 2) {  // a pooled row's gradient serves two rows
       const float* prow = dy_pool + (int64_t(kk) * oh2 + oy / 2) * ow2;
       const float* yrow = y_act + (int64_t(kk) * oh + oy) * ow;
-      float* drow = dy + (int64_t(kk) * oh + oy) * ow;
-      for (int ox = 0; ox < ow; ox += L) {  // L outputs from L/2 pooled gradients, each twice
+      float* drow = dy + (int64_t(kk) * oh + oy) * dy_row;
+      const int pair = std::min(2, oh - oy);
+      typename S::V second_first = S::zero();   // where wide, stored after the first row's spill into it
+      for (int ox = 0; ox < dy_row; ox += L) {  // L outputs from L/2 pooled gradients, each twice
         const int m = std::min(L, ow - ox), half = std::min(L / 2, ow2 - ox / 2);
         typename S::V g = S::zero(), unused;
         if (oy < 2 * oh2 && half > 0) S::duplicate(S::mul(S::load_n(prow + ox / 2, half), quarter), g, unused);
-        S::store_n(drow + ox, act_grad<S>(a, S::load_n(yrow + ox, m), g), m);
+        for (int r = 0; r < pair; ++r) {
+          // Past OW both factors load as zero, and the activation's gradient of zeros is zero.
+          const typename S::V d = m > 0 ? act_grad<S>(a, S::load_n(yrow + r * ow + ox, m), g) : S::zero();
+          if (!wide)
+            S::store_n(drow + r * dy_row + ox, d, m);
+          else if (r == 1 && ox == 0)
+            second_first = d;
+          else
+            S::store(drow + r * dy_row + ox, d);
+        }
       }
+      if (wide && pair == 2) S::store(drow + dy_row, second_first);
     }
 }
 

@@ -31,8 +31,16 @@ struct Simd {
   // while every row block runs over it). Position blocks outer: 1.06x over output channels outer.
   static constexpr std::array<int, 4> kFwdRows{5, 4, 6, 3}, kFwdCols{2, 3, 2, 4};
   static constexpr bool kFwdPositionsOuter = true;
-  // Direct forward (a first layer's rows of up to 4 vectors): 3x2+2+1 = 9, 2x4+4+1 = 13, 1x4+4+1 = 9.
-  static constexpr std::array<int, 4> kDirectRows{3, 2, 1, 1}, kDirectCols{2, 4, 4, 4};
+  // Direct forward (a first layer's rows of up to 4 vectors), the R broadcasts held and one vector of
+  // x at a time (kDirectHoldWeights): 3x4+3+1 = 16, 5x2+5+1 = 16, 2x4+2+1 = 11, 1x4+1+1 = 6. The 8
+  // accumulators of the former 2x4 (x held) left the FMAs waiting on their latency.
+  static constexpr std::array<int, 4> kDirectRows{3, 5, 2, 1}, kDirectCols{4, 2, 4, 4};
+  static constexpr bool kDirectHoldWeights = true;
+  // A row's last vector overlaps the one before rather than being masked (see DirectFwd).
+  static constexpr bool kDirectOverlap = true;
+  // The fused first layer's weight gradient over output gradients as wide as the input's rows (see
+  // DirectWgrad): one partial vector a plane instead of one a row.
+  static constexpr bool kDirectWideGradient = true;
   // Weight gradient: 4x3 (both conv2s, LeNet's conv1), 3x4 (LeNet-5's conv1), 5x2 as the forward's.
   static constexpr std::array<int, 4> kWgradRows{5, 4, 3, 6}, kWgradCols{2, 3, 4, 2};
   // pick_rows (fast_tiles.h) counts padding of at most 1/kPaddingShare of the rows as none, so LeNet's

@@ -26,6 +26,8 @@ struct Simd {
   static constexpr std::array<int, 4> kFwdRows = kRows, kFwdCols = kCols;  // the forward's: the same
   static constexpr bool kFwdPositionsOuter = false;                        // see fast_simd_avx2.h
   static constexpr std::array<int, 4> kDirectRows{12, 10, 8, 6}, kDirectCols{2, 2, 2, 2};
+  static constexpr bool kDirectHoldWeights = false, kDirectOverlap = false,  // see fast_simd_avx2.h
+      kDirectWideGradient = false;
   // The weight gradient's: 5x5 (LeNet's conv2, 50 output channels), 4x6 (LeNet-5's, 16: the output
   // gradients of 4 channels stay in L1, 99 GFLOP/s against 55 for 8x3, measured), 6x4, 8x3.
   static constexpr std::array<int, 4> kWgradRows{5, 4, 6, 8}, kWgradCols{5, 6, 4, 3};
