@@ -92,7 +92,10 @@ def fma_probe(avx512):
 def peak(args):
     """Per-core FP32 peak in GFLOP/s and the sentence that states how it was obtained."""
     info = cpu_info()
-    avx512 = "avx512f" in info["flags"]
+    # DP_CPU_KERNELS=avx2 on an AVX-512 machine: dp runs its AVX2 kernels (and torch_compare.py keeps
+    # PyTorch to AVX2), so the peak is AVX2's.
+    avx2_only = os.environ.get("DP_CPU_KERNELS") == "avx2"
+    avx512 = "avx512f" in info["flags"] and not avx2_only
     fpc = args.flops_per_cycle
     if args.clock_ghz:
         ghz, source = args.clock_ghz, "--clock-ghz"
@@ -104,7 +107,10 @@ def peak(args):
             ghz, source = probe / fpc, f"an FMA-throughput probe ({probe:.1f} GFLOP/s on one core = {fpc} x {probe / fpc:.2f} GHz; no cpufreq here, /proc/cpuinfo says {info['mhz']:.0f} MHz)"
         else:
             ghz, source = info["mhz"] / 1000, "/proc/cpuinfo 'cpu MHz' (no cpufreq, no compiler for a probe)"
-    text = (f"CPU: {info['model']} ({os.cpu_count()} cores visible, {'AVX-512' if avx512 else 'AVX2' if 'avx2' in info['flags'] else 'no AVX2'}); "
+    isa = 'AVX-512' if avx512 else 'AVX2' if 'avx2' in info['flags'] else 'no AVX2'
+    if avx2_only and "avx512f" in info["flags"]:
+        isa = "AVX-512, run as AVX2: DP_CPU_KERNELS=avx2, PyTorch's ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2"
+    text = (f"CPU: {info['model']} ({os.cpu_count()} cores visible, {isa}); "
             f"peak assumed {fpc} FP32 FLOP/cycle/core (Zen 4: two 256-bit FMA pipes, AVX-512 double-pumped; "
             f"the same for AVX2 FMA) at {ghz:.2f} GHz from {source} = {fpc * ghz:.1f} GFLOP/s per core")
     return fpc * ghz, text

@@ -328,6 +328,9 @@ def main():
             raise SystemExit(f"{b}: not an executable dp_train (build it, or pass --dp-train)")
     import torch
 
+    if os.environ.get("DP_CPU_KERNELS") == "avx2":  # both engines on AVX2 (bench/cpu_peak.py says so)
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
     core_peak, peak_text = peak(args)
     print(f"PyTorch {torch.__version__} (oneDNN {'on' if torch.backends.mkldnn.is_available() else 'off'}); dp: {', '.join(binaries.values())}")
     print(peak_text)
