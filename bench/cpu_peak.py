@@ -97,20 +97,20 @@ def peak(args):
     avx2_only = os.environ.get("DP_CPU_KERNELS") == "avx2"
     avx512 = "avx512f" in info["flags"] and not avx2_only
     fpc = args.flops_per_cycle
+    isa = 'AVX-512' if avx512 else 'AVX2' if 'avx2' in info['flags'] else 'no AVX2'
+    if avx2_only and "avx512f" in info["flags"]:
+        isa = "AVX-512, run as AVX2: DP_CPU_KERNELS=avx2, PyTorch's ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2"
+    cpu = f"CPU: {info['model']} ({os.cpu_count()} cores visible, {isa}); "
+    probe = None if args.clock_ghz or info["max_mhz"] else fma_probe(avx512)
+    if probe:  # measured: no FLOP/cycle or clock to assume (they differ by vendor and vector width)
+        return probe, (cpu + f"peak = an FMA-throughput probe with {'AVX-512' if avx512 else 'AVX2'}, independent chains "
+                       f"on one core: {probe:.1f} GFLOP/s per core (no cpufreq here; /proc/cpuinfo says {info['mhz']:.0f} MHz)")
     if args.clock_ghz:
         ghz, source = args.clock_ghz, "--clock-ghz"
     elif info["max_mhz"]:
         ghz, source = info["max_mhz"] / 1000, "cpufreq cpuinfo_max_freq"
     else:
-        probe = fma_probe(avx512)
-        if probe:
-            ghz, source = probe / fpc, f"an FMA-throughput probe ({probe:.1f} GFLOP/s on one core = {fpc} x {probe / fpc:.2f} GHz; no cpufreq here, /proc/cpuinfo says {info['mhz']:.0f} MHz)"
-        else:
-            ghz, source = info["mhz"] / 1000, "/proc/cpuinfo 'cpu MHz' (no cpufreq, no compiler for a probe)"
-    isa = 'AVX-512' if avx512 else 'AVX2' if 'avx2' in info['flags'] else 'no AVX2'
-    if avx2_only and "avx512f" in info["flags"]:
-        isa = "AVX-512, run as AVX2: DP_CPU_KERNELS=avx2, PyTorch's ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2"
-    text = (f"CPU: {info['model']} ({os.cpu_count()} cores visible, {isa}); "
-            f"peak assumed {fpc} FP32 FLOP/cycle/core (Zen 4: two 256-bit FMA pipes, AVX-512 double-pumped; "
-            f"the same for AVX2 FMA) at {ghz:.2f} GHz from {source} = {fpc * ghz:.1f} GFLOP/s per core")
+        ghz, source = info["mhz"] / 1000, "/proc/cpuinfo 'cpu MHz' (no cpufreq, no compiler for a probe)"
+    text = (cpu + f"peak assumed {fpc} FP32 FLOP/cycle/core (--flops-per-cycle; Zen 4: two 256-bit FMA pipes, AVX-512 "
+            f"double-pumped, the same for AVX2 FMA) at {ghz:.2f} GHz from {source} = {fpc * ghz:.1f} GFLOP/s per core")
     return fpc * ghz, text

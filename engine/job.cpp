@@ -117,7 +117,7 @@ void broadcast_state(ProcessGroup& g, Checkpoint& state, double timeout) {
 int reduce_step(ProcessGroup& g, StepResult& r, int pending_signal, double timeout) {
   double sums[2] = {r.loss, double(r.correct)}, maxes[2] = {double(pending_signal), r.finite_gradients ? 0.0 : 1.0};
   g.all_reduce_sum(sums, 2, Deadline::after(timeout), "the step's loss across processes");
-  g.all_reduce_max(maxes, 2, Deadline::after(timeout), "the step's stop flag across processes");
+  g.all_reduce_max(maxes, 2, Deadline::after(timeout), "the step's stop flag and gradient check across processes");
   r.loss = sums[0], r.correct = int64_t(sums[1]), r.finite_gradients = maxes[1] == 0;
   return int(maxes[0]);
 }
