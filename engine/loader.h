@@ -36,12 +36,14 @@ struct PageAllocator {
   void deallocate(T* p, size_t) noexcept { ::operator delete(p, std::align_val_t(page())); }
   bool operator==(const PageAllocator&) const = default;
 };
+template <class T>
+using PageVector = std::vector<T, PageAllocator<T>>;
 
 // The host side of one batch, in a buffer allocated once for the largest batch.
 struct HostBatch {
-  std::vector<float, PageAllocator<float>> x;  // (capacity, D): rows [first, first + rows) of the batch, from row 0 on
-  std::vector<int32_t, PageAllocator<int32_t>> y;  // (capacity)
-  int n = 0;                                       // the batch's size (the global batch, across processes)
+  PageVector<float> x;      // (capacity, D): rows [first, first + rows) of the batch, from row 0 on
+  PageVector<int32_t> y;    // (capacity)
+  int n = 0;                // the batch's size (the global batch, across processes)
   int first = 0, rows = 0;  // which of its rows this process holds: all n of them unless LoaderPlan::rows
   int64_t step = -1;        // the global step (0-based) it is for
 };
