@@ -1,4 +1,4 @@
-// dp_bench's subcommands (compare, comm, skew, bn): their options as parsed by dp_bench.cpp, and the
+// dp_bench's subcommands (compare, comm, skew, bn, ops): their options as parsed by dp_bench.cpp, and the
 // functions that run them. Each returns the process exit code: 0 fine, 1 a check failed.
 #pragma once
 
@@ -66,6 +66,16 @@ struct BnOptions {
   std::string command;
 };
 
+// ops: one step's time op by op, on one simulated CPU device (bench/ops.cpp).
+struct OpsOptions {
+  std::string backend = "cpu";  // only cpu: a CUDA op's call returns before the op is done
+  std::string model = "lenet";
+  int batch = 256, steps = 20, warmup = 3;
+  uint64_t seed = 0;
+  std::string json;
+  std::string command;
+};
+
 int run_compare(const CompareOptions& o);
 int run_comm(const CommOptions& o);
 struct CommSweep;
@@ -73,5 +83,6 @@ struct CommSweep;
 int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& group);
 int run_skew(const SkewOptions& o);
 int run_bn(const BnOptions& o);
+int run_ops(const OpsOptions& o);
 
 }  // namespace dp::bench

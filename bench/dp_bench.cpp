@@ -8,6 +8,8 @@
 //   bn       BatchNorm across replicas (lenet-bn, real data): local BatchNorm vs SyncBatchNorm at
 //            per-device batches 2..64 of one global batch, against one device on the whole batch:
 //            test accuracy, running statistics' distance, bytes (against the model) and time per step
+//   ops      where one training step's time goes on one simulated CPU device: per kernel op and layer,
+//            calls, microseconds and share of the step, GFLOP/s, and the host's part outside every op
 // Exit codes: 0 done, 1 a check failed (bytes off the model, skew out of bounds) or a device failed
 // or --plot could not plot, 2 bad arguments.
 #include <cmath>
@@ -222,13 +224,38 @@ Subcommand add_bn(CLI::App& app) {
           }};
 }
 
+Subcommand add_ops(CLI::App& app) {
+  auto oo = std::make_shared<OpsOptions>();
+  auto seed = std::make_shared<std::string>("0");
+  CLI::App* c = app.add_subcommand(
+      "ops", "where a training step's time goes, op by op, on one simulated CPU device (synthetic data)");
+  c->footer(std::string(kSyntheticNote) +
+            " The CPU kernels are the best this CPU runs, or those DP_CPU_KERNELS names (reference, avx2, avx512).");
+  c->add_option("--backend", oo->backend, "cpu (the only one: a CUDA op's call returns before the op is done)")
+      ->capture_default_str();
+  c->add_option("--model", oo->model, "lenet | lenet5 | lenet-bn")->capture_default_str();
+  c->add_option("--batch", oo->batch, "Batch size")->capture_default_str()->transform(exact_integer<int>());
+  c->add_option("--steps", oo->steps, "Timed steps")->capture_default_str()->transform(exact_integer<int>());
+  c->add_option("--warmup", oo->warmup, "Steps run before timing")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
+  add_seed(*c, *seed);
+  c->add_option("--json", oo->json, "Write the table as JSON");
+  return {c, [=](const std::string& command) {
+            oo->seed = parse_seed(*seed, "--seed");
+            oo->command = command;
+            return run_ops(*oo);
+          }};
+}
+
 int run(int argc, char** argv, ProcessGroup* group) {
   CLI::App app(
-      "dp_bench: measure the dp engine (scatter vs allreduce, collectives, memory skew, BatchNorm across replicas)",
+      "dp_bench: measure the dp engine (scatter vs allreduce, collectives, memory skew, BatchNorm across replicas, "
+      "time per op)",
       "dp_bench");
   app.set_version_flag("--version", std::string("dp_bench ") + dp::version());
   app.require_subcommand(1);
-  const Subcommand subcommands[] = {add_compare(app), add_comm(app, group), add_skew(app), add_bn(app)};
+  const Subcommand subcommands[] = {add_compare(app), add_comm(app, group), add_skew(app), add_bn(app), add_ops(app)};
   if (!run_parser(app, argc, argv)) return 0;
   for (const Subcommand& s : subcommands)
     if (s.app->parsed()) {

@@ -280,6 +280,42 @@ TEST_CASE("dp_bench - bad arguments exit 2 with a message and --plot without mat
   CHECK(slurp(log).find("matplotlib") != std::string::npos);
 }
 
+TEST_CASE("dp_bench ops - the ops' microseconds fit in the step and conv and linear rows are there with GFLOP/s") {
+  TempDir dir;
+  const std::string log = dir / "ops.log", out = dir / "ops.json";
+  REQUIRE(bench("ops --model lenet5 --batch 32 --steps 2 --warmup 1 --json '" + out + "'", log) == 0);
+  const json j = load(out);
+  CHECK(j["config"]["model"] == "lenet5");
+  CHECK(j["config"]["backend"] == "cpu");
+  double sum = 0;
+  std::set<std::string> layers;
+  bool conv = false, linear = false;
+  for (const json& r : j["ops"]) {
+    sum += r["us_per_step"].get<double>();
+    CHECK(r["calls_per_step"].get<double>() > 0);
+    const std::string op = r["op"];
+    if (op.rfind("conv2d", 0) == 0 || op.rfind("linear", 0) == 0) {
+      (op[0] == 'c' ? conv : linear) = true;
+      CHECK(r["gflops"].get<double>() > 0);  // FLOPs are known for these
+      layers.insert(r["layer"].get<std::string>());
+    }
+  }
+  CHECK(conv);
+  CHECK(linear);
+  CHECK(layers == std::set<std::string>{"conv1", "conv2", "fc1", "fc2", "fc3"});  // every row named by its layer
+  // The ops run inside the step: their sum is at most the step's time, the rest is the host's.
+  CHECK(sum <= j["step_us"].get<double>());
+  CHECK(j["ops_us"].get<double>() == doctest::Approx(sum).epsilon(1e-9));
+  CHECK(j["host_us"].get<double>() >= 0);
+  for (const char* args : {"ops --steps 0", "ops --warmup -1", "ops --batch 0", "ops --backend cuda",
+                           "ops --model resnet", "ops --frobnicate"}) {
+    CAPTURE(args);
+    CHECK(bench(args, log) == 2);
+    CHECK(slurp(log).rfind("dp_bench: ", 0) == 0);
+  }
+  CHECK(slurp(log).find("--frobnicate") != std::string::npos);
+}
+
 TEST_CASE("bench: every output path of every subcommand is checked before the run, with exit 2") {
   TempDir dir;
   const std::string log = dir / "out.log", file = dir / "file.txt", missing = dir / "missing";
