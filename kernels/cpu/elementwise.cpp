@@ -1,5 +1,8 @@
 // SGD, the reduction add, fill and the finiteness check over flat buffers.
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 #include "kernels/cpu/kernels.h"
 #include "kernels/math.h"
@@ -26,11 +29,16 @@ void fill(int64_t n, T value, T* x) {
   for (int64_t i = 0; i < n; ++i) x[i] = value;
 }
 
+// An element is not finite when its exponent bits are all ones. Tested on the bits and OR-ed without
+// a branch, so the loop vectorizes: once a step over every gradient (Engine::step), where an
+// early-exit isfinite loop ran at a scalar's pace (107 us for LeNet's 129,068 floats, dp_bench ops).
 template <class T>
 bool all_finite(int64_t n, const T* x) {
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[i])) return false;
-  return true;
+  using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  constexpr U exponent = sizeof(T) == 4 ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+  U bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= U((std::bit_cast<U>(x[i]) & exponent) == exponent);
+  return bad == 0;
 }
 
 template <class T>
