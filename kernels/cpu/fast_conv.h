@@ -99,7 +99,8 @@ void pack_data_weights(const ConvShape& s, const float* w, int rows, float* wd) 
               c0 + r < s.c ? w[(int64_t(k) * s.c + c0 + r) * window + t] : 0.0f;
 }
 
-// Images n0 .. n0+nv-1's output gradient into yb (K, P, L): dy's, or with f built from dy_pool and y_act.
+// Images n0 .. n0+nv-1's output gradient into yb (K, P, L): dy's, or with f built from dy_pool and
+// y_act at the positions the pooling reads only (see unpool_act_blocked and backward_dims).
 template <class S>
 void output_gradient_blocked(const ConvShape& s, const float* dy, const Fusion* f, int n0, int nv,
                              const Workspace& ws) {
@@ -111,12 +112,48 @@ void output_gradient_blocked(const ConvShape& s, const float* dy, const Fusion* 
   unpool_act_blocked<S>(f->act, s.k, oh, ow, ws.pb, ws.yb);
 }
 
+// The backward tiles' dims: with f, the output positions are those the pooling reads, (OH/2 * 2,
+// OW/2 * 2), the others' gradient being zero. The tiles find a position's window corner from d.ow
+// alone, so the narrower output indexes the same input.
+template <class S>
+Dims backward_dims(const ConvShape& s, const Fusion* f) {
+  Dims d = dims_of<S>(s);
+  if (f) {
+    d.ow = s.out_w() / 2 * 2;
+    d.p = s.out_h() / 2 * 2 * d.ow;
+  }
+  return d;
+}
+
+// The data gradient's tiles, as tiles<Dgrad<S>> over all OH * OW output positions would run them,
+// for the d.p positions of backward_dims: each column block of the full output drops its positions
+// past the pooling's windows (they stay in order, so the rest is a run of the compacted ones). A
+// pixel of dx then gets the same nonzero terms in the same order (block, then tap) as without f.
+template <class S>
+void data_gradient_tiles(const ConvShape& s, const typename Dgrad<S>::Args& a, int option) {
+  const int rows = Dgrad<S>::kRows[option], cols = Dgrad<S>::kCols[option], ow = s.out_w(), p = int(s.col_cols());
+  const int kept_h = a.d.p / a.d.ow;
+  auto kept_before = [&](int q) {  // the kept positions before full position q
+    const int oy = q / ow, ox = q % ow;
+    return oy < kept_h ? oy * a.d.ow + std::min(ox, a.d.ow) : a.d.p;
+  };
+  for (int r0 = 0; r0 < s.c; r0 += rows)
+    for (int q0 = 0; q0 < p; q0 += cols) {
+      const int first = kept_before(q0), n = kept_before(std::min(q0 + cols, p)) - first;
+      if (n > 0) tile<Dgrad<S>>(option, n)(a, r0, first);
+    }
+}
+
 // dw and db are accumulated; dx (or null) is written.
 template <class S>
 void backward_blocked(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,
                       float* db, const Fusion* f, const Workspace& ws) {
   constexpr int L = S::L;
-  const Dims d = dims_of<S>(s);
+  const Dims d = backward_dims<S>(s, f);
+  if (d.p == 0) {  // a fused output of one row or column: no gradient reaches the convolution
+    if (dx) fill_zero<S>(dx, int64_t(s.n) * s.c * s.h * s.w);
+    return;
+  }
   const typename Wgrad<S>::Args wa{.d = d, .xb = ws.xb, .dyb = ws.yb, .dw = dw};
   const typename Dgrad<S>::Args da{.d = d, .dyb = ws.yb, .wd = ws.wd, .dxp = ws.dxp};
   const int kopt = pick_rows<Wgrad<S>>(s.k), copt = pick_rows<Dgrad<S>>(s.c);
@@ -135,7 +172,10 @@ void backward_blocked(const ConvShape& s, const float* x, const float* w, const 
     }
     if (dx) {
       fill_zero<S>(ws.dxp, int64_t(s.c) * d.hp * d.wp * L);
-      tiles<Dgrad<S>>(da, copt, s.c, d.p);
+      if (f)
+        data_gradient_tiles<S>(s, da, copt);
+      else
+        tiles<Dgrad<S>>(da, copt, s.c, d.p);
       unpack<S>(ws.dxp, nv, s.c, s.h, s.w, s.pad, dx + n0 * in_image);
     }
   }

@@ -41,8 +41,11 @@ struct Simd {
   // The fused first layer's weight gradient over output gradients as wide as the input's rows (see
   // DirectWgrad): one partial vector a plane instead of one a row.
   static constexpr bool kDirectWideGradient = true;
-  // Weight gradient: 4x3 (both conv2s, LeNet's conv1), 3x4 (LeNet-5's conv1), 5x2 as the forward's.
-  static constexpr std::array<int, 4> kWgradRows{5, 4, 3, 6}, kWgradCols{2, 3, 4, 2};
+  // Weight gradient: 3x4 (LeNet's conv1 and conv2, LeNet-5's conv1), 4x3 (LeNet-5's conv2), 5x2 as
+  // the forward's. 3x4 is listed before 4x3 (the same accumulators: pick_rows takes the first on a
+  // tie) for add_hsums4 on a row's four taps: LeNet's conv2 backward 0.92x of 4x3's (dp_bench ops,
+  // AVX2 on a Xeon with AVX-512, 5 alternating runs).
+  static constexpr std::array<int, 4> kWgradRows{5, 3, 4, 6}, kWgradCols{2, 4, 3, 2};
   // pick_rows (fast_tiles.h) counts padding of at most 1/kPaddingShare of the rows as none, so LeNet's
   // 50 output channels run in 4x3 tiles (2 padding rows) rather than 5x2: 12 accumulators hide the FMA
   // latency that 10 do not. Measured on the 2-core EPYC (per-op harness, conv2 at 16 images, best of
@@ -107,6 +110,16 @@ struct Simd {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+  }
+  // p[i] += hsum(v[i]) for i < 4 with the same bits (each sum in hsum's order) and one 4-float add
+  // instead of four scalar ones: a third of the operations (add_sums, fast_tiles.h).
+  static void add_hsums4(float* p, V a, V b, V c, V d) {
+    auto fold = [](V v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); };
+    const __m128 sa = fold(a), sb = fold(b), sc = fold(c), sd = fold(d);
+    const __m128 ab = _mm_add_ps(_mm_movelh_ps(sa, sb), _mm_movehl_ps(sb, sa)),  // (a0+a2, a1+a3, b0+b2, b1+b3)
+        cd = _mm_add_ps(_mm_movelh_ps(sc, sd), _mm_movehl_ps(sd, sc));
+    const __m128 sums = _mm_add_ps(_mm_shuffle_ps(ab, cd, 0x88), _mm_shuffle_ps(ab, cd, 0xDD));
+    _mm_storeu_ps(p, _mm_add_ps(_mm_loadu_ps(p), sums));
   }
 
   // r[i][j] <-> r[j][i], 8 x 8.
