@@ -48,8 +48,6 @@ std::string unnamed(const ModelSpec& spec, int i) {
   return std::string(kind_word(spec.layers[size_t(i)].kind)) + (after.empty() ? "" : " after " + after);
 }
 
-bool starts_with(std::string_view s, std::string_view prefix) { return s.substr(0, prefix.size()) == prefix; }
-
 // The layer of the model a call belongs to, found by its shape; "" where none or several match.
 std::string layer_of(const ModelSpec& spec, const OpKey& k, int batch) {
   const auto& d = k.dims;
@@ -57,19 +55,19 @@ std::string layer_of(const ModelSpec& spec, const OpKey& k, int batch) {
   for (int i = 0; i < int(spec.layers.size()); ++i) {
     const Layer& l = spec.layers[size_t(i)];
     bool match = false;
-    if (starts_with(k.op, "conv2d"))
+    if (k.op.starts_with("conv2d"))
       match = l.kind == LayerKind::conv && l.in_c == d[0] && l.in_h == d[1] && l.in_w == d[2] && l.out_c == d[3] &&
               l.kernel == d[4] && l.pad == d[6];
-    else if (starts_with(k.op, "linear"))
+    else if (k.op.starts_with("linear"))
       match = l.kind == LayerKind::linear && l.in_size() == d[0] && l.out_c == d[1];
-    else if (starts_with(k.op, "avgpool") || starts_with(k.op, "maxpool"))
-      match = (l.kind == LayerKind::avgpool) == starts_with(k.op, "avgpool") &&
+    else if (k.op.starts_with("avgpool") || k.op.starts_with("maxpool"))
+      match = (l.kind == LayerKind::avgpool) == k.op.starts_with("avgpool") &&
               (l.kind == LayerKind::avgpool || l.kind == LayerKind::maxpool) && l.in_c == d[0] && l.in_h == d[1] &&
               l.in_w == d[2] && l.kernel == d[3];
-    else if (starts_with(k.op, "activation"))  // d: the activation, the element count (a chunk's or the batch's)
+    else if (k.op.starts_with("activation"))  // d: the activation, the element count (a chunk's or the batch's)
       match = l.kind == (d[0] == int(Activation::relu) ? LayerKind::relu : LayerKind::sigmoid) &&
               d[1] % l.out_size() == 0 && d[1] / l.out_size() <= batch;
-    else if (starts_with(k.op, "bn_"))
+    else if (k.op.starts_with("bn_"))
       match = l.kind == LayerKind::batchnorm && l.out_c == d[0] &&
               (k.op == "bn_update_running" || l.out_h * l.out_w == d[1]);  // its key is C alone
     if (match) found.push_back(l.name.empty() ? unnamed(spec, i) : l.name);
@@ -86,7 +84,7 @@ std::string layer_of(const ModelSpec& spec, const OpKey& k, int batch) {
 std::string shape_of(const OpKey& k) {
   const auto& d = k.dims;
   auto n = [](int64_t v) { return std::to_string(v); };
-  if (starts_with(k.op, "conv2d")) {
+  if (k.op.starts_with("conv2d")) {
     const int64_t oh = d[1] + 2 * d[6] - d[4] + 1, ow = d[2] + 2 * d[6] - d[5] + 1;
     std::string s = n(d[0]) + "x" + n(d[1]) + "x" + n(d[2]) + " -> " + n(d[3]) + "x" + n(oh) + "x" + n(ow) + ", " +
                     n(d[4]) + "x" + n(d[5]) + (d[6] ? " pad " + n(d[6]) : "");
@@ -94,12 +92,12 @@ std::string shape_of(const OpKey& k) {
       s += ", " + std::string(d[7] / 16 == int(Activation::relu) ? "relu" : "sigmoid") + ", pool " + n(d[7] % 16);
     return s;
   }
-  if (starts_with(k.op, "linear")) return n(d[0]) + " -> " + n(d[1]);
-  if (starts_with(k.op, "avgpool") || starts_with(k.op, "maxpool"))
+  if (k.op.starts_with("linear")) return n(d[0]) + " -> " + n(d[1]);
+  if (k.op.starts_with("avgpool") || k.op.starts_with("maxpool"))
     return n(d[0]) + "x" + n(d[1]) + "x" + n(d[2]) + ", " + n(d[3]) + "x" + n(d[3]);
-  if (starts_with(k.op, "activation"))
+  if (k.op.starts_with("activation"))
     return std::string(d[0] == int(Activation::relu) ? "relu" : "sigmoid") + ", " + commas(d[1]) + " values";
-  if (starts_with(k.op, "bn_")) return "C " + n(d[0]) + (k.op == "bn_update_running" ? "" : ", HW " + n(d[1]));
+  if (k.op.starts_with("bn_")) return "C " + n(d[0]) + (k.op == "bn_update_running" ? "" : ", HW " + n(d[1]));
   if (k.op == "softmax_xent") return n(d[0]) + " classes";
   if (k.op == "gemm") return n(d[0]) + "x" + n(d[1]) + "x" + n(d[2]) + (d[3] ? " A^T" : "") + (d[4] ? " B^T" : "");
   return commas(d[0]) + " floats";

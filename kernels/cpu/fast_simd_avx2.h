@@ -47,10 +47,11 @@ struct Simd {
   // AVX2 on a Xeon with AVX-512, 5 alternating runs).
   static constexpr std::array<int, 4> kWgradRows{5, 3, 4, 6}, kWgradCols{2, 4, 3, 2};
   // pick_rows (fast_tiles.h) counts padding of at most 1/kPaddingShare of the rows as none, so LeNet's
-  // 50 output channels run in 4x3 tiles (2 padding rows) rather than 5x2: 12 accumulators hide the FMA
-  // latency that 10 do not. Measured on the 2-core EPYC (per-op harness, conv2 at 16 images, best of
-  // 4 alternating runs): forward 838 -> 782 us, backward (weight + data gradient) 2208 -> 1586 us;
-  // dp_train lenet, 1 device on 1 core: 1.04-1.14x in 4 alternating pairs.
+  // 50 output channels run in 12-accumulator tiles (the forward's 4x3 with 2 padding rows, the weight
+  // gradient's 3x4 with 1) rather than 5x2: 12 accumulators hide the FMA latency that 10 do not.
+  // Measured with 4x3 for both, before the weight gradient moved to 3x4, on the 2-core EPYC (per-op
+  // harness, conv2 at 16 images, best of 4 alternating runs): forward 838 -> 782 us, backward (weight +
+  // data gradient) 2208 -> 1586 us; dp_train lenet, 1 device on 1 core: 1.04-1.14x in 4 alternating pairs.
   static constexpr int kPaddingShare = 16;
 
   static V zero() { return _mm256_setzero_ps(); }
