@@ -66,13 +66,28 @@ class Device {
   Buffer alloc_floats(int64_t n, Category category) { return alloc(size_t(n) * sizeof(float), category); }
 
   virtual Ops& ops() = 0;
-  // Copies. upload/copy/copy_from_peer are ordered on the device's stream (asynchronous on CUDA,
-  // the host buffer must outlive synchronize()); download returns when the bytes are on the host.
+  // Copies. upload/copy/copy_from_peer are ordered on the device's compute stream (asynchronous on
+  // CUDA, the host buffer must outlive synchronize()); download returns when the bytes are on the host.
   virtual void upload(void* dst, const void* src_host, size_t bytes) = 0;
   virtual void download(void* dst_host, const void* src, size_t bytes) = 0;
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) = 0;
+  // Waits for everything enqueued on the device: its compute stream and its copy stream.
   virtual void synchronize() = 0;
+
+  // The copy stream: the next step's batch uploaded while this step computes (Engine::stage; Apex's
+  // data_prefetcher, DALI). upload_ahead enqueues the copy there, into a buffer of one of
+  // kUploadSlots slots, ordered after the compute stream's work so far (the buffer's last reader), and
+  // returns at once; await_upload(slot) orders the compute stream's following work after that slot's
+  // uploads (on CUDA an event the stream waits on, no host wait; a simulated device runs its uploads
+  // on a thread of their own and waits for them). The host memory must stay untouched until
+  // synchronize() or finish_uploads(). upload_ahead may be called from any thread between steps.
+  static constexpr int kUploadSlots = 2;
+  virtual void upload_ahead(int slot, void* dst, const void* src_host, size_t bytes) = 0;
+  virtual void await_upload(int slot) = 0;
+  // Waits for the copy stream alone (only copies run there: it cannot hang) and never throws: what a
+  // failed step calls before the host memory of the batches it staged may go.
+  virtual void finish_uploads() noexcept = 0;
   // Page-locks the host memory [p, p + bytes) for uploads from it until the returned handle goes
   // away: on CUDA (cudaHostRegister, for every GPU of the process) an upload from it is then one DMA
   // the host does not wait for, instead of a copy staged through the driver's bounce buffer. Null

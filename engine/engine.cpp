@@ -4,6 +4,7 @@
 #include <cstring>
 #include <new>
 #include <numeric>
+#include <stdexcept>
 
 #include "engine/error.h"
 #include "engine/process_communicator.h"
@@ -59,13 +60,17 @@ struct Engine::Replica {
   Buffer momentum;  // (P) scatter: device 0 only; allreduce: every device; none at momentum 0
   Buffer running;   // (R) BatchNorm's running statistics; none without BatchNorm
   std::unique_ptr<Network> net;
-  Buffer input;    // (b, D) this device's chunk (not on device 0 under scatter: a view)
-  Buffer labels;   // (b) allreduce only: the loss is local
+  // The batch as uploaded: under scatter device 0's whole batch, (B, D) and (B), its own chunk the
+  // first rows; under allreduce each device's shard, (b, D) and (b). With prefetch two: the one a
+  // step trains on and the next step's, uploading meanwhile (Engine::stage).
+  struct Upload {
+    Buffer x, y;
+  };
+  std::array<Upload, Device::kUploadSlots> batch;
+  Buffer input;    // (b, D) scatter, devices 1..: the chunk scatter sends it
   Buffer dlogits;  // (b, C) this device's logit gradients (not on device 0 under scatter)
   Buffer stats;    // (kStats) loss sum, correct count, and on device 0 the step's gradient check
-  // scatter, device 0 only: the whole batch, the gathered logits and their gradients
-  Buffer full_input;     // (B, D)
-  Buffer full_labels;    // (B)
+  // scatter, device 0 only: the gathered logits and their gradients
   Buffer gathered;       // (B, C)
   Buffer gathered_grad;  // (B, C)
 };
@@ -120,15 +125,21 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     }
     rep->net = std::make_unique<Network>(spec_, dev, eval_b);
     rep->stats = dev.alloc_floats(kStats, Category::outputs);
-    if (cfg_.sync == Sync::scatter && r == 0) {
-      rep->full_input = dev.alloc_floats(int64_t(cfg_.batch) * D, Category::inputs);
-      rep->full_labels = dev.alloc(size_t(cfg_.batch) * sizeof(int32_t), Category::inputs);
+    const bool scatter_root = cfg_.sync == Sync::scatter && r == 0;
+    if (scatter_root || cfg_.sync == Sync::allreduce) {
+      const int rows = scatter_root ? cfg_.batch : eval_b;
+      for (int s = 0; s < (cfg_.prefetch ? Device::kUploadSlots : 1); ++s) {
+        rep->batch[size_t(s)].x = dev.alloc_floats(int64_t(rows) * D, Category::inputs);
+        rep->batch[size_t(s)].y = dev.alloc(size_t(rows) * sizeof(int32_t), Category::inputs);
+      }
+    } else {
+      rep->input = dev.alloc_floats(int64_t(eval_b) * D, Category::inputs);
+    }
+    if (scatter_root) {
       rep->gathered = dev.alloc_floats(int64_t(cfg_.batch) * C, Category::outputs);
       rep->gathered_grad = dev.alloc_floats(int64_t(cfg_.batch) * C, Category::outputs);
     } else {
-      rep->input = dev.alloc_floats(int64_t(eval_b) * D, Category::inputs);
       rep->dlogits = dev.alloc_floats(int64_t(eval_b) * C, Category::outputs);
-      if (cfg_.sync == Sync::allreduce) rep->labels = dev.alloc(size_t(eval_b) * sizeof(int32_t), Category::inputs);
     }
     dev.synchronize();
     replicas_[r] = std::move(rep);
@@ -161,6 +172,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
 }
 
 Engine::~Engine() {
+  drop_staged();  // no upload may still be writing into a buffer freed below
   // Buffers are freed by their own device; the CUDA allocator wants its thread.
   for (int r = 0; r < size() && r < int(replicas_.size()); ++r)
     if (replicas_[r]) devices_[r]->run([&, r] { replicas_[r].reset(); }).wait();
@@ -247,28 +259,104 @@ void Engine::host_span(std::string name, double start_us, double end_us,
 }
 
 StepResult Engine::step(const float* x, const int32_t* y, int n) {
+  if (!staged_.empty()) throw std::logic_error("Engine::step(x, y, n): a batch is already staged; step() trains on it");
+  stage(x, y, n);
+  return step();
+}
+
+std::pair<int, int> Engine::upload_rows(int r, int n) const {
+  if (cfg_.sync == Sync::scatter) return {0, r == 0 ? n : 0};
+  const std::vector<int> sizes = split_batch(n, world_, cfg_.split);
+  // x holds this process's rows, from the job's device first_ on.
+  int first = 0;
+  for (int q = first_; q < first_ + r; ++q) first += sizes[size_t(q)];
+  return {first, sizes[size_t(first_ + r)]};
+}
+
+void Engine::upload(int r, const Staged& b, bool ahead) {
+  const auto [first, rows] = upload_rows(r, b.n);
+  if (rows == 0) return;
+  Device& dev = *devices_[r];
+  const Replica::Upload& to = replicas_[r]->batch[size_t(b.slot)];
+  const int64_t D = spec_.input_size();
+  const float* x = b.x + int64_t(first) * D;
+  const int32_t* y = b.y + first;
+  const size_t x_bytes = size_t(int64_t(rows) * D) * sizeof(float), y_bytes = size_t(rows) * sizeof(int32_t);
+  if (ahead) {
+    dev.upload_ahead(b.slot, to.x.data(), x, x_bytes);
+    dev.upload_ahead(b.slot, to.y.data(), y, y_bytes);
+  } else {
+    dev.upload(to.x.data(), x, x_bytes);
+    dev.upload(to.y.data(), y, y_bytes);
+  }
+}
+
+// The load phase: the batch's upload on the compute stream or, with prefetch, the compute stream's
+// wait for its upload on the copy stream, staged while the step before ran.
+void Engine::load(int r, const Staged& b) {
+  if (!cfg_.prefetch)
+    upload(r, b, /*ahead=*/false);
+  else if (upload_rows(r, b.n).second > 0)
+    devices_[r]->await_upload(b.slot);
+}
+
+void Engine::drop_staged() noexcept {
+  staged_.clear();
+  for (Device* d : devices_) d->finish_uploads();
+}
+
+void Engine::stage(const float* x, const int32_t* y, int n) {
   if (n <= 0 || n > cfg_.batch)
     throw UsageError("step: batch of " + std::to_string(n) + " samples; this engine takes 1.." +
                      std::to_string(cfg_.batch));
+  const size_t capacity = cfg_.prefetch ? Device::kUploadSlots : 1;
+  if (staged_.size() >= capacity)
+    throw std::logic_error("Engine::stage: " + std::to_string(capacity) + " batch(es) staged already, the most " +
+                           (cfg_.prefetch ? "prefetch allows" : "an engine without prefetch takes") + "; step() first");
+  Staged b{x, y, n, 0};
+  if (cfg_.prefetch) {
+    b.slot = next_slot_;
+    try {
+      for (int r = 0; r < size(); ++r) upload(r, b, /*ahead=*/true);
+    } catch (...) {
+      drop_staged();
+      throw;
+    }
+    next_slot_ = (next_slot_ + 1) % Device::kUploadSlots;
+  }
+  staged_.push_back(b);
+}
+
+StepResult Engine::step() {
+  if (staged_.empty()) throw std::logic_error("Engine::step: no batch staged; stage() one first");
+  const Staged b = staged_.front();
+  staged_.pop_front();
+  const int n = b.n;
   const std::vector<int> sizes = split_batch(n, world_, cfg_.split);
   std::vector<Traffic> before(size()), before_inter(size());
   for (int r = 0; r < size(); ++r) before[r] = comm_->total(r), before_inter[r] = comm_->inter_process(r);
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
-  run_all([&](int r) {
-    // A new set of marks each step, also after a failed one, which left its marks behind.
-    devices_[r]->clear_marks();
-    open_phases_[r].clear();
-    if (cfg_.sync == Sync::scatter)
-      step_scatter(r, x, y, sizes);
-    else
-      step_allreduce(r, x, y, sizes);
-    // The loss and the correct count: on device 0 under scatter, a share on each device under
-    // allreduce; device 0's also says whether the gradient was finite. The download waits for the
-    // step's work (the step's one round trip); close_phases then has nothing to wait for.
-    if (cfg_.sync == Sync::allreduce || r == 0)
-      devices_[r]->download(stats[size_t(r)].data(), replicas_[r]->stats.f(), sizeof(float) * kStats);
-    close_phases(r);
-  });
+  try {
+    run_all([&](int r) {
+      // A new set of marks each step, also after a failed one, which left its marks behind.
+      devices_[r]->clear_marks();
+      open_phases_[r].clear();
+      if (cfg_.sync == Sync::scatter)
+        step_scatter(r, b, sizes);
+      else
+        step_allreduce(r, b, sizes);
+      // The loss and the correct count: on device 0 under scatter, a share on each device under
+      // allreduce; device 0's also says whether the gradient was finite. The download waits for the
+      // step's work (the step's one round trip); close_phases then waits for the copy stream too:
+      // the next batch's upload, staged before this step, is done when the step returns.
+      if (cfg_.sync == Sync::allreduce || r == 0)
+        devices_[r]->download(stats[size_t(r)].data(), replicas_[r]->stats.f(), sizeof(float) * kStats);
+      close_phases(r);
+    });
+  } catch (...) {
+    drop_staged();
+    throw;
+  }
   StepResult res;
   res.n = n;
   for (const auto& s : stats) {
@@ -310,7 +398,7 @@ BatchNormPass Engine::batchnorm_pass(int r, int B) {
   return bn;
 }
 
-void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::vector<int>& sizes) {
+void Engine::step_scatter(int r, const Staged& batch, const std::vector<int>& sizes) {
   Device& dev = *devices_[r];
   Replica& rep = *replicas_[r];
   Ops& ops = dev.ops();
@@ -320,15 +408,11 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
   std::vector<int64_t> in_counts, out_counts;
   for (int s : sizes) in_counts.push_back(s * D), out_counts.push_back(s * C);
   const int mine = sizes[r];
+  const Replica::Upload& up = rep.batch[size_t(batch.slot)];  // device 0's
 
   // The whole batch lands on device 0 (DataParallel's input is on device_ids[0]).
-  timed(r, Phase::load, [&] {
-    if (r != 0) return;
-    dev.upload(rep.full_input.f(), x, size_t(B * D) * sizeof(float));
-    dev.upload(rep.full_labels.i32(), y, size_t(B) * sizeof(int32_t));
-  });
-  timed(r, Phase::scatter,
-        [&] { comm_->scatter(r, r == 0 ? rep.full_input.f() : nullptr, rep.input.f(), in_counts, 0); });
+  timed(r, Phase::load, [&] { load(r, batch); });
+  timed(r, Phase::scatter, [&] { comm_->scatter(r, r == 0 ? up.x.f() : nullptr, rep.input.f(), in_counts, 0); });
   timed(r, Phase::broadcast, [&] {
     comm_->broadcast(r, rep.params.f(), P, 0);
     if (broadcasts_buffers()) comm_->broadcast(r, rep.running.f(), spec_.buffer_count, 0);
@@ -337,7 +421,7 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
   const BatchNormPass bn = batchnorm_pass(r, B);
   timed(r, Phase::forward, [&] {
     if (mine > 0)
-      logits = rep.net->forward(rep.params.f(), r == 0 ? rep.full_input.f() : rep.input.f(), mine, &bn);
+      logits = rep.net->forward(rep.params.f(), r == 0 ? up.x.f() : rep.input.f(), mine, &bn);
     else
       rep.net->forward_without_samples(&bn);
   });
@@ -345,8 +429,7 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
     comm_->gather(r, logits, rep.gathered.f(), out_counts, 0);
     if (r == 0) {
       ops.fill(kStats, 0.0f, rep.stats.f());
-      ops.softmax_xent(B, int(C), rep.gathered.f(), rep.full_labels.i32(), 1.0f / float(B), rep.gathered_grad.f(),
-                       rep.stats.f());
+      ops.softmax_xent(B, int(C), rep.gathered.f(), up.y.i32(), 1.0f / float(B), rep.gathered_grad.f(), rep.stats.f());
     }
     comm_->scatter(r, r == 0 ? rep.gathered_grad.f() : nullptr, rep.dlogits.f(), out_counts, 0);
   });
@@ -366,25 +449,19 @@ void Engine::step_scatter(int r, const float* x, const int32_t* y, const std::ve
   });
 }
 
-void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::vector<int>& sizes) {
+void Engine::step_allreduce(int r, const Staged& batch, const std::vector<int>& sizes) {
   Device& dev = *devices_[r];
   Replica& rep = *replicas_[r];
   Ops& ops = dev.ops();
-  const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
-  // sizes are the job's devices'; this device is the job's device g, and x holds this process's rows,
-  // from the job's device first_ on.
-  const int g = first_ + r;
-  int B = 0, first = 0;
+  const int64_t P = spec_.param_count, C = spec_.classes;
+  // sizes are the job's devices'; this device is the job's device first_ + r.
+  int B = 0;
   for (int s : sizes) B += s;
-  for (int q = first_; q < g; ++q) first += sizes[q];
-  const int mine = sizes[g];
+  const int mine = sizes[size_t(first_ + r)];
+  const Replica::Upload& up = rep.batch[size_t(batch.slot)];
 
   // Each device reads its own shard straight from host memory (DistributedSampler's rank slice).
-  timed(r, Phase::load, [&] {
-    if (mine == 0) return;
-    dev.upload(rep.input.f(), x + int64_t(first) * D, size_t(mine * D) * sizeof(float));
-    dev.upload(rep.labels.i32(), y + first, size_t(mine) * sizeof(int32_t));
-  });
+  timed(r, Phase::load, [&] { load(r, batch); });
   // DDP's broadcast_buffers: rank 0's running statistics to every replica before its forward.
   if (broadcasts_buffers())
     timed(r, Phase::broadcast, [&] { comm_->broadcast(r, rep.running.f(), spec_.buffer_count, 0); });
@@ -392,15 +469,14 @@ void Engine::step_allreduce(int r, const float* x, const int32_t* y, const std::
   const BatchNormPass bn = batchnorm_pass(r, B);
   timed(r, Phase::forward, [&] {
     if (mine > 0)
-      logits = rep.net->forward(rep.params.f(), rep.input.f(), mine, &bn);
+      logits = rep.net->forward(rep.params.f(), up.x.f(), mine, &bn);
     else
       rep.net->forward_without_samples(&bn);
   });
   // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly.
   timed(r, Phase::gather_loss, [&] {
     ops.fill(kStats, 0.0f, rep.stats.f());
-    if (mine > 0)
-      ops.softmax_xent(mine, int(C), logits, rep.labels.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
+    if (mine > 0) ops.softmax_xent(mine, int(C), logits, up.y.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
   });
   std::vector<int> remaining;
   for (auto& b : buckets_) remaining.push_back(b.layers);
@@ -442,6 +518,12 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
   const std::vector<int> sizes = split_batch(n, size(), Split::even);
   std::vector<double> loss(size(), 0.0);
   std::vector<int64_t> correct(size(), 0);
+  // Evaluation borrows the training buffers: with prefetch, a batch slot no staged batch is uploading
+  // into (the trainer stages the next epoch's first batch before this epoch's evaluation).
+  int slot = 0;
+  if (cfg_.prefetch)
+    while (std::any_of(staged_.begin(), staged_.end(), [&](const Staged& b) { return b.slot == slot; }))
+      if (++slot == Device::kUploadSlots) throw std::logic_error("Engine::evaluate: every batch buffer is staged");
   run_all([&](int r) {
     Device& dev = *devices_[r];
     Replica& rep = *replicas_[r];
@@ -451,11 +533,11 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
     bn.running = rep.running.f();
     int first = 0;
     for (int q = 0; q < r; ++q) first += sizes[q];
-    // Evaluation borrows the training buffers: inputs on every device but scatter's device 0,
-    // which reads from its full batch buffer.
-    float* in = rep.input ? rep.input.f() : rep.full_input.f();
+    // Under scatter the devices but device 0 have only their chunk's input, no labels.
+    const Replica::Upload& up = rep.batch[size_t(slot)];
+    float* in = up.x ? up.x.f() : rep.input.f();
     float* dl = rep.dlogits ? rep.dlogits.f() : rep.gathered_grad.f();
-    int32_t* lab = rep.labels ? rep.labels.i32() : rep.full_labels.i32();
+    int32_t* lab = up.y.i32();
     Buffer own_labels;
     if (!lab) {
       own_labels = dev.alloc(size_t(net.max_batch()) * sizeof(int32_t), Category::inputs);

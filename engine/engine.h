@@ -12,6 +12,7 @@
 
 #include <array>
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -80,6 +81,11 @@ struct EngineConfig {
   bool sync_bn = false;
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // allreduce: ring or naive (d2l)
   double timeout = kDefaultTimeout;  // seconds a collective waits for its peers (--timeout; wait.h)
+  // Each batch uploaded during the step before it, on the devices' copy streams (stage(); dp_train's
+  // default, --no-prefetch turns it off): the load phase is then only the wait for that upload, and
+  // every device that uploads (device 0 under scatter, each device under allreduce) holds two batch
+  // buffers instead of one.
+  bool prefetch = false;
   bool trace = false;
   // The job's processes (mpirun; process_group.h), with --sync allreduce only. Null, or a group of one:
   // this process alone. Otherwise this engine's devices are the job's devices rank·K .. rank·K + K-1
@@ -122,7 +128,18 @@ class Engine {
   // process's devices train on, rows [slice(n).first, slice(n).second) (in one process: all n). The
   // result is this process's share: its devices' losses (each already scaled by 1/n) and correct
   // counts; across processes the trainer sums the shares.
+  // stage(x, y, n) then step().
   StepResult step(const float* x, const int32_t* y, int n);
+  // The same in two halves, so that a batch uploads while the step before it trains (prefetch):
+  // stage() queues the batch of a later step(); with EngineConfig::prefetch its upload starts at
+  // once on every device's copy stream (Device::upload_ahead), without it the step uploads it. Either
+  // way x and y must stay untouched until the step() that trains on it returns. step() trains on the
+  // oldest staged batch. At most two staged with prefetch (the next step's and the one after it),
+  // one without: more, or a step() with none staged, is a std::logic_error. A failed step drops
+  // every staged batch, after waiting for their uploads.
+  void stage(const float* x, const int32_t* y, int n);
+  StepResult step();
+  int staged() const { return int(staged_.size()); }
   // The rows of a global batch of n that this process's devices train on.
   std::pair<int, int> slice(int n) const;
   // The job's devices (P·K), and the job's index of this engine's device 0.
@@ -174,8 +191,20 @@ class Engine {
     return std::chrono::duration<double, std::micro>(t - t0_).count();
   }
   void record_buckets(int rank);
-  void step_scatter(int rank, const float* x, const int32_t* y, const std::vector<int>& sizes);
-  void step_allreduce(int rank, const float* x, const int32_t* y, const std::vector<int>& sizes);
+  struct Staged {  // a batch stage() took: the host rows, and the device buffers it uploads into
+    const float* x;
+    const int32_t* y;
+    int n;
+    int slot;  // Replica::batch[slot]; always 0 without prefetch
+  };
+  // The rows of a batch of n that device `rank` uploads (the first and how many): under scatter all
+  // of them to device 0 and none elsewhere, under allreduce the device's shard of this process's rows.
+  std::pair<int, int> upload_rows(int rank, int n) const;
+  void upload(int rank, const Staged& b, bool ahead);
+  void load(int rank, const Staged& b);
+  void drop_staged() noexcept;
+  void step_scatter(int rank, const Staged& b, const std::vector<int>& sizes);
+  void step_allreduce(int rank, const Staged& b, const std::vector<int>& sizes);
   // The BatchNorm pass of a training step on `rank` over a global batch of B.
   BatchNormPass batchnorm_pass(int rank, int B);
   // Without SyncBatchNorm, on a model with BatchNorm and more than one device: device 0's running
@@ -205,6 +234,8 @@ class Engine {
   std::chrono::steady_clock::time_point t0_;
   int64_t step_ = 0;
   int64_t batches_tracked_ = 0;
+  std::deque<Staged> staged_;  // oldest first
+  int next_slot_ = 0;          // where the next batch staged with prefetch uploads
 };
 
 }  // namespace dp

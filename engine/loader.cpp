@@ -10,6 +10,9 @@ BatchLoader::BatchLoader(const Dataset& data, const LoaderPlan& plan, int worker
     : data_(data), plan_(plan), workers_(workers) {
   if (workers < 0 || workers > kMaxWorkers)  // check_options refuses them with the reason first
     throw std::invalid_argument("BatchLoader: " + std::to_string(workers) + " workers");
+  if (plan.held < 1 || plan.held > 2)
+    throw std::invalid_argument("BatchLoader: " + std::to_string(plan.held) + " batches held; 1 or 2");
+  slots_.resize(size_t(plan.held) + 1);
   const size_t capacity = size_t(std::min<int64_t>(plan.batch, data.count));
   for (HostBatch& b : slots_) {
     b.x.resize(capacity * size_t(data.image_size()));
@@ -55,16 +58,18 @@ void BatchLoader::fill(HostBatch& b, int64_t step) {
   b.step = step;
 }
 
-// Fills step k once step k-2's buffer is handed back, until the plan ends or the loader is stopped.
+// Fills the plan's k-th batch once the batch that last had its buffer is handed back, until the plan
+// ends or the loader is stopped.
 void BatchLoader::load() {
+  const int64_t slots = int64_t(slots_.size());
   try {
     for (int64_t k = 0; plan_.first_step + k < plan_.end_step; ++k) {
       {
         std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || k < released_ + 2; });
+        cv_.wait(lock, [&] { return stop_ || k < released_ + slots; });
         if (stop_) return;
       }
-      fill(slots_[k % 2], plan_.first_step + k);
+      fill(slots_[size_t(k % slots)], plan_.first_step + k);
       {
         std::lock_guard lock(mu_);
         filled_ = k + 1;
@@ -81,13 +86,14 @@ void BatchLoader::load() {
 const HostBatch& BatchLoader::next() {
   if (plan_.first_step + taken_ >= plan_.end_step)
     throw std::logic_error("BatchLoader::next: past the last step (" + std::to_string(plan_.end_step) + ")");
-  HostBatch& b = slots_[taken_ % 2];
+  HostBatch& b = slots_[size_t(taken_ % int64_t(slots_.size()))];
   if (workers_ == 0) {
     fill(b, plan_.first_step + taken_++);
     return b;
   }
   std::unique_lock lock(mu_);
-  released_ = taken_;  // the batch returned last is done with: the loader may refill its buffer
+  // The oldest batch held is done with: the loader may refill its buffer.
+  released_ = std::max<int64_t>(0, taken_ - (plan_.held - 1));
   cv_.notify_all();
   cv_.wait(lock, [&] { return filled_ > taken_ || error_; });
   if (filled_ <= taken_) std::rethrow_exception(error_);

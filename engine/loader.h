@@ -62,19 +62,24 @@ struct LoaderPlan {
   // Page-locks a staging buffer for the devices' uploads (Engine::pin_host), the lock held as long
   // as the handle. Unset, or a null handle (simulated devices): the buffers stay pageable.
   std::function<std::shared_ptr<void>(void* p, size_t bytes)> pin;
+  // How many of the batches next() returned the trainer holds at once: 1, or 2 when it stages the
+  // next step's batch before this step trains (Engine::stage, prefetch).
+  int held = 1;
 };
 
 // More than one loader thread would not pay: a batch is a gather from a data set already in memory,
 // a fraction of a millisecond against a step's tens (README.md, dp_train's --workers).
 inline constexpr int kMaxWorkers = 1;
 
-// The batches of a plan, one next() per step. With one worker, two staging buffers: while the trainer
-// holds step k's, the loader thread fills step k+1's; next() hands k's back and takes k+1's. Nothing
-// is allocated per step (an epoch's order is drawn once per epoch).
-// On CUDA the staging buffers are page-locked (LoaderPlan::pin), so Engine::step's upload from them
-// is one DMA. A buffer goes back to the loader at the next next(), after Engine::step returned,
-// which is after its upload completed. (Copying step k+1's batch on a copy stream while step k
-// computes would need the engine to take the next batch before it waits for this one: not done.)
+// The batches of a plan, one next() per step, in held + 1 staging buffers: while the trainer holds
+// the last `held` batches next() returned, the loader thread (one worker) fills the one after; next()
+// hands the oldest held batch back and takes the new one. With held 1: the trainer trains on step
+// k's batch while step k+1's is filled. With held 2 (prefetch): step k trains while step k+1's batch,
+// also held, uploads on the copy stream and step k+2's is filled. Nothing is allocated per step (an
+// epoch's order is drawn once per epoch).
+// On CUDA the staging buffers are page-locked (LoaderPlan::pin), so an upload from them is one DMA
+// the host does not wait for. A buffer goes back to the loader at a later next(), after the step that
+// trained on it returned, which is after its upload completed.
 class BatchLoader {
  public:
   // `data` must outlive the loader; workers is 0 (fill in next()) or 1 (a loader thread).
@@ -85,9 +90,9 @@ class BatchLoader {
   BatchLoader(const BatchLoader&) = delete;
   BatchLoader& operator=(const BatchLoader&) = delete;
 
-  // The next step's batch, waiting for it if the loader thread is behind; valid until the next call,
-  // which hands its buffer back. Rethrows what the loader thread threw; throws std::logic_error past
-  // the plan's last step.
+  // The next step's batch, waiting for it if the loader thread is behind; valid until `held` more
+  // calls, the last of which hands its buffer back. Rethrows what the loader thread threw; throws
+  // std::logic_error past the plan's last step.
   const HostBatch& next();
 
  private:
@@ -97,11 +102,11 @@ class BatchLoader {
   const Dataset& data_;
   const LoaderPlan plan_;
   const int workers_;
-  HostBatch slots_[2];                       // step k's batch is in slots_[k % 2]
+  std::vector<HostBatch> slots_;             // (held + 1): the k-th batch of the plan is in slots_[k % size]
   std::vector<std::shared_ptr<void>> pins_;  // after slots_: unlocked before the buffers are freed
   std::vector<int64_t> order_;               // (count): the epoch order of order_epoch_, the filler's own
   int64_t order_epoch_ = -1;
-  int64_t taken_ = 0;  // batches next() has returned; the last of them is the trainer's
+  int64_t taken_ = 0;  // batches next() has returned; the last `held` of them are the trainer's
   // Shared with the loader thread, under mu_: batches filled, batches handed back, stop, its failure.
   std::mutex mu_;
   std::condition_variable cv_;

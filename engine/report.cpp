@@ -93,6 +93,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                  {"limit_train", o.limit_train},
                  {"limit_test", o.limit_test},
                  {"workers", o.workers},
+                 {"prefetch", o.prefetch},
                  {"gpus", o.devices.all ? nlohmann::json("all") : nlohmann::json(o.devices.ids)},
                  {"strategy", sync_name(o.sync)},
                  {"allreduce", all_reduce_json(o)}});
@@ -168,7 +169,11 @@ std::string skew_line(Engine& e) {
   others /= e.size() - 1;
   const double skew = others > 0 ? double(e.device(0).ledger().snapshot().total_peak) / others : 0;
   const char* why = " (allreduce, ring: every replica holds the same)";
-  if (e.config().sync == Sync::scatter)
+  if (e.config().sync == Sync::scatter && e.config().prefetch)
+    why =
+        " (scatter: device 0 also holds the whole batch, twice with prefetch: this step's and the next's, the "
+        "gathered logits, the gradients it reduces and the optimizer state)";
+  else if (e.config().sync == Sync::scatter)
     why =
         " (scatter: device 0 also holds the whole batch, the gathered logits, the gradients it reduces and the "
         "optimizer state)";

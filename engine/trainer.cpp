@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -108,6 +109,7 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   ec.sync_bn = o.sync_bn;
   ec.all_reduce = o.all_reduce;
   ec.timeout = o.timeout;
+  ec.prefetch = o.prefetch && !o.eval;  // --eval stages nothing
   return ec;
 }
 
@@ -337,7 +339,7 @@ class Run {
   }
   std::string kept() const { return o_.save.empty() ? "no checkpoint saved (no --save given)" : saver_.kept(); }
   Interrupted interrupted(int sig);
-  const HostBatch& next_batch(BatchLoader& loader);
+  const HostBatch& next_batch(BatchLoader& loader, int64_t step);
 
   const TrainOptions& o_;
   const Schedule& plan_;
@@ -352,17 +354,17 @@ class Run {
   int agreed_signal_ = 0;  // across processes: the largest signal pending on any process after a step
 };
 
-// The step's batch, and the trainer's wait for it: the report's load_wait_seconds and, when tracing,
-// a "load wait" span on the host lane per step (with --workers 0 the wait is the batch's assembly).
-const HostBatch& Run::next_batch(BatchLoader& loader) {
+// The batch of `step` (0-based), and the trainer's wait for it: the report's load_wait_seconds and,
+// when tracing, a "load wait" span on the host lane per batch (with --workers 0 the wait is the
+// batch's assembly).
+const HostBatch& Run::next_batch(BatchLoader& loader, int64_t step) {
   const double start_us = engine_.now_us();
   const HostBatch& batch = loader.next();
   const double end_us = engine_.now_us();
   load_wait_us_ += end_us - start_us;
-  if (engine_.config().trace) engine_.host_span("load wait", start_us, end_us, {{"step", double(step_ + 1)}});
-  if (batch.step != step_)  // the loader and the loop walk the same plan; a mismatch is a bug here
-    throw std::logic_error("loader: batch of step " + std::to_string(batch.step) + " for step " +
-                           std::to_string(step_));
+  if (engine_.config().trace) engine_.host_span("load wait", start_us, end_us, {{"step", double(step + 1)}});
+  if (batch.step != step)  // the loader and the loop walk the same plan; a mismatch is a bug here
+    throw std::logic_error("loader: batch of step " + std::to_string(batch.step) + " for step " + std::to_string(step));
   return batch;
 }
 
@@ -417,7 +419,13 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   // (Engine::slice starts at row 0 on rank 0).
   if (group_ && !verify) lp.rows = [this](int n) { return engine_.slice(n); };
   lp.pin = [this](void* p, size_t bytes) { return engine_.pin_host(p, bytes); };
+  // With prefetch the next step's batch is staged (its upload started) before this step trains, so
+  // the trainer holds two batches: this step's (which --verify reads after the step) and the next.
+  const int ahead = o_.prefetch ? 1 : 0;
+  lp.held = 1 + ahead;
   BatchLoader loader(data.train, lp, o_.workers);
+  std::deque<const HostBatch*> staged;  // the batches staged on the engine, oldest first
+  int64_t stage_next = step_;           // the step whose batch is staged next
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);
     const double epoch_start_us = engine_.now_us();
@@ -426,8 +434,14 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
     for (int64_t s = step_ % plan_.per_epoch; s < plan_.per_epoch && step_ < plan_.total_steps; ++s) {
       signals_.stage(Stage::step);
       test_point("step", step_ + 1);
-      const HostBatch& batch = next_batch(loader);
-      StepResult r = engine_.step(batch.x.data(), batch.y.data(), batch.n);
+      for (; stage_next <= step_ + ahead && stage_next < plan_.total_steps; ++stage_next) {
+        const HostBatch& b = next_batch(loader, stage_next);
+        engine_.stage(b.x.data(), b.y.data(), b.n);
+        staged.push_back(&b);
+      }
+      const HostBatch& batch = *staged.front();
+      staged.pop_front();
+      StepResult r = engine_.step();
       if (group_) agreed_signal_ = reduce_step(*group_, r, signals_.pending(), o_.timeout);
       if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);
       ++step_;

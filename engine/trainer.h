@@ -24,7 +24,8 @@ struct TrainOptions {
   bool shuffle = true;
   std::string data = "/usr/share/datasets/fashion-mnist";
   int64_t limit_train = 0, limit_test = 0;
-  int workers = 1;  // --workers: 0 assembles each batch between steps, 1 on a loader thread (loader.h)
+  int workers = 1;       // --workers: 0 assembles each batch between steps, 1 on a loader thread (loader.h)
+  bool prefetch = true;  // off with --no-prefetch: each batch uploads at its own step (EngineConfig::prefetch)
   DeviceConfig devices;
   Sync sync = Sync::scatter;
   Split split = Split::even;

@@ -6,9 +6,9 @@
 #               sources are built without UBSan (DP_TESTS_NO_SANITIZE): it doubled their compile time,
 #               and the code they test keeps it;
 #   build-tsan: -fsanitize=thread, the tests that exercise the threads: engine, collectives, faults,
-#               resume, signals, the trace (spans stamped on the communication thread) and the
-#               loader thread; the kernel, gradcheck and golden suites are single-threaded arithmetic
-#               and slow under TSan.
+#               resume, signals, the trace (spans stamped on the communication thread), the
+#               loader thread and the simulated devices' copy thread (prefetch); the kernel,
+#               gradcheck and golden suites are single-threaded arithmetic and slow under TSan.
 # Any report fails the run. Usage: scripts/sanitize.sh [asan|tsan]   (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ if [ "$what" = all ] || [ "$what" = tsan ]; then
   build build-tsan thread
   # BLIS runs on the calling thread (the serial build; one thread per simulated device), so its
   # internals stay off the report; tests/tsan.supp lists what is suppressed and why.
-  # Through ctest, so the 81 cases run two at a time.
+  # Through ctest, so the 84 cases run two at a time.
   (cd build-tsan && ctest --output-on-failure -j "$jobs" --timeout 900 -E '^readme:' \
-    -R 'strateg|replica|bytes per step|fault|device-memory|batch smaller|ledger|all_reduce|broadcast|aborted|even_chunks|resume|SIGINT|killed|diverging|dp_train|^blas:|^signals|^trace:|^loader:|^wait:')
+    -R 'strateg|replica|bytes per step|fault|device-memory|batch smaller|ledger|all_reduce|broadcast|aborted|even_chunks|resume|SIGINT|killed|diverging|dp_train|^blas:|^signals|^trace:|^loader:|^prefetch:|^wait:')
 fi

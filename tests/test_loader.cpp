@@ -1,7 +1,8 @@
 // The input pipeline (engine/loader.h): the loader thread hands out exactly the batches the
 // synchronous path assembles, in the same order, across epoch boundaries, the last partial batch,
-// a start mid-epoch and an end mid-epoch; so dp_train's weights and losses are bit-identical between
-// --workers 0 and 1 for both strategies and with --resume. Bad --workers values exit 2; a signal or an
+// a start mid-epoch and an end mid-epoch, with one batch held or two (prefetch); so dp_train's
+// weights and losses are bit-identical between --workers 0 --no-prefetch and the defaults (--workers 1,
+// prefetch) for both strategies and with --resume. Bad --workers values exit 2; a signal or an
 // exception while the loader runs ends the run with its usual code, the thread joined.
 #include <doctest/doctest.h>
 
@@ -49,23 +50,38 @@ void check_batch(const HostBatch& b, const Dataset& d, const LoaderPlan& p, int6
 
 TEST_CASE("loader: both worker counts hand out the plan's batches, mid-epoch start and end, partial last batch") {
   // 10 samples in batches of 4: 3 steps an epoch, the last of 2; steps 2..7 start and end mid-epoch.
+  // With two batches held (prefetch: this step's and the next, staged), the older is still intact
+  // after the next next(), while the loader thread fills the one after.
   const Dataset d = numbered(10);
   for (bool shuffle : {true, false}) {
-    const LoaderPlan plan{4, 3, 2, 8, 5, shuffle, {}, {}};
-    for (int workers : {0, 1}) {
-      CAPTURE(shuffle);
-      CAPTURE(workers);
-      BatchLoader loader(d, plan, workers);
-      const float* first_buffer = nullptr;
-      for (int64_t step = plan.first_step; step < plan.end_step; ++step) {
-        const HostBatch& b = loader.next();
-        check_batch(b, d, plan, step);
-        if (step == plan.first_step) first_buffer = b.x.data();
-        if (step == plan.first_step + 2) CHECK(b.x.data() == first_buffer);  // two buffers, reused
+    for (int held : {1, 2}) {
+      LoaderPlan plan{4, 3, 2, 8, 5, shuffle, {}, {}};
+      plan.held = held;
+      for (int workers : {0, 1}) {
+        CAPTURE(shuffle);
+        CAPTURE(held);
+        CAPTURE(workers);
+        BatchLoader loader(d, plan, workers);
+        std::vector<const HostBatch*> holding;
+        std::vector<const float*> buffers;
+        for (int64_t step = plan.first_step; step < plan.end_step; ++step) {
+          holding.push_back(&loader.next());
+          buffers.push_back(holding.back()->x.data());
+          if (holding.size() > size_t(held)) holding.erase(holding.begin());
+          for (size_t i = 0; i < holding.size(); ++i)
+            check_batch(*holding[i], d, plan, step + 1 - int64_t(holding.size() - i));
+          // held + 1 buffers, reused in turn
+          const size_t k = buffers.size() - 1;
+          if (k > size_t(held)) CHECK(buffers[k] == buffers[k - size_t(held) - 1]);
+          if (k > 0) CHECK(buffers[k] != buffers[k - 1]);
+        }
+        CHECK_THROWS_AS(loader.next(), std::logic_error);
       }
-      CHECK_THROWS_AS(loader.next(), std::logic_error);
     }
   }
+  LoaderPlan three{4, 3, 0, 3, 5, true, {}, {}};
+  three.held = 3;
+  CHECK_THROWS_AS(BatchLoader(d, three, 1), std::invalid_argument);
 }
 
 TEST_CASE("loader: each staging buffer is page-locked whole (LoaderPlan::pin), and unlocked with the loader") {
@@ -82,13 +98,16 @@ TEST_CASE("loader: each staging buffer is page-locked whole (LoaderPlan::pin), a
     locked.push_back({uintptr_t(p), bytes});
     return std::shared_ptr<void>(p, [&](void*) { ++unlocked; });
   };
-  for (int workers : {0, 1}) {
+  for (auto [workers, held] : {std::pair{0, 1}, {1, 1}, {1, 2}}) {
     CAPTURE(workers);
+    CAPTURE(held);
+    plan.held = held;
+    const size_t locks = 2 * size_t(held + 1);
     locked.clear(), unlocked = 0;
     {
       BatchLoader loader(d, plan, workers);
-      // x and y of both staging buffers: 4 rows of 6 floats, 4 labels; each on pages of its own
-      REQUIRE(locked.size() == 4);
+      // x and y of every staging buffer (held + 1): 4 rows of 6 floats, 4 labels; each on pages of its own
+      REQUIRE(locked.size() == locks);
       for (size_t i = 0; i < locked.size(); ++i) {
         CAPTURE(i);
         CHECK(locked[i].p % page == 0);
@@ -100,7 +119,7 @@ TEST_CASE("loader: each staging buffer is page-locked whole (LoaderPlan::pin), a
       check_batch(b, d, plan, 0);
       CHECK(unlocked == 0);
     }
-    CHECK(unlocked == 4);
+    CHECK(unlocked == int(locks));
   }
   // A device that does not lock (a null handle, the simulated devices) is asked once.
   int asked = 0;
@@ -129,7 +148,9 @@ TEST_CASE("loader: destroyed while its thread fills or waits, it joins at once")
   CHECK_THROWS_AS(empty.next(), std::logic_error);
 }
 
-TEST_CASE("loader: dp_train --workers 0 and 1 train bit-identical weights and losses, with --resume mid-epoch") {
+TEST_CASE(
+    "loader: dp_train --workers 0 --no-prefetch and the defaults train bit-identical weights and losses, with "
+    "--resume") {
   TempDir dir;
   // 120 samples in batches of 32: 4 steps an epoch, the last of 24. 9 steps cross two epoch
   // boundaries and end mid-epoch; the resumed run starts at step 3, mid-epoch.
@@ -142,18 +163,22 @@ TEST_CASE("loader: dp_train --workers 0 and 1 train bit-identical weights and lo
       INFO(args << "\n" << r.output);
       REQUIRE(r.exit_code == 0);
     };
+    // 0: the batch assembled between steps and uploaded at its step; 1 (the defaults): assembled by
+    // the loader thread and uploaded during the step before, on the copy stream.
     for (int w : {0, 1}) {
-      const std::string tag = std::to_string(w);
-      run("--steps 9 --workers " + tag + " --save " + dir / ("full" + tag) + " --report " + dir / ("r" + tag));
-      run("--steps 3 --workers " + tag + " --save " + dir / ("part" + tag));
-      run("--resume " + dir / ("part" + tag) + " --steps 9 --workers " + tag + " --save " + dir / ("resumed" + tag));
+      const std::string tag = std::to_string(w), flags = w == 0 ? " --workers 0 --no-prefetch" : "";
+      run("--steps 9" + flags + " --save " + dir / ("full" + tag) + " --report " + dir / ("r" + tag));
+      run("--steps 3" + flags + " --save " + dir / ("part" + tag));
+      run("--resume " + dir / ("part" + tag) + " --steps 9" + flags + " --save " + dir / ("resumed" + tag));
     }
     check_same_tensors(dir / "full1", dir / "full0");
     check_same_tensors(dir / "resumed1", dir / "full0");
     check_same_tensors(dir / "resumed0", dir / "full0");
     const nlohmann::json r0 = read_json(dir / "r0"), r1 = read_json(dir / "r1");
     CHECK(r0["config"]["workers"] == 0);
+    CHECK(r0["config"]["prefetch"] == false);
     CHECK(r1["config"]["workers"] == 1);
+    CHECK(r1["config"]["prefetch"] == true);
     REQUIRE(r1["epochs"].size() == 3);
     for (size_t e = 0; e < 3; ++e) {
       CAPTURE(e);

@@ -1,9 +1,14 @@
 // The simulated backend: a device that is a CPU thread with host memory booked in its ledger, so the
 // engine, the collectives and the memory-skew demo run and are tested on a machine without a GPU.
+#include <array>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <memory>
+#include <mutex>
+#include <system_error>
 #include <utility>
+#include <vector>
 
 #include "engine/device.h"
 #include "engine/error.h"
@@ -13,14 +18,19 @@ namespace dp {
 namespace {
 
 // A simulated device: host memory (64-byte aligned), the CPU kernels (the fast path this CPU runs, or
-// the reference), a compute and a communication thread.
+// the reference), a compute and a communication thread, and for uploads ahead a copy thread, started
+// by the first: its copies run while the compute thread works, as a GPU's copy engine does.
 class SimDevice final : public Device {
  public:
   SimDevice(int rank, int id, int64_t cap, std::unique_ptr<Ops> ops)
       : Device(rank, id, DeviceKind::simulated, cap), ops_(ops ? std::move(ops) : make_cpu_ops()) {
     start_workers({});
   }
-  ~SimDevice() override { stop_workers(); }
+  ~SimDevice() override {
+    finish_uploads();
+    copier_.reset();
+    stop_workers();
+  }
 
   Ops& ops() override { return *ops_; }
   // n == 0 comes with null pointers (empty shards, zero-size buffers): memcpy(dst, nullptr, 0) is
@@ -37,7 +47,31 @@ class SimDevice final : public Device {
   void copy_from_peer(void* dst, const Device&, const void* src, size_t n) override {
     if (n) std::memcpy(dst, src, n);
   }
-  void synchronize() override {}
+  // Compute work is done when its call returns; the copy thread's may not be.
+  void synchronize() override { finish_uploads(); }
+
+  void upload_ahead(int slot, void* dst, const void* src, size_t n) override {
+    check_slot(slot);
+    std::lock_guard lock(mu_);
+    if (!copier_) {
+      try {
+        copier_ = std::make_unique<Worker>();
+      } catch (const std::system_error& e) {
+        throw DeviceError(id(), std::string("cannot start the copy thread: ") + e.what());
+      }
+    }
+    uploads_[size_t(slot)].push_back(copier_->submit([dst, src, n] {
+      if (n) std::memcpy(dst, src, n);
+    }));
+  }
+  void await_upload(int slot) override {
+    check_slot(slot);
+    for (auto& f : take(slot)) f.get();
+  }
+  void finish_uploads() noexcept override {
+    for (int s = 0; s < kUploadSlots; ++s)
+      for (auto& f : take(s)) f.wait();
+  }
 
  protected:
   void* raw_alloc(size_t bytes) override {
@@ -48,7 +82,21 @@ class SimDevice final : public Device {
   void raw_free(void* p) noexcept override { std::free(p); }
 
  private:
+  void check_slot(int slot) const {
+    if (slot < 0 || slot >= kUploadSlots)
+      throw DeviceError(
+          id(), "upload slot " + std::to_string(slot) + ": the slots are 0.." + std::to_string(kUploadSlots - 1));
+  }
+  // A slot's pending uploads, handed to the caller to wait for (the comm thread synchronizes too).
+  std::vector<std::future<void>> take(int slot) noexcept {
+    std::lock_guard lock(mu_);
+    return std::exchange(uploads_[size_t(slot)], {});
+  }
+
   std::unique_ptr<Ops> ops_;
+  std::mutex mu_;  // guards copier_ and uploads_
+  std::unique_ptr<Worker> copier_;
+  std::array<std::vector<std::future<void>>, kUploadSlots> uploads_;
 };
 
 }  // namespace

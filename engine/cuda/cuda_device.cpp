@@ -71,7 +71,10 @@ CudaDevice::~CudaDevice() {
 void CudaDevice::open() {
   stream_ = cuda::make_stream();       // compute: every op, upload, download, copy
   comm_stream_ = cuda::make_stream();  // NCCL all-reduce of buckets, overlapping backward
+  copy_stream_ = cuda::make_stream();  // uploads ahead, overlapping the step
   ready_ = cuda::make_event();
+  computed_ = cuda::make_event();
+  for (cuda::Event& e : uploaded_) e = cuda::make_event();
   cublasHandle_t blas = nullptr;
   DP_CUBLAS_CHECK(cublasCreate(&blas));
   cublas_ = cuda::CublasHandle(blas);
@@ -90,12 +93,16 @@ void CudaDevice::open() {
 void CudaDevice::close() noexcept {
   if (stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(stream_.get()));
   if (comm_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(comm_stream_.get()));
+  if (copy_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(copy_stream_.get()));
   ops_.reset();  // its cuDNN descriptors first: it borrows the handles and the flag below
   flag_.reset();
   cudnn_.reset();
   cublas_.reset();
   ready_.reset();
+  computed_.reset();
+  for (cuda::Event& e : uploaded_) e.reset();
   marks_.clear();
+  copy_stream_.reset();
   comm_stream_.reset();
   stream_.reset();
 }
@@ -202,7 +209,31 @@ void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void*
 
 void CudaDevice::synchronize() {
   DeviceGuard guard(id());
+  wait_stream(copy_stream_.get());
   wait_stream(stream_.get());
+}
+
+void CudaDevice::upload_ahead(int slot, void* dst, const void* src_host, size_t bytes) {
+  if (slot < 0 || slot >= kUploadSlots)
+    throw DeviceError(id(), "upload slot " + std::to_string(slot) + " out of range");
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK(cudaEventRecord(computed_.get(), stream_.get()));
+  DP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.get(), computed_.get(), 0));
+  if (bytes) DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, copy_stream_.get()));
+  DP_CUDA_CHECK(cudaEventRecord(uploaded_[slot].get(), copy_stream_.get()));
+}
+
+void CudaDevice::await_upload(int slot) {
+  if (slot < 0 || slot >= kUploadSlots)
+    throw DeviceError(id(), "upload slot " + std::to_string(slot) + " out of range");
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), uploaded_[slot].get(), 0));
+}
+
+void CudaDevice::finish_uploads() noexcept {
+  if (!copy_stream_) return;
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(copy_stream_.get()));
 }
 
 void CudaDevice::set_watch(std::shared_ptr<const Watch> watch) {

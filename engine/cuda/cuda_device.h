@@ -1,7 +1,8 @@
 // A CUDA GPU as a dp::Device: its worker threads are bound to the GPU (cudaSetDevice first thing),
 // and it owns, all created on its compute thread: the compute stream every op and copy is enqueued
 // on, a cuBLAS and a cuDNN handle bound to that stream, a communication stream (NCCL's, for
-// all-reduce overlapping backward), and the event peers wait on. Memory is cudaMalloc'd and booked
+// all-reduce overlapping backward), a copy stream (the next batch's upload, overlapping the step),
+// and the events peers and streams wait on. Memory is cudaMalloc'd and booked
 // by the Device base in the ledger.
 //
 // Several CudaDevices may name the same GPU (--gpus 0,0 --allow-shared-device): each then has its
@@ -44,8 +45,15 @@ class CudaDevice final : public Device {
   // access where the topology allows), cudaMemcpyAsync within one GPU.
   void copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) override;
   // Blocks in cudaStreamSynchronize, or, while a watch is set, polls (wait.h): NCCL's kernels on the
-  // stream may wait for a peer that never comes, and no host wait on them may last forever.
+  // stream may wait for a peer that never comes, and no host wait on them may last forever. The copy
+  // stream first: only copies run there.
   void synchronize() override;
+  // On the copy stream (cudaMemcpyAsync from pinned memory: a DMA by the copy engine while kernels
+  // run), after an event on the compute stream; then the slot's event is recorded there, which
+  // await_upload makes the compute stream wait on.
+  void upload_ahead(int slot, void* dst, const void* src_host, size_t bytes) override;
+  void await_upload(int slot) override;
+  void finish_uploads() noexcept override;
   // Events recorded on the compute stream (with timing, unlike the ordering events). The first mark
   // of a set is taken as reached when it was recorded: the engine clears marks at the start of a step,
   // after the previous one synchronised, so the stream is idle then and the event runs at once; every
@@ -84,12 +92,14 @@ class CudaDevice final : public Device {
   void enable_peer_access(int peer_id);
   void wait_stream(cudaStream_t stream);  // synchronize()'s wait, for this device's stream
 
-  cuda::Stream stream_, comm_stream_;
+  cuda::Stream stream_, comm_stream_, copy_stream_;
   cuda::CublasHandle cublas_;
   cuda::CudnnHandle cudnn_;
   Buffer flag_;  // (1) int32, lent to ops_
   std::unique_ptr<CudaOps> ops_;
-  cuda::Event ready_;  // recorded on stream_ when a peer wants to wait for this device
+  cuda::Event ready_;                           // recorded on stream_ when a peer wants to wait for this device
+  cuda::Event computed_;                        // recorded on stream_ for the copy stream to wait on
+  cuda::Event uploaded_[Device::kUploadSlots];  // recorded on copy_stream_ after a slot's uploads
   mutable std::mutex ready_mu_;
   std::mutex peer_mu_;
   std::vector<int> peers_seen_;
