@@ -16,6 +16,8 @@
 #             test says "CUDA case skipped" (a fallback to simulated devices)
 #   readme    the README check (every build/dp_* line of README.md at small sizes)
 #   train     dp_train --backend cuda --gpus 0, N epochs on the kit's Fashion-MNIST
+#   prefetch  dp_train --gpus 0 --steps 2000 with and without --no-prefetch, 3 alternated rounds:
+#             images/s and the load phase (ms a step), the copy stream's gain
 #   verify-scatter, verify-allreduce
 #             dp_train --backend cuda --gpus 0,0 --allow-shared-device --verify --steps 20
 #   compare, skew, comm
@@ -38,7 +40,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here" || exit 2
 
 kit=gpu-kit out=gpu-check-out build="" tarball="" only="" skip="" epochs=10 jobs="" arch="" dry=0 link_data=1
-usage() { sed -n '2,33p' "$0"; }
+usage() { sed -n '2,37p' "$0"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --kit) kit=${2:?--kit needs a directory}; shift ;;
@@ -58,7 +60,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 fatal() { echo "gpu_check.sh: $*" >&2; exit 2; }
-steps="env configure build ctest readme train verify-scatter verify-allreduce compare skew comm torch"
+steps="env configure build ctest readme train prefetch verify-scatter verify-allreduce compare skew comm torch"
 for s in ${only//,/ } ${skip//,/ }; do
   [[ " $steps " == *" $s "* ]] || fatal "--only/--skip: no step '$s'; the steps: $steps"
 done
@@ -342,6 +344,38 @@ s_train() {
   return $rc
 }
 
+s_prefetch() {
+  need dp_train || return $?
+  local steps=2000 sizes=(--limit-test 1000) rc=0 round mode flag
+  [ $dry = 1 ] && steps=20 sizes=(--limit-train 4096 --limit-test 256)
+  for round in 1 2 3; do
+    for mode in on off; do
+      flag=()
+      [ $mode = off ] && flag=(--no-prefetch)
+      run "${dp_env[@]}" "$build/dp_train" --backend $backend --gpus 0 --data "$data" --steps $steps "${sizes[@]}" \
+        "${flag[@]}" --quiet --log-every $steps --log "$out/prefetch-$mode-$round.jsonl" || rc=$?
+    done
+  done
+  # The last step record of each run: images/s over its training steps, device 0's load phase.
+  KEY=$("$py" - "$out" << 'EOF'
+import json, statistics, sys
+def last(mode, r):
+    recs = [json.loads(l) for l in open(f"{sys.argv[1]}/prefetch-{mode}-{r}.jsonl")]
+    s = [x for x in recs if x["kind"] == "step"][-1]
+    return s["images_per_second"], s["phase_ms"]["device0"]["load"]
+try:
+    on, off = ([last(m, r) for r in (1, 2, 3)] for m in ("on", "off"))
+except (OSError, ValueError, KeyError, IndexError):
+    sys.exit()
+ratio = statistics.median(a[0] / b[0] for a, b in zip(on, off))
+med = lambda v, i: statistics.median(x[i] for x in v)
+print(f"img/s prefetch {med(on, 0):.0f} / --no-prefetch {med(off, 0):.0f} (paired median {ratio:.3f}x); "
+      f"load {med(on, 1):.4f} / {med(off, 1):.4f} ms a step")
+EOF
+)
+  return $rc
+}
+
 verify() {  # strategy
   need dp_train || return $?
   local limit=()
@@ -482,6 +516,7 @@ step build 1800 s_build
 step ctest 1800 s_ctest
 step readme 900 s_readme
 step train 900 s_train
+step prefetch 600 s_prefetch
 step verify-scatter 300 s_verify_scatter
 step verify-allreduce 300 s_verify_allreduce
 step compare 600 s_compare
