@@ -320,8 +320,9 @@ void add_data(CLI::App& app, TrainOptions& o) {
                  "Batches assembled by a loader thread while the step before trains (1), or between steps (0)")
       ->capture_default_str()
       ->transform(exact_integer<int>());
-  app.add_flag("!--no-prefetch", o.prefetch,
-               "Upload each batch at its own step instead of during the step before, on a copy stream");
+  app.add_flag_callback(
+      "--no-prefetch", [&o] { o.prefetch = false; },
+      "Upload each batch at its own step instead of during the step before, on a copy stream");
 }
 
 // An empty path given explicitly ("--save ''", an unset shell variable) is refused, not taken as "not given".
