@@ -111,6 +111,9 @@ class Device {
   // Test hook: the next call to maybe_fail() on this device throws (fault injection).
   void inject_fault(std::string what) { fault_ = std::move(what); }
   void maybe_fail(const char* where);
+  // Test hook: on a simulated device every later upload ahead first waits this long (a slow copy
+  // engine), so that a step reading a batch before its upload finished reads the wrong bytes.
+  void slow_uploads(std::chrono::milliseconds delay) { upload_delay_ = delay; }
 
  protected:
   virtual void* raw_alloc(size_t bytes) = 0;
@@ -119,6 +122,7 @@ class Device {
   // the derived destructor calls stop_workers() before its own members go.
   void start_workers(std::function<void()> init);
   void stop_workers();
+  std::chrono::milliseconds upload_delay_{0};  // slow_uploads
 
  private:
   friend class Buffer;

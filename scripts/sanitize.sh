@@ -37,7 +37,7 @@ if [ "$what" = all ] || [ "$what" = tsan ]; then
   build build-tsan thread
   # BLIS runs on the calling thread (the serial build; one thread per simulated device), so its
   # internals stay off the report; tests/tsan.supp lists what is suppressed and why.
-  # Through ctest, so the 84 cases run two at a time.
+  # Through ctest, so the 85 cases run two at a time.
   (cd build-tsan && ctest --output-on-failure -j "$jobs" --timeout 900 -E '^readme:' \
     -R 'strateg|replica|bytes per step|fault|device-memory|batch smaller|ledger|all_reduce|broadcast|aborted|even_chunks|resume|SIGINT|killed|diverging|dp_train|^blas:|^signals|^trace:|^loader:|^prefetch:|^wait:')
 fi

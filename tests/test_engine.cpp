@@ -316,7 +316,8 @@ namespace {
 // batches of several sizes (one smaller than the device count: a device uploads nothing). The host
 // buffers are reused as the loader reuses them (held + 1 of them) and a batch's buffer is filled with
 // NaN as soon as the loader would get it back: an upload that ran late, or a step that read the
-// wrong buffer, shows as a NaN loss or a difference.
+// wrong buffer, shows as a NaN loss or a difference. Simulated devices copy slowly (10 ms an
+// upload): a step that did not wait for its batch's upload would read the buffer before it.
 void check_prefetch(const std::string& kind, int n) {
   const ModelSpec spec = make_model("lenet5");
   std::vector<float> init(size_t(spec.param_count));
@@ -338,6 +339,7 @@ void check_prefetch(const std::string& kind, int n) {
 
     c.prefetch = true;
     auto devs = dp::test::make_test_devices(kind, n);
+    for (auto& d : devs) d->slow_uploads(std::chrono::milliseconds(10));
     Engine e(raw(devs), spec, c);
     e.set_params(init);
     // Every device that uploads holds two batch buffers, the others none more.

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -60,7 +61,8 @@ class SimDevice final : public Device {
         throw DeviceError(id(), std::string("cannot start the copy thread: ") + e.what());
       }
     }
-    uploads_[size_t(slot)].push_back(copier_->submit([dst, src, n] {
+    uploads_[size_t(slot)].push_back(copier_->submit([dst, src, n, delay = upload_delay_] {
+      if (delay.count() > 0) std::this_thread::sleep_for(delay);
       if (n) std::memcpy(dst, src, n);
     }));
   }
