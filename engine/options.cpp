@@ -371,7 +371,7 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
     std::string given;
     int n = 0;
     for (const char* f : {"--save", "--save-every", "--resume", "--verify", "--steps", "--epochs", "--log",
-                          "--log-every", "--trace", "--workers"})
+                          "--log-every", "--trace", "--workers", "--no-prefetch"})
       if (app.count(f)) given += std::string(n++ ? ", " : "") + f;
     if (n > 0)
       throw UsageError("--eval: " + given + (n > 1 ? " only make" : " only makes") +

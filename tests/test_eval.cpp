@@ -69,6 +69,7 @@ TEST_CASE("eval: --eval without --load, or with the options of a training run, e
       {"--eval --load " + ck + " --epochs 10", "--epochs"},
       {"--eval --load " + ck + " --log " + dir / "l.jsonl", "--log"},
       {"--eval --load " + ck + " --steps 3 --log " + dir / "l.jsonl", "--steps, --log only make sense"},
+      {"--eval --load " + ck + " --no-prefetch", "--eval: --no-prefetch only makes sense for training"},
       {"--eval --load " + dir / "missing.st", "missing.st"},
       {"--eval --load " + ck + " --model lenet5", "lenet5"},
   };
