@@ -57,6 +57,12 @@ void Device::maybe_fail(const char* where) {
   throw DeviceError(id_, std::string("injected fault in ") + where + ": " + what);
 }
 
+void Device::check_upload_slot(int slot) const {
+  if (slot < 0 || slot >= kUploadSlots)
+    throw DeviceError(id_,
+                      "upload slot " + std::to_string(slot) + ": the slots are 0.." + std::to_string(kUploadSlots - 1));
+}
+
 int Device::mark() {
   host_marks_.push_back(std::chrono::steady_clock::now());
   return int(host_marks_.size()) - 1;

@@ -122,6 +122,8 @@ class Device {
   // the derived destructor calls stop_workers() before its own members go.
   void start_workers(std::function<void()> init);
   void stop_workers();
+  // Throws DeviceError unless 0 <= slot < kUploadSlots (upload_ahead, await_upload).
+  void check_upload_slot(int slot) const;
   std::chrono::milliseconds upload_delay_{0};  // slow_uploads
 
  private:

@@ -168,20 +168,16 @@ std::string skew_line(Engine& e) {
   for (int r = 1; r < e.size(); ++r) others += double(e.device(r).ledger().snapshot().total_peak);
   others /= e.size() - 1;
   const double skew = others > 0 ? double(e.device(0).ledger().snapshot().total_peak) / others : 0;
-  const char* why = " (allreduce, ring: every replica holds the same)";
-  if (e.config().sync == Sync::scatter && e.config().prefetch)
-    why =
-        " (scatter: device 0 also holds the whole batch, twice with prefetch: this step's and the next's, the "
-        "gathered logits, the gradients it reduces and the optimizer state)";
-  else if (e.config().sync == Sync::scatter)
-    why =
-        " (scatter: device 0 also holds the whole batch, the gathered logits, the gradients it reduces and the "
-        "optimizer state)";
+  std::string why = " (allreduce, ring: every replica holds the same)";
+  if (e.config().sync == Sync::scatter)
+    why = std::string(" (scatter: device 0 also holds the whole batch") +
+          (e.config().prefetch ? ", twice with prefetch: this step's and the next's," : ",") +
+          " the gathered logits, the gradients it reduces and the optimizer state)";
   else if (e.config().all_reduce == AllReduceAlgorithm::naive)
     why = " (allreduce, naive: device 0 also holds every other replica's gradients, which it sums and sends back)";
   char line[320];
   std::snprintf(line, sizeof line, "skew: %s's peak / the mean of the others' = %.3f%s\n", e.device(0).name().c_str(),
-                skew, why);
+                skew, why.c_str());
   return line;
 }
 

@@ -52,7 +52,7 @@ class SimDevice final : public Device {
   void synchronize() override { finish_uploads(); }
 
   void upload_ahead(int slot, void* dst, const void* src, size_t n) override {
-    check_slot(slot);
+    check_upload_slot(slot);
     std::lock_guard lock(mu_);
     if (!copier_) {
       try {
@@ -67,7 +67,7 @@ class SimDevice final : public Device {
     }));
   }
   void await_upload(int slot) override {
-    check_slot(slot);
+    check_upload_slot(slot);
     for (auto& f : take(slot)) f.get();
   }
   void finish_uploads() noexcept override {

@@ -214,8 +214,7 @@ void CudaDevice::synchronize() {
 }
 
 void CudaDevice::upload_ahead(int slot, void* dst, const void* src_host, size_t bytes) {
-  if (slot < 0 || slot >= kUploadSlots)
-    throw DeviceError(id(), "upload slot " + std::to_string(slot) + " out of range");
+  check_upload_slot(slot);
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaEventRecord(computed_.get(), stream_.get()));
   DP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.get(), computed_.get(), 0));
@@ -224,8 +223,7 @@ void CudaDevice::upload_ahead(int slot, void* dst, const void* src_host, size_t 
 }
 
 void CudaDevice::await_upload(int slot) {
-  if (slot < 0 || slot >= kUploadSlots)
-    throw DeviceError(id(), "upload slot " + std::to_string(slot) + " out of range");
+  check_upload_slot(slot);
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), uploaded_[slot].get(), 0));
 }
