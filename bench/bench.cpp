@@ -16,7 +16,7 @@
 #include <sstream>
 
 #include "engine/error.h"
-#include "engine/options.h"
+#include "train/options.h"
 
 extern char** environ;
 

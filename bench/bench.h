@@ -202,7 +202,7 @@ std::string fixed(double v, int decimals);  // "%.*f"
 std::string pad(const std::string& s, int width, bool right = true);
 double median(std::vector<double> v);
 
-// What a record says of its devices, as dp_train's report does (engine/report.cpp): "backend" what
+// What a record says of its devices, as dp_train's report does (train/report.cpp): "backend" what
 // --backend resolved to ("cpu": simulated devices, "cuda"), "backend_requested" as given,
 // "device_names". Plots put the kind in their titles from it.
 void record_backend(nlohmann::json& into, const std::string& requested, DeviceKind kind,

@@ -16,11 +16,11 @@
 
 #include "bench/bench.h"
 #include "bench/commands.h"
-#include "engine/data.h"
+#include "train/data.h"
 #include "engine/error.h"
-#include "engine/options.h"
-#include "engine/paths.h"
-#include "engine/report.h"
+#include "train/options.h"
+#include "train/paths.h"
+#include "train/report.h"
 
 namespace dp::bench {
 namespace {

@@ -8,8 +8,8 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
-#include "engine/paths.h"
-#include "engine/report.h"
+#include "train/paths.h"
+#include "train/report.h"
 
 namespace dp::bench {
 

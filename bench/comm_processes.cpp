@@ -24,11 +24,11 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
-#include "engine/job.h"
-#include "engine/paths.h"
+#include "train/job.h"
+#include "train/paths.h"
 #include "engine/process_communicator.h"
 #include "engine/process_group.h"
-#include "engine/report.h"
+#include "train/report.h"
 #include "models/model.h"
 
 namespace dp::bench {

@@ -10,9 +10,9 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
-#include "engine/paths.h"
-#include "engine/report.h"
-#include "engine/trace.h"
+#include "train/paths.h"
+#include "train/report.h"
+#include "train/trace.h"
 
 namespace dp::bench {
 namespace {

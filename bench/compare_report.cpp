@@ -3,7 +3,7 @@
 #include <cstdio>
 
 #include "bench/compare.h"
-#include "engine/report.h"
+#include "train/report.h"
 
 namespace dp::bench {
 namespace {

@@ -22,8 +22,8 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
-#include "engine/options.h"
-#include "engine/report.h"
+#include "train/options.h"
+#include "train/report.h"
 
 namespace {
 

@@ -14,8 +14,8 @@
 #include "bench/commands.h"
 #include "bench/profiling_ops.h"
 #include "engine/error.h"
-#include "engine/paths.h"
-#include "engine/report.h"
+#include "train/paths.h"
+#include "train/report.h"
 #include "kernels/cpu/cpu_ops.h"
 
 namespace dp::bench {

@@ -75,7 +75,7 @@ def write_synthetic(directory, train=60000, test=1000, seed=0):
 
 
 def load_train(directory):
-    """The training set as dp reads it (engine/data.cpp): pixels / 255 as float, labels as classes."""
+    """The training set as dp reads it (train/data.cpp): pixels / 255 as float, labels as classes."""
     import numpy as np
     import torch
 

@@ -197,7 +197,7 @@ def load_test_set(directory, limit):
         raise Fail(f"{directory}: t10k holds {len(images)} images of {images.shape[1:]} and {len(labels)} labels; expected 28x28 and equal counts")
     if limit > 0:
         images, labels = images[:limit], labels[:limit]
-    x = torch.from_numpy(images.astype(np.float32) / np.float32(255)).unsqueeze(1)  # as engine/data.cpp: p / 255.0f
+    x = torch.from_numpy(images.astype(np.float32) / np.float32(255)).unsqueeze(1)  # as train/data.cpp: p / 255.0f
     return x, torch.from_numpy(labels.astype(np.int64))
 
 

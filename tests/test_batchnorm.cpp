@@ -7,11 +7,11 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/network.h"
-#include "engine/verify.h"
+#include "train/verify.h"
 #include "tests/backends.h"
 #include "tests/util.h"
 

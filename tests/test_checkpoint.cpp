@@ -9,7 +9,7 @@
 #include <fstream>
 #include <limits>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/error.h"
 #include "tests/util.h"
 

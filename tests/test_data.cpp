@@ -3,7 +3,7 @@
 
 #include <set>
 
-#include "engine/data.h"
+#include "train/data.h"
 #include "engine/error.h"
 #include "tests/util.h"
 

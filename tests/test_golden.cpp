@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/network.h"
 #include "tests/backends.h"

@@ -8,10 +8,10 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "engine/data.h"
+#include "train/data.h"
 #include "engine/error.h"
-#include "engine/options.h"
-#include "engine/verify.h"
+#include "train/options.h"
+#include "train/verify.h"
 #include "tests/util.h"
 
 using namespace dp;

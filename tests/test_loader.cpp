@@ -1,4 +1,4 @@
-// The input pipeline (engine/loader.h): the loader thread hands out exactly the batches the
+// The input pipeline (train/loader.h): the loader thread hands out exactly the batches the
 // synchronous path assembles, in the same order, across epoch boundaries, the last partial batch,
 // a start mid-epoch and an end mid-epoch, with one batch held or two (prefetch); so dp_train's
 // weights and losses are bit-identical between --workers 0 --no-prefetch and the defaults (--workers 1,
@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <stdexcept>
 
-#include "engine/checkpoint.h"
-#include "engine/loader.h"
+#include "train/checkpoint.h"
+#include "train/loader.h"
 #include "tests/util.h"
 
 using namespace dp;

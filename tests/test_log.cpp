@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "engine/error.h"
-#include "engine/log.h"
+#include "train/log.h"
 #include "tests/util.h"
 
 using namespace dp::test;

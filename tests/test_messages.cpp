@@ -7,7 +7,7 @@
 #include <string>
 
 #include "engine/error.h"
-#include "engine/options.h"
+#include "train/options.h"
 #include "tests/util.h"
 
 using namespace dp;

@@ -19,7 +19,7 @@
 
 #include "engine/communicator.h"
 #include "engine/device.h"
-#include "engine/verify.h"
+#include "train/verify.h"
 #include "models/model.h"
 #include "tests/backends.h"
 #include "tests/util.h"

@@ -9,7 +9,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
-#include "engine/trainer.h"
+#include "train/trainer.h"
 #include "tests/backends.h"
 #include "tests/util.h"
 

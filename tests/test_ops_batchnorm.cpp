@@ -14,7 +14,7 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/math.h"
 #include "tests/ops_matrix.h"

@@ -13,9 +13,9 @@
 #include <cstring>
 #include <fstream>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/error.h"
-#include "engine/paths.h"
+#include "train/paths.h"
 #include "models/model.h"
 #include "tests/util.h"
 

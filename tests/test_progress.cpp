@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/progress.h"
+#include "train/progress.h"
 #include "tests/util.h"
 
 using namespace dp;

@@ -9,10 +9,10 @@
 #include <regex>
 #include <sstream>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/ledger.h"
-#include "engine/options.h"
-#include "engine/report.h"
+#include "train/options.h"
+#include "train/report.h"
 #include "tests/util.h"
 
 using namespace dp::test;

@@ -13,7 +13,7 @@
 #include <cstring>
 #include <thread>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/error.h"
 #include "tests/util.h"
 

@@ -2,7 +2,7 @@
 // during the final save, between the outputs) exit 128 + signal saying what was written; a closed
 // stdout does not kill a run; the grace deadline ends a hung step or save without leaving a temporary
 // file or touching the previous checkpoint; a second signal leaves no temporary file either. The
-// moments are hit exactly with dp_train's test hook DP_TEST_AT (engine/progress.h), which makes the
+// moments are hit exactly with dp_train's test hook DP_TEST_AT (train/progress.h), which makes the
 // process raise the signal at itself, or hang, at a named point. Every run is bounded: timeout(1) or
 // a wait that kills it.
 #include <doctest/doctest.h>
@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "models/model.h"
 #include "tests/util.h"
 

@@ -8,7 +8,7 @@
 #include <set>
 
 #include "engine/engine.h"
-#include "engine/trace.h"
+#include "train/trace.h"
 #include "tests/backends.h"
 #include "tests/util.h"
 

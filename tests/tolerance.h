@@ -1,5 +1,5 @@
 // The tests' float tolerances, derived in one place (the engine's own bound for --verify is
-// summation_tolerance in engine/verify.h).
+// summation_tolerance in train/verify.h).
 //
 // u = 2^-24 is float's unit roundoff: one rounding moves a value by at most u of itself. A float sum
 // of k terms, each a product, evaluated in any order (any tree of additions, with or without FMA),

@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/communicator.h"
 #include "engine/device.h"
 #include "engine/error.h"

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/data.h"
+#include "train/data.h"
 #include "engine/error.h"
 
 namespace {

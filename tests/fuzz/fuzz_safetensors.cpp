@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/error.h"
 
 namespace {

@@ -1,4 +1,4 @@
-#include "engine/loader.h"
+#include "train/loader.h"
 
 #include <algorithm>
 #include <stdexcept>

@@ -1,10 +1,10 @@
-#include "engine/job.h"
+#include "train/job.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 
-#include "engine/report.h"
+#include "train/report.h"
 
 namespace dp {
 

@@ -1,4 +1,4 @@
-#include "engine/report.h"
+#include "train/report.h"
 
 #include <algorithm>
 #include <charconv>
@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "engine/error.h"
-#include "engine/paths.h"
+#include "train/paths.h"
 
 namespace dp {
 namespace {

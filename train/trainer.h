@@ -10,7 +10,7 @@
 #include "engine/device.h"
 #include "engine/engine.h"
 #include "engine/process_group.h"
-#include "engine/verify.h"  // summation_tolerance, the bound --verify holds a run to
+#include "train/verify.h"  // summation_tolerance, the bound --verify holds a run to
 
 namespace dp {
 

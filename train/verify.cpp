@@ -1,4 +1,4 @@
-#include "engine/verify.h"
+#include "train/verify.h"
 
 #include <algorithm>
 #include <cmath>

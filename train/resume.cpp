@@ -1,4 +1,4 @@
-#include "engine/resume.h"
+#include "train/resume.h"
 
 #include <zlib.h>
 
@@ -8,7 +8,7 @@
 #include <filesystem>
 
 #include "engine/error.h"
-#include "engine/report.h"
+#include "train/report.h"
 
 namespace dp {
 namespace {

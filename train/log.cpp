@@ -1,4 +1,4 @@
-#include "engine/log.h"
+#include "train/log.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/error.h"
-#include "engine/report.h"
+#include "train/report.h"
 
 namespace dp {
 namespace {

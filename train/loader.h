@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/data.h"
+#include "train/data.h"
 
 namespace dp {
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "engine/engine.h"
-#include "engine/trainer.h"
+#include "train/trainer.h"
 
 namespace dp {
 

@@ -1,4 +1,4 @@
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/error.h"
-#include "engine/paths.h"
+#include "train/paths.h"
 
 namespace dp {
 namespace {

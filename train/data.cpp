@@ -1,4 +1,4 @@
-#include "engine/data.h"
+#include "train/data.h"
 
 #include <zlib.h>
 

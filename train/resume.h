@@ -8,10 +8,10 @@
 #include <utility>
 #include <vector>
 
-#include "engine/checkpoint.h"
-#include "engine/data.h"
+#include "train/checkpoint.h"
+#include "train/data.h"
 #include "engine/engine.h"
-#include "engine/trainer.h"
+#include "train/trainer.h"
 
 namespace dp {
 

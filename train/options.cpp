@@ -1,4 +1,4 @@
-#include "engine/options.h"
+#include "train/options.h"
 
 #include <algorithm>
 #include <cctype>
@@ -14,7 +14,7 @@
 #include <string_view>
 
 #include "engine/error.h"
-#include "engine/report.h"
+#include "train/report.h"
 
 namespace dp {
 namespace {

@@ -1,7 +1,7 @@
 // The training loop: an epoch at a time, a step at a time, as a PyTorch script writes it. What
 // surrounds the loop lives beside it: options and data here, resuming and saving in resume.cpp,
 // --verify in verify.cpp, the progress line and signals in progress.cpp, the record in report.cpp.
-#include "engine/trainer.h"
+#include "train/trainer.h"
 
 #include <algorithm>
 #include <chrono>
@@ -14,16 +14,16 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "engine/data.h"
+#include "train/data.h"
 #include "engine/error.h"
-#include "engine/job.h"
-#include "engine/loader.h"
-#include "engine/log.h"
-#include "engine/paths.h"
-#include "engine/progress.h"
-#include "engine/report.h"
-#include "engine/resume.h"
-#include "engine/trace.h"
+#include "train/job.h"
+#include "train/loader.h"
+#include "train/log.h"
+#include "train/paths.h"
+#include "train/progress.h"
+#include "train/report.h"
+#include "train/resume.h"
+#include "train/trace.h"
 
 namespace dp {
 namespace {

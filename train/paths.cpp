@@ -1,4 +1,4 @@
-#include "engine/paths.h"
+#include "train/paths.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -11,10 +11,10 @@
 #include <random>
 #include <utility>
 
-#include "engine/data.h"
+#include "train/data.h"
 #include "engine/error.h"
-#include "engine/progress.h"
-#include "engine/trainer.h"
+#include "train/progress.h"
+#include "train/trainer.h"
 
 namespace dp {
 namespace fs = std::filesystem;

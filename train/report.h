@@ -7,7 +7,7 @@
 #include <string>
 
 #include "engine/engine.h"
-#include "engine/trainer.h"
+#include "train/trainer.h"
 #include "models/model.h"
 
 namespace dp {

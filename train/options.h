@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/trainer.h"
+#include "train/trainer.h"
 
 namespace dp {
 

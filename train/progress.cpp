@@ -1,4 +1,4 @@
-#include "engine/progress.h"
+#include "train/progress.h"
 
 #include <pthread.h>
 #include <semaphore.h>
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "engine/error.h"
-#include "engine/paths.h"
+#include "train/paths.h"
 
 namespace dp {
 namespace {

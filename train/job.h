@@ -10,13 +10,13 @@
 #include <utility>
 #include <vector>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/process_group.h"
-#include "engine/resume.h"
-#include "engine/trainer.h"
-#include "engine/verify.h"
+#include "train/resume.h"
+#include "train/trainer.h"
+#include "train/verify.h"
 
 namespace dp {
 

@@ -12,10 +12,10 @@
 #include <string>
 
 #include "engine/error.h"
-#include "engine/job.h"
-#include "engine/options.h"
-#include "engine/progress.h"
-#include "engine/trainer.h"
+#include "train/job.h"
+#include "train/options.h"
+#include "train/progress.h"
+#include "train/trainer.h"
 
 namespace {
 

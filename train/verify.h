@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/checkpoint.h"
+#include "train/checkpoint.h"
 #include "engine/device.h"
 #include "engine/engine.h"
 

@@ -1,4 +1,4 @@
-#include "engine/trace.h"
+#include "train/trace.h"
 
 #include <algorithm>
 #include <string>
