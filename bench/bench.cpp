@@ -44,142 +44,13 @@ SyntheticData make_synthetic(const ModelSpec& spec, int batch, int batches, uint
   return d;
 }
 
-// --- the byte model -------------------------------------------------------------------------------
-
-int64_t CollectiveTraffic::busiest() const {
-  int64_t b = 0;
-  for (const Traffic& t : per_rank) b = std::max({b, t.sent, t.received});
-  return b;
-}
-
-std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
-  std::vector<Traffic> t;
-  for (int r = 0; r < n; ++r) t.push_back(dp::ring_all_reduce_traffic(r, n, count));
-  return t;
-}
+// --- the byte model across processes -------------------------------------------------------------
 
 HierarchicalTraffic hierarchical_all_reduce_traffic(int64_t count, int K, int P, int k, int p) {
   HierarchicalTraffic t;
   if (K > 1) t.local = dp::ring_all_reduce_traffic(k, K, count);
   const int64_t chunk = K > 1 ? even_chunks(count, K)[size_t(ring_owned_chunk(k, K))] : count;
   if (P > 1) t.inter = dp::ring_all_reduce_traffic(p, P, chunk);
-  return t;
-}
-
-// Bytes per step, with P parameters, D input floats per image, C classes, n devices, n_i the split
-// sizes (split_batch) and 4 bytes a float. No collective runs on one device.
-//
-// scatter (nn.DataParallel; device 0 is the root of every collective):
-//   scatter the input chunks   device 0 sends Σ_{i≥1} n_i·D·4         device i receives n_i·D·4
-//   broadcast the parameters   device 0 sends (n−1)·P·4              device i receives P·4
-//   gather the logits          device 0 receives Σ_{i≥1} n_i·C·4     device i sends n_i·C·4
-//   scatter the logit grads    device 0 sends Σ_{i≥1} n_i·C·4        device i receives n_i·C·4
-//   reduce the gradients       device 0 receives (n−1)·P·4           device i sends P·4
-//   so device 0 sends Σ n_i·D·4 + (n−1)·P·4 + Σ n_i·C·4 and receives Σ n_i·C·4 + (n−1)·P·4;
-//   device i receives n_i·D·4 + P·4 + n_i·C·4 and sends n_i·C·4 + P·4.
-//
-// allreduce (DDP): one ring all-reduce per bucket of c floats (one bucket of P when not bucketed)
-//   over even_chunks(c, n): at reduce-scatter step s (0 ≤ s < n−1) rank r sends chunk (r−s) mod n
-//   and receives chunk (r−1−s) mod n; at all-gather step s it sends chunk (r+1−s) mod n and
-//   receives chunk (r−s) mod n. Each way ≈ 2(n−1)/n·c·4 bytes (exact when n divides c).
-//
-// naive (d2l's hand-written allreduce), per bucket of c floats: two phases, each an α-β collective
-// of its own (they run one after the other), both counted by the communicator as the all_reduce:
-//   reduce to device 0         device 0 receives (n−1)·c·4               device i sends c·4
-//   broadcast from device 0    device 0 sends (n−1)·c·4                  device i receives c·4
-//   so device 0 sends and receives (n−1)·c·4 bytes, every other device c·4 each way: device 0's
-//   share grows with n, as under scatter.
-namespace {
-
-// The collectives of a step as they are listed, one builder for every strategy and for BatchNorm's.
-struct StepModel {
-  int n;
-  AllReduceAlgorithm algorithm;
-  std::vector<CollectiveTraffic> out;
-  static constexpr int64_t F = sizeof(float);
-
-  // root_sends: device 0 sends each device i its share(i) bytes; otherwise it receives them.
-  template <class Share>
-  void rooted(Collective c, const std::string& what, bool root_sends, Share share) {
-    CollectiveTraffic ct{c, what, std::vector<Traffic>(static_cast<size_t>(n))};
-    for (int i = 1; i < n; ++i) {
-      int64_t b = share(i);
-      Traffic &root = ct.per_rank[0], &peer = ct.per_rank[i];
-      (root_sends ? root.sent : root.received) += b;
-      (root_sends ? peer.received : peer.sent) += b;
-    }
-    out.push_back(ct);
-  }
-  void all_reduce(const std::string& what, int64_t count) {
-    if (algorithm == AllReduceAlgorithm::ring)
-      return out.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(count, n)});
-    rooted(Collective::all_reduce, what + ": reduce to device 0", false, [&](int) { return count * F; });
-    rooted(Collective::all_reduce, what + ": broadcast from device 0", true, [&](int) { return count * F; });
-  }
-  // BatchNorm: device 0's running statistics to every replica before the forward (local), or the
-  // statistics' all-reduces (SyncBatchNorm): forward's in layer order, backward's in reverse.
-  void batchnorm(const ModelSpec& spec, bool sync_bn, bool backward) {
-    if (!spec.has_batchnorm()) return;
-    if (!sync_bn) {
-      if (!backward)
-        rooted(Collective::broadcast, "running statistics", true, [&](int) { return spec.buffer_count * F; });
-      return;
-    }
-    std::vector<const Layer*> bns;
-    for (auto& l : spec.layers)
-      if (l.kind == LayerKind::batchnorm) bns.push_back(&l);
-    if (backward) std::reverse(bns.begin(), bns.end());
-    for (const Layer* l : bns)
-      if (backward) {
-        all_reduce(l->name + " gradient sums", 2 * int64_t(l->out_c));
-      } else {
-        all_reduce(l->name + " mean", l->out_c);
-        all_reduce(l->name + " variance", l->out_c);
-      }
-  }
-};
-
-}  // namespace
-
-std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
-                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets,
-                                                bool sync_bn) {
-  const int n = int(sizes.size());
-  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
-  StepModel m{n, sync == Sync::allreduce ? all_reduce : AllReduceAlgorithm::ring, {}};
-  if (n == 1) return m.out;
-  if (sync == Sync::scatter) {
-    m.rooted(Collective::scatter, "input chunks", true, [&](int i) { return sizes[i] * D * F; });
-    m.rooted(Collective::broadcast, "parameters", true, [&](int) { return P * F; });
-    m.batchnorm(spec, sync_bn, false);
-    m.rooted(Collective::gather, "logits", false, [&](int i) { return sizes[i] * C * F; });
-    m.rooted(Collective::scatter, "logit gradients", true, [&](int i) { return sizes[i] * C * F; });
-    m.batchnorm(spec, sync_bn, true);
-    m.rooted(Collective::reduce, "gradients", false, [&](int) { return P * F; });
-  } else {
-    m.batchnorm(spec, sync_bn, false);
-    m.batchnorm(spec, sync_bn, true);  // interleaved with the buckets in time; the bytes are the same
-    std::vector<Bucket> bs = buckets;
-    if (bs.empty()) bs.push_back({0, P, 0});
-    for (size_t b = 0; b < bs.size(); ++b)
-      m.all_reduce(buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b), bs[b].count);
-  }
-  return m.out;
-}
-
-std::vector<CollectiveTraffic> batchnorm_collectives(const ModelSpec& spec, int n, bool sync_bn,
-                                                     AllReduceAlgorithm algorithm) {
-  StepModel m{n, algorithm, {}};
-  if (n == 1) return m.out;
-  m.batchnorm(spec, sync_bn, false);
-  m.batchnorm(spec, sync_bn, true);
-  return m.out;
-}
-
-std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n) {
-  std::vector<Traffic> t(static_cast<size_t>(n));
-  for (const auto& c : collectives)
-    for (int r = 0; r < n; ++r) t[r].sent += c.per_rank[r].sent, t[r].received += c.per_rank[r].received;
   return t;
 }
 
@@ -464,14 +335,6 @@ std::vector<std::string> run_plot(const std::string& kind, const std::string& js
 
 // --- small helpers --------------------------------------------------------------------------------
 
-std::string commas(int64_t v) {
-  std::string digits = std::to_string(v < 0 ? -v : v), out;
-  for (size_t i = 0; i < digits.size(); ++i) {
-    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
-    out += digits[i];
-  }
-  return v < 0 ? "-" + out : out;
-}
 
 std::string fixed(double v, int decimals) {
   char buf[64];

@@ -1,4 +1,4 @@
-// dp_bench's shared parts: synthetic data, the byte model of a training step, the collective sweep
+// dp_bench's shared parts: synthetic data, the byte model across processes, the collective sweep
 // with nccl-tests' bandwidth definitions, the alpha-beta fit, the plot hand-off and table helpers.
 // Everything runs on the same dp_engine library dp_train uses; nothing here computes a layer.
 #pragma once
@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/byte_model.h"
 #include "engine/communicator.h"
 #include "engine/engine.h"
 #include "models/model.h"
@@ -30,19 +31,7 @@ struct SyntheticData {
 };
 SyntheticData make_synthetic(const ModelSpec& spec, int batch, int batches, uint64_t seed);
 
-// --- the byte model -------------------------------------------------------------------------------
-
-// One collective of a step and what each rank sends and receives in it.
-struct CollectiveTraffic {
-  Collective collective;
-  std::string what;               // "input chunks", "parameters", "gradient bucket 2", ...
-  std::vector<Traffic> per_rank;  // bytes
-  int64_t busiest() const;        // the most bytes one rank sends or receives in it
-};
-
-// Ring all-reduce of `count` floats over n ranks (reduce-scatter then all-gather over
-// even_chunks(count, n)): what each rank sends and receives.
-std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n);
+// --- the byte model across processes -------------------------------------------------------------
 
 // The hierarchical all-reduce across processes (ProcessCommunicator, Horovod's): P processes of K
 // devices each, device k of process p. Inside the process a ring over the K devices (its reduce-scatter,
@@ -53,19 +42,6 @@ struct HierarchicalTraffic {
   Traffic local, inter;
 };
 HierarchicalTraffic hierarchical_all_reduce_traffic(int64_t count, int K, int P, int k, int p);
-
-// The collectives of one full training step and their bytes per rank (formulas in bench.cpp);
-// all_reduce picks the allreduce strategy's algorithm (scatter ignores it). A model with BatchNorm
-// adds, with local BatchNorm, the broadcast of device 0's running statistics; with sync_bn
-// (SyncBatchNorm), per BatchNorm layer of C channels two all-reduces of C floats in forward (mean,
-// variance) and one of 2C in backward, by the same algorithm as the gradients.
-std::vector<CollectiveTraffic> step_collectives(Sync sync, AllReduceAlgorithm all_reduce, const ModelSpec& spec,
-                                                const std::vector<int>& sizes, const std::vector<Bucket>& buckets,
-                                                bool sync_bn = false);
-// BatchNorm's part of step_collectives alone (what it adds to a step of a model with BatchNorm).
-std::vector<CollectiveTraffic> batchnorm_collectives(const ModelSpec& spec, int n, bool sync_bn,
-                                                     AllReduceAlgorithm algorithm);
-std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n);
 
 // --- the alpha-beta model -------------------------------------------------------------------------
 
@@ -197,7 +173,6 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
-std::string commas(int64_t v);              // 1234567 -> "1,234,567"
 std::string fixed(double v, int decimals);  // "%.*f"
 std::string pad(const std::string& s, int width, bool right = true);
 double median(std::vector<double> v);

@@ -87,7 +87,7 @@ Run train_run(const BnOptions& o, const ModelSpec& spec, const Data& data, const
   engine.set_params(init);
   std::vector<float> buffers(size_t(spec.buffer_count));
   init_buffers(spec, buffers.data());
-  engine.set_buffers(buffers);
+  engine.set_running_stats(buffers);
 
   const int64_t D = spec.input_size();
   std::vector<float> x(size_t(o.batch * D));  // (B, 1, 28, 28)
@@ -110,16 +110,19 @@ Run train_run(const BnOptions& o, const ModelSpec& spec, const Data& data, const
   const size_t last = std::min<size_t>(10, losses.size());
   for (size_t i = losses.size() - last; i < losses.size(); ++i) run.train_loss += losses[i] / double(last);
 
-  for (int r = 0; r < n; ++r) run.measured.push_back(engine.step_traffic(r));
-  run.predicted = total_traffic(step_collectives(o.sync, AllReduceAlgorithm::ring, spec,
-                                                 split_batch(o.batch, n, Split::even), engine.buckets(), ec.sync_bn),
+  for (int r = 0; r < n; ++r) run.measured.push_back(engine.recorder().step_traffic(r));
+  run.predicted = total_traffic(engine.strategy().step_collectives({spec, split_batch(o.batch, n, Split::even),
+                                                                    engine.buckets(), ec.sync_bn}),
                                 n);
-  run.bn_model = total_traffic(batchnorm_collectives(spec, n, ec.sync_bn, AllReduceAlgorithm::ring), n);
+  // BatchNorm's part alone: what it adds to the step.
+  ByteModel bn(n, AllReduceAlgorithm::ring);
+  if (n > 1) bn.batchnorm(spec, ec.sync_bn, false), bn.batchnorm(spec, ec.sync_bn, true);
+  run.bn_model = total_traffic(bn.take(), n);
   for (int r = 0; r < n; ++r) {
     run.match = run.match && run.measured[r].sent == run.predicted[r].sent &&
                 run.measured[r].received == run.predicted[r].received;
   }
-  run.running = engine.buffers();
+  run.running = engine.running_stats();
   if (data.test.count > 0) {
     const StepResult e = engine.evaluate(data.test.images.data(), data.test.labels.data(), int(data.test.count));
     run.test_accuracy = double(e.correct) / double(data.test.count);
@@ -419,7 +422,7 @@ int run_bn(const BnOptions& o) {
       "%s (P = %s parameters; BatchNorm %s: R = %s running statistics), global batch %d, %d steps, --sync %s, SGD lr "
       "%g momentum %g, seed %llu\n",
       spec.name.c_str(), commas(spec.param_count).c_str(), bns.c_str(), commas(spec.buffer_count).c_str(), o.batch,
-      o.steps, sync_name(o.sync), double(o.lr), double(o.momentum), (unsigned long long)o.seed);
+      o.steps, o.sync.c_str(), double(o.lr), double(o.momentum), (unsigned long long)o.seed);
 
   std::vector<float> init(size_t(spec.param_count));
   init_params(spec, o.seed, init.data());
@@ -463,7 +466,7 @@ int run_bn(const BnOptions& o) {
   t.model = spec.name, t.batch = o.batch, t.lr = o.lr, t.momentum = o.momentum, t.seed = o.seed;
   t.devices.backend = o.backend, t.sync = o.sync;
   nlohmann::json config = run_config(t, spec, o.steps);
-  config.update({{"strategy", sync_name(o.sync)},
+  config.update({{"strategy", o.sync},
                  {"per_device", o.per_device},
                  {"data", o.data},
                  {"limit_train", o.limit_train},

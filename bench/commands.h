@@ -55,7 +55,7 @@ struct BnOptions {
   std::string backend = "cpu";  // cpu: simulated devices (the default) | cuda | auto
   std::vector<int> per_device{2, 4, 8, 16, 32, 64};
   int batch = 128, steps = 80;  // the default run (13 runs) takes 3.5-5 min on 2 shared cores
-  Sync sync = Sync::allreduce;
+  std::string sync = "allreduce";
   // Not dp_train's 0.1: at 0.1 the first hundred steps are so chaotic that runs differing only in float
   // rounding (sync and the reference) end several points of accuracy apart, hiding the effect shown.
   float lr = 0.01f, momentum = 0.9f;

@@ -15,18 +15,22 @@
 #include "train/trace.h"
 
 namespace dp::bench {
-namespace {
 
-// The phases whose time is communication (gather+loss also holds the loss on device 0).
-bool is_comm_phase(Sync s, Phase p) {
-  if (s == Sync::allreduce) return p == Phase::reduce;
-  return p == Phase::scatter || p == Phase::broadcast || p == Phase::gather_loss || p == Phase::reduce;
+std::vector<Design> designs() {
+  std::vector<Design> all;
+  for (const Strategy* s : strategies()) {
+    if (s->takes_all_reduce_algorithm()) all.push_back({s, AllReduceAlgorithm::naive, "naive"});
+    all.push_back({s, AllReduceAlgorithm::ring, s->name()});
+  }
+  return all;
 }
+
+namespace {
 
 EngineConfig engine_config(const Design& d, const CompareOptions& o) {
   EngineConfig ec;
-  ec.sync = d.sync, ec.split = o.split, ec.batch = o.batch, ec.lr = o.lr, ec.momentum = o.momentum;
-  ec.bucket_kb = d.sync == Sync::allreduce ? o.bucket_kb : 0;
+  ec.sync = d.strategy->name(), ec.split = o.split, ec.batch = o.batch, ec.lr = o.lr, ec.momentum = o.momentum;
+  ec.bucket_kb = d.strategy->takes_buckets() ? o.bucket_kb : 0;
   ec.all_reduce = d.all_reduce;
   ec.trace = !o.trace.empty();
   return ec;
@@ -39,16 +43,16 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, const Design& desi
   const int n = int(devices.size());
   // The previous engine has freed everything: its peaks must not count for this one.
   for (Device* d : devices) d->ledger().reset_peak();
-  const Sync sync = design.sync;
-  Engine engine(devices, spec, engine_config(design, o));
+  const EngineConfig ec = engine_config(design, o);
+  Engine engine(devices, spec, ec);
   engine.set_params(init);
 
   StepResult last;
   int64_t step = 0;
   for (int i = 0; i < o.warmup; ++i, ++step) engine.step(data.images(step), data.labels(step), o.batch);
-  engine.reset_timing();
+  engine.recorder().reset_timing();
   StrategyRun run;
-  run.design = design, run.origin = engine.start_time();  // the origin of the engine's span times
+  run.design = design, run.origin = engine.recorder().start_time();  // the origin of the engine's span times
   for (int i = 0; i < o.steps; ++i, ++step) {
     auto t0 = clock::now();
     last = engine.step(data.images(step), data.labels(step), o.batch);
@@ -60,18 +64,19 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, const Design& desi
   run.loss = last.loss;  // the mean over the batch
 
   run.buckets = engine.buckets();
-  run.collectives = step_collectives(sync, design.all_reduce, spec, split_batch(o.batch, n, o.split), run.buckets);
+  run.collectives = design.strategy->step_collectives(
+      {spec, split_batch(o.batch, n, o.split), run.buckets, ec.sync_bn, design.all_reduce});
   run.predicted = total_traffic(run.collectives, n);
   for (int r = 0; r < n; ++r) {
-    Traffic t = engine.step_traffic(r);
+    Traffic t = engine.recorder().step_traffic(r);
     run.measured.push_back(t);
     run.match = run.match && t.sent == run.predicted[r].sent && t.received == run.predicted[r].received;
     std::array<double, kPhases> per_step{};
-    for (int p = 0; p < kPhases; ++p) per_step[p] = engine.phase_seconds()[r][p] / o.steps;
+    for (int p = 0; p < kPhases; ++p) per_step[p] = engine.recorder().phase_seconds()[r][p] / o.steps;
     run.phase_seconds.push_back(per_step);
     double comm = 0;
     for (int p = 0; p < kPhases; ++p)
-      if (is_comm_phase(sync, Phase(p))) comm += per_step[p];
+      if (design.strategy->communicates(Phase(p))) comm += per_step[p];
     run.comm_measured_seconds = std::max(run.comm_measured_seconds, comm);
     run.ledgers.push_back(devices[r]->ledger().snapshot());
   }
@@ -166,7 +171,7 @@ MemoryEstimate check_memory(const CompareOptions& o, const ModelSpec& spec) {
     DeviceSet set = make_devices(dc);
     std::vector<Device*> devices;
     for (auto& d : set.devices) devices.push_back(d.get());
-    for (const Design& s : kStrategies) lines.push_back(measure_device_bytes(devices, spec, engine_config(s, o)));
+    for (const Design& s : designs()) lines.push_back(measure_device_bytes(devices, spec, engine_config(s, o)));
     if (o.alpha_us < 0 && devices.size() > 1 && lines.back().host)
       sweeps = std::max(sweeps, sweep_bytes(quick_sweep(), int(devices.size())));
   }
@@ -198,7 +203,7 @@ DeviceCountRun run_devices(const std::vector<Device*>& devices, const ModelSpec&
   run.kind = devices[0]->kind();
   run.sizes = split_batch(o.batch, run.n, o.split);
   run.ab = alpha_beta(devices, o);
-  for (const Design& s : kStrategies)
+  for (const Design& s : designs())
     run.strategies.push_back(
         run_strategy(devices, s, spec, o, data, init, run.ab, first_pid + int(run.strategies.size())));
   return run;
@@ -235,7 +240,7 @@ int run_compare(const CompareOptions& o) {
     if (runs.empty()) std::printf("%s\n", set.notice.c_str());
     std::vector<Device*> devices;
     for (auto& d : set.devices) devices.push_back(d.get());
-    DeviceCountRun run = run_devices(devices, spec, o, data, init, int(runs.size()) * kStrategyCount);
+    DeviceCountRun run = run_devices(devices, spec, o, data, init, int(runs.size() * designs().size()));
     print_run(run, spec, o);
     for (auto& s : run.strategies) {
       all_match = all_match && s.match;

@@ -14,21 +14,17 @@
 
 namespace dp::bench {
 
-// A column of the comparison: a strategy and, under allreduce, its all-reduce algorithm.
+// A column of the comparison: a strategy and, where it takes one, its all-reduce algorithm.
 struct Design {
-  Sync sync;
+  const Strategy* strategy;
   AllReduceAlgorithm all_reduce;
-  const char* name;  // the column's heading and the record's "strategy"
+  std::string name;  // the column's heading and the record's "strategy"
 };
 
-// nn.DataParallel; d2l's hand-written allreduce (reduce to device 0, broadcast back); DDP's ring.
-inline constexpr Design kStrategies[] = {{Sync::scatter, AllReduceAlgorithm::ring, "scatter"},
-                                         {Sync::allreduce, AllReduceAlgorithm::naive, "naive"},
-                                         {Sync::allreduce, AllReduceAlgorithm::ring, "allreduce"}};
-inline constexpr int kStrategyCount = int(std::size(kStrategies));
-
-// allreduce has no scatter and no broadcast phase.
-inline bool has_phase(Sync s, Phase p) { return s == Sync::scatter || (p != Phase::scatter && p != Phase::broadcast); }
+// Every strategy of the registry in its order; one that takes an all-reduce algorithm twice: first
+// d2l's hand-written one (reduce to device 0, broadcast back), named "naive", then the ring under
+// its own name. Today: scatter (nn.DataParallel), naive, allreduce (DDP's ring).
+std::vector<Design> designs();
 
 struct StrategyRun {
   Design design;

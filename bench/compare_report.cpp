@@ -51,11 +51,13 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
   add("loss of the last step", [&](const StrategyRun& s) { return fixed(s.loss, 6); });
   t.row({"time per step by phase, ms (device 0 / max over devices)"});
   for (int p = 0; p < kPhases; ++p) {
-    std::string label = phase_name(Phase(p), Sync::scatter);
-    std::string other = phase_name(Phase(p), Sync::allreduce);
-    if (other != label) label += " | " + other;
+    // The phase as each strategy names it: "reduce | all-reduce".
+    std::string label;
+    for (const Strategy* s : strategies())
+      if (const std::string name = s->phase_name(Phase(p)); label.find(name) == std::string::npos)
+        label += (label.empty() ? "" : " | ") + name;
     add("  " + label, [&](const StrategyRun& s) -> std::string {
-      if (!has_phase(s.design.sync, Phase(p))) return "-";
+      if (!s.design.strategy->has_phase(Phase(p))) return "-";
       double worst = 0;
       for (auto& d : s.phase_seconds) worst = std::max(worst, d[p]);
       return ms(s.phase_seconds[0][p]) + " / " + ms(worst);
@@ -102,11 +104,11 @@ nlohmann::json run_json(const DeviceCountRun& run) {
   for (const auto& s : run.strategies) {
     nlohmann::json phases = nlohmann::json::array();
     for (int p = 0; p < kPhases; ++p) {
-      if (!has_phase(s.design.sync, Phase(p))) continue;
+      if (!s.design.strategy->has_phase(Phase(p))) continue;
       nlohmann::json per = nlohmann::json::array();
       double worst = 0;
       for (auto& d : s.phase_seconds) per.push_back(d[p] * 1e3), worst = std::max(worst, d[p]);
-      phases.push_back({{"phase", phase_name(Phase(p), s.design.sync)},
+      phases.push_back({{"phase", s.design.strategy->phase_name(Phase(p))},
                         {"device0_ms", s.phase_seconds[0][p] * 1e3},
                         {"max_ms", worst * 1e3},
                         {"per_device_ms", per}});
@@ -139,9 +141,10 @@ nlohmann::json run_json(const DeviceCountRun& run) {
     for (double x : s.step_seconds) steps_ms.push_back(x * 1e3);
     strategies.push_back(
         {{"strategy", s.design.name},
-         {"sync", sync_name(s.design.sync)},
-         {"allreduce",
-          s.design.sync == Sync::allreduce ? nlohmann::json(all_reduce_name(s.design.all_reduce)) : nlohmann::json()},
+         {"sync", s.design.strategy->name()},
+         {"allreduce", s.design.strategy->takes_all_reduce_algorithm()
+                           ? nlohmann::json(all_reduce_name(s.design.all_reduce))
+                           : nlohmann::json()},
          {"step_ms",
           {{"median", median(s.step_seconds) * 1e3}, {"min", *lo * 1e3}, {"max", *hi * 1e3}, {"all", steps_ms}}},
          {"images_per_second", s.images_per_second},
@@ -167,13 +170,18 @@ void print_scaling(const std::vector<DeviceCountRun>& runs, int batch) {
   std::printf("\nscaling: images/s at global batch %d (total over the measured steps)\n", batch);
   Table t;
   std::vector<std::string> head{"devices"};
-  for (const Design& d : kStrategies) head.push_back(d.name);
+  for (const Design& d : designs()) head.push_back(d.name);
   head.push_back("allreduce / scatter");
   t.row(head);
+  auto rate = [](const DeviceCountRun& r, const std::string& name) {
+    for (const auto& s : r.strategies)
+      if (s.design.name == name) return s.images_per_second;
+    return 0.0;
+  };
   for (const auto& r : runs) {
     std::vector<std::string> row{std::to_string(r.n)};
     for (const auto& s : r.strategies) row.push_back(commas(int64_t(s.images_per_second + 0.5)));
-    row.push_back(fixed(r.strategies.back().images_per_second / r.strategies.front().images_per_second, 2));
+    row.push_back(fixed(rate(r, "allreduce") / rate(r, "scatter"), 2));
     t.row(row);
   }
   std::printf("%s", t.str().c_str());

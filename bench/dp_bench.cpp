@@ -193,7 +193,7 @@ Subcommand add_bn(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--batch", bo->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
   c->add_option("--steps", bo->steps, "Training steps per run")->capture_default_str()->transform(exact_integer<int>());
-  c->add_option("--sync", *sync, "allreduce (DDP) | scatter (nn.DataParallel)")->capture_default_str();
+  c->add_option("--sync", *sync, strategy_choices())->capture_default_str();
   c->add_option("--backend", bo->backend,
                 "cpu: simulated devices | cuda: the replicas round-robin over the GPUs | auto: cuda where usable")
       ->capture_default_str();
@@ -215,7 +215,7 @@ Subcommand add_bn(CLI::App& app) {
                 "directory (needs python3-matplotlib)");
   return {c, [=](const std::string& command) {
             bo->per_device = parse_int_list(*per_device, "--per-device", "batch size", "2,4,8,16,32,64");
-            bo->sync = parse_sync(*sync);
+            bo->sync = find_strategy(*sync).name();
             bo->seed = parse_seed(*seed, "--seed");
             bo->lr = parse_float(*lr, "--lr");
             bo->momentum = parse_float(*momentum, "--momentum");

@@ -135,7 +135,7 @@ int run_ops(const OpsOptions& o) {
   const ModelSpec spec = make_model(o.model);
 
   EngineConfig ec;
-  ec.sync = Sync::allreduce, ec.batch = o.batch;  // one device: no collective, only the step
+  ec.sync = "allreduce", ec.batch = o.batch;  // one device: no collective, only the step
   const int batches = std::min(o.warmup + o.steps, 8);
   check_memory(spec, ec, batches);
 

@@ -3,10 +3,12 @@
 // receives every replica's gradients, the optimizer state. DDP (allreduce) keeps the same on every
 // device. Printed from each device's ledger at the moment its total peaked; with --device-memory,
 // the largest batch each strategy fits, and device 0 running out first under scatter.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
+#include <stdexcept>
 
 #include "bench/bench.h"
 #include "bench/commands.h"
@@ -19,7 +21,7 @@ namespace dp::bench {
 namespace {
 
 struct StrategySkew {
-  Sync sync;
+  const Strategy* strategy;
   bool fits = true;
   std::string oom;  // why it did not fit at --batch
   std::vector<LedgerSnapshot> ledgers;
@@ -28,9 +30,9 @@ struct StrategySkew {
   std::vector<std::string> explanation;
 };
 
-EngineConfig engine_config(Sync sync, int batch, const SkewOptions& o) {
+EngineConfig engine_config(const Strategy* s, int batch, const SkewOptions& o) {
   EngineConfig ec;
-  ec.sync = sync, ec.split = o.split, ec.batch = batch, ec.momentum = o.momentum;
+  ec.sync = s->name(), ec.split = o.split, ec.batch = batch, ec.momentum = o.momentum;
   return ec;
 }
 
@@ -41,63 +43,28 @@ std::string explain(const char* category, int64_t expected, int64_t booked, cons
   return pad(category, 11, false) + pad(commas(expected) + " B", 13) + "  " + text + check;
 }
 
-void explain_scatter(StrategySkew& s, const ModelSpec& spec, int batch, int n, const SkewOptions& o) {
-  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
-  const int b = std::max(1, split_batch(batch, n, o.split)[0]);  // every replica's buffers hold the largest chunk
-  const std::string B = std::to_string(batch), sb = std::to_string(b), sD = std::to_string(D), sC = std::to_string(C);
-  auto at = [&](Category c) { return s.ledgers[0].at_peak[int(c)]; };
-  s.explanation.push_back(
-      "what device 0 holds beyond every replica's parameters, gradients, activations and workspace "
-      "(for its own " +
-      sb + " images):");
-  s.explanation.push_back(explain("inputs", batch * D * F + batch * 4, at(Category::inputs),
-                                  "the whole batch, " + B + " x " + sD + " floats + " + B +
-                                      " labels: it lands on device 0 before it is scattered (the others: their " + sb +
-                                      " images, " + commas(b * D * F) + " B)"));
-  s.explanation.push_back(explain("outputs", 2 * batch * C * F + 3 * F, at(Category::outputs),
-                                  "the gathered logits and their gradient, 2 x " + B + " x " + sC +
-                                      " floats + 12 B loss/correct/finite: the loss runs on device 0 (the others: " +
-                                      sb + " x " + sC + " floats + 12 B)"));
-  s.explanation.push_back(
-      explain("comm", (n - 1) * P * F, at(Category::comm),
-              "the reduce buffer, " + std::to_string(n - 1) +
-                  " x P floats: every other replica's whole gradient lands here before the sum (the "
-                  "others only send)"));
-  if (o.momentum != 0)
-    s.explanation.push_back(explain("optimizer", P * F, at(Category::optimizer),
-                                    "the momentum buffer, P floats: only device 0 runs the optimizer"));
-  else
-    s.explanation.push_back(pad("optimizer", 11, false) + pad("0 B", 13) +
-                            "  plain SGD (--optimizer sgd) keeps no state");
+// What the strategy's memory model says device 0 holds, beside what its ledger booked.
+void explain(StrategySkew& s, const ModelSpec& spec, const EngineConfig& ec, int n) {
+  std::string heading;
+  const std::vector<Holding> held = s.strategy->holdings(spec, ec, n, heading);
+  s.explanation.push_back(heading);
+  for (const Holding& h : held) {
+    const char* category = category_name(h.category);
+    if (h.checked)
+      s.explanation.push_back(explain(category, h.bytes, s.ledgers[0].at_peak[int(h.category)], h.what));
+    else
+      s.explanation.push_back(pad(category, 11, false) + pad(commas(h.bytes) + " B", 13) + "  " + h.what);
+  }
 }
 
-void explain_allreduce(StrategySkew& s, const ModelSpec& spec, int batch, int n, const SkewOptions& o) {
-  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes, F = sizeof(float);
-  const int b = std::max(1, split_batch(batch, n, o.split)[0]);
-  const std::string sb = std::to_string(b), sD = std::to_string(D), sC = std::to_string(C);
-  auto at = [&](Category c) { return s.ledgers[0].at_peak[int(c)]; };
-  s.explanation.push_back("every device holds the same: parameters, gradients, activations and workspace for its own " +
-                          sb + " images, and");
-  s.explanation.push_back(explain("inputs", b * D * F + b * 4, at(Category::inputs),
-                                  "its own shard, " + sb + " x " + sD + " floats + " + sb + " labels"));
-  s.explanation.push_back(
-      explain("outputs", b * C * F + 3 * F, at(Category::outputs),
-              "its shard's logit gradient, " + sb + " x " + sC + " floats + 12 B loss/correct/finite"));
-  s.explanation.push_back(explain("comm", even_chunks(P, n)[0] * F, at(Category::comm),
-                                  "one ring chunk, ceil(P / " + std::to_string(n) + ") floats"));
-  if (o.momentum != 0)
-    s.explanation.push_back(explain("optimizer", P * F, at(Category::optimizer),
-                                    "its own momentum buffer, P floats: every device runs the same optimizer step"));
-}
-
-StrategySkew measure(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, const SkewOptions& o,
+StrategySkew measure(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec, const SkewOptions& o,
                      const SyntheticData& data, const std::vector<float>& init) {
   StrategySkew s;
-  s.sync = sync;
+  s.strategy = strategy;
   // Peaks from the engine's construction on: its buffers are most of what a step holds.
   for (Device* d : devices) d->ledger().reset_peak();
   try {
-    Engine engine(devices, spec, engine_config(sync, o.batch, o));
+    Engine engine(devices, spec, engine_config(strategy, o.batch, o));
     engine.set_params(init);
     for (int i = 0; i < o.steps; ++i) engine.step(data.images(i), data.labels(i), o.batch);
     for (Device* d : devices) s.ledgers.push_back(d->ledger().snapshot());
@@ -115,10 +82,7 @@ StrategySkew measure(const std::vector<Device*>& devices, Sync sync, const Model
     for (int64_t v : l.at_peak) sum += v;
     s.adds_up = s.adds_up && sum == l.total_peak;
   }
-  if (sync == Sync::scatter)
-    explain_scatter(s, spec, o.batch, n, o);
-  else
-    explain_allreduce(s, spec, o.batch, n, o);
+  explain(s, spec, engine_config(strategy, o.batch, o), n);
   return s;
 }
 
@@ -132,12 +96,12 @@ struct Trial {
 // Builds an engine at global batch b and steps it. The search steps a single sample: every buffer
 // is sized for b when the engine is built, and the one allocated later (the communicator's
 // scratch, at the first reduce or all-reduce) depends on P only. `full` steps the whole batch.
-Trial try_batch(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, int b, const SkewOptions& o,
+Trial try_batch(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec, int b, const SkewOptions& o,
                 const std::vector<float>& init, bool full) {
   Trial t;
   for (Device* d : devices) d->ledger().reset_peak();
   try {
-    Engine engine(devices, spec, engine_config(sync, b, o));
+    Engine engine(devices, spec, engine_config(strategy, b, o));
     engine.set_params(init);
     // BatchNorm needs more than one value per channel: two samples per device.
     int n = full ? b : std::min(b, spec.has_batchnorm() ? 2 * int(devices.size()) : 1);
@@ -155,20 +119,20 @@ Trial try_batch(const std::vector<Device*>& devices, Sync sync, const ModelSpec&
 }
 
 struct Search {
-  Sync sync;
+  const Strategy* strategy;
   int largest = 0;         // 0: not even batch 1
   Trial at_largest, past;  // a full step at the largest batch; the first batch that does not fit
 };
 
-Search search_batches(const std::vector<Device*>& devices, Sync sync, const ModelSpec& spec, const SkewOptions& o,
+Search search_batches(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec, const SkewOptions& o,
                       const std::vector<float>& init) {
   Search s;
-  s.sync = sync;
+  s.strategy = strategy;
   constexpr int kLimit = 1 << 24;  // a cap this generous is not a demo
   int lo = 0, hi = 1;
   Trial fail;
   for (;;) {
-    Trial t = try_batch(devices, sync, spec, hi, o, init, false);
+    Trial t = try_batch(devices, strategy, spec, hi, o, init, false);
     if (!t.fits) {
       fail = t;
       break;
@@ -181,7 +145,7 @@ Search search_batches(const std::vector<Device*>& devices, Sync sync, const Mode
   }
   while (hi - lo > 1) {
     int mid = lo + (hi - lo) / 2;
-    Trial t = try_batch(devices, sync, spec, mid, o, init, false);
+    Trial t = try_batch(devices, strategy, spec, mid, o, init, false);
     if (t.fits)
       lo = mid;
     else
@@ -189,7 +153,7 @@ Search search_batches(const std::vector<Device*>& devices, Sync sync, const Mode
   }
   s.largest = lo;
   s.past = fail;
-  if (lo > 0) s.at_largest = try_batch(devices, sync, spec, lo, o, init, true);
+  if (lo > 0) s.at_largest = try_batch(devices, strategy, spec, lo, o, init, true);
   return s;
 }
 
@@ -222,7 +186,7 @@ void print_header(const ModelSpec& spec, const SkewOptions& o, int n) {
 
 // One strategy's ledgers, its skew and what makes it up; false when the categories do not add up.
 bool print_strategy(const StrategySkew& s, const std::vector<std::string>& names, int batch) {
-  std::printf("\n%s\n", sync_name(s.sync));
+  std::printf("\n%s\n", s.strategy->name());
   if (!s.fits) {
     std::printf("  does not fit at batch %d: %s\n", batch, s.oom.c_str());
     return true;
@@ -251,26 +215,26 @@ bool print_strategy(const StrategySkew& s, const std::vector<std::string>& names
   return false;
 }
 
-// Scatter's skew above 1, allreduce's within 2% of it; false when a check fails.
-bool print_checks(const std::vector<StrategySkew>& results) {
+// A skewed strategy's skew above 1 (scatter's), a balanced one's within 2% of it; false when a check fails.
+bool print_checks(const std::vector<StrategySkew>& results, const SkewOptions& o) {
   bool ok = true;
   std::printf("\nchecks:\n");
   for (const auto& s : results) {
     if (!s.fits) continue;
-    bool pass = s.sync == Sync::scatter ? s.skew > 1.0 : std::fabs(s.skew - 1.0) < 0.02;
-    std::printf("  %-9s skew %.3f %s  categories add up to the peak on every device: %s\n", sync_name(s.sync), s.skew,
-                s.sync == Sync::scatter ? (pass ? "> 1: yes" : "> 1: NO")
-                                        : (pass ? "within 2% of 1: yes" : "within 2% of 1: NO"),
+    const bool skewed = s.strategy->skewed(engine_config(s.strategy, o.batch, o));
+    const bool pass = skewed ? s.skew > 1.0 : std::fabs(s.skew - 1.0) < 0.02;
+    std::printf("  %-9s skew %.3f %s  categories add up to the peak on every device: %s\n", s.strategy->name(), s.skew,
+                skewed ? (pass ? "> 1: yes" : "> 1: NO") : (pass ? "within 2% of 1: yes" : "within 2% of 1: NO"),
                 s.adds_up ? "yes" : "NO");
     ok = ok && pass && s.adds_up;
   }
   return ok;
 }
 
-// found: scatter's search, then allreduce's. False when a full step at the largest batch found ran out.
+// found: every strategy's search. False when a full step at the largest batch found ran out.
 bool print_search(const std::vector<Search>& found) {
   for (const auto& f : found) {
-    std::printf("  %-10s %s\n", sync_name(f.sync),
+    std::printf("  %-10s %s\n", f.strategy->name(),
                 f.largest > 0 ? ("fits up to batch " + commas(f.largest) + ", where device 0 peaks at " +
                                  format_bytes(f.at_largest.peak0) + " and the others at " +
                                  format_bytes(f.at_largest.peak_others))
@@ -278,7 +242,12 @@ bool print_search(const std::vector<Search>& found) {
                               : "does not fit even batch 1");
     std::printf("  %-10s stops at %s: %s\n", "", commas(f.largest + 1).c_str(), f.past.message.c_str());
   }
-  const Search &sc = found[0], &ar = found[1];
+  auto named = [&](const char* name) -> const Search& {
+    for (const Search& f : found)
+      if (std::string(f.strategy->name()) == name) return f;
+    throw std::logic_error(std::string("skew: no search for ") + name);
+  };
+  const Search &sc = named("scatter"), &ar = named("allreduce");
   if (sc.largest < ar.largest && sc.past.device == 0)
     std::printf(
         "so at batch %s device 0 runs out under scatter, while allreduce still fits (up to %s): under scatter "
@@ -289,7 +258,7 @@ bool print_search(const std::vector<Search>& found) {
         "note: with this cap scatter does not run out on device 0 before allreduce does (scatter stops at %s on "
         "device %d, allreduce at %s)\n",
         commas(sc.largest + 1).c_str(), sc.past.device, commas(ar.largest + 1).c_str());
-  if (sc.at_largest.fits && ar.at_largest.fits) return true;
+  if (std::all_of(found.begin(), found.end(), [](const Search& f) { return f.at_largest.fits; })) return true;
   std::printf(
       "ERROR: a full step at the largest batch found ran out of memory: the search's single-sample step missed an "
       "allocation\n");
@@ -299,7 +268,7 @@ bool print_search(const std::vector<Search>& found) {
 nlohmann::json search_json(const std::vector<Search>& found, int64_t cap) {
   nlohmann::json j = {{"cap_bytes", cap}};
   for (const auto& f : found)
-    j[sync_name(f.sync)] = {{"largest_batch", f.largest},
+    j[f.strategy->name()] = {{"largest_batch", f.largest},
                             {"device0_peak_at_largest", f.at_largest.peak0},
                             {"others_peak_at_largest", f.at_largest.peak_others},
                             {"stops_at", f.largest + 1},
@@ -323,7 +292,7 @@ nlohmann::json skew_json(const SkewOptions& o, const ModelSpec& spec, DeviceKind
                       {"at_peak", ledger_json(s.ledgers[r])},
                       {"at_peak_sum", sum}});
     }
-    strategies.push_back({{"strategy", sync_name(s.sync)},
+    strategies.push_back({{"strategy", s.strategy->name()},
                           {"fits", s.fits},
                           {"out_of_memory", s.oom},
                           {"skew", s.fits ? nlohmann::json(s.skew) : nlohmann::json()},
@@ -347,7 +316,7 @@ void check_memory(const std::vector<Device*>& devices, const ModelSpec& spec, co
   const int64_t cap_total = caps_total(o.devices.memory_cap, n);
   std::vector<DeviceBytes> lines;
   if (host && cap_total == 0)
-    for (Sync s : {Sync::scatter, Sync::allreduce})
+    for (const Strategy* s : strategies())
       lines.push_back(measure_device_bytes(devices, spec, engine_config(s, o.batch, o)));
   auto on_devices = [&](int64_t b) {
     int64_t m = host ? cap_total : 0;
@@ -406,11 +375,11 @@ int run_skew(const SkewOptions& o) {
   print_header(spec, o, n);
   std::vector<StrategySkew> results;
   bool ok = true;
-  for (Sync sync : {Sync::scatter, Sync::allreduce}) {
-    results.push_back(measure(devices, sync, spec, o, data, init));
+  for (const Strategy* s : strategies()) {
+    results.push_back(measure(devices, s, spec, o, data, init));
     ok = print_strategy(results.back(), names, o.batch) && ok;
   }
-  ok = print_checks(results) && ok;
+  ok = print_checks(results, o) && ok;
 
   nlohmann::json search = nullptr;
   if (cap > 0) {
@@ -419,7 +388,7 @@ int run_skew(const SkewOptions& o) {
         "built and stepped at each batch):\n",
         format_bytes(cap).c_str());
     std::vector<Search> found;
-    for (Sync sync : {Sync::scatter, Sync::allreduce}) found.push_back(search_batches(devices, sync, spec, o, init));
+    for (const Strategy* s : strategies()) found.push_back(search_batches(devices, s, spec, o, init));
     ok = print_search(found) && ok;
     search = search_json(found, cap);
   }

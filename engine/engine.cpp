@@ -11,28 +11,13 @@
 
 namespace dp {
 
-Sync parse_sync(const std::string& s) {
-  if (s == "scatter") return Sync::scatter;
-  if (s == "allreduce") return Sync::allreduce;
-  throw UsageError("--sync: '" + s + "' is not a strategy; use scatter or allreduce");
-}
-
 Split parse_split(const std::string& s) {
   if (s == "even") return Split::even;
   if (s == "chunk") return Split::chunk;
   throw UsageError("--split: '" + s + "' is not a split; use even or chunk");
 }
 
-const char* sync_name(Sync s) { return s == Sync::scatter ? "scatter" : "allreduce"; }
 const char* split_name(Split s) { return s == Split::even ? "even" : "chunk"; }
-
-const char* phase_name(Phase p, Sync s) {
-  static const char* names[kPhases] = {"load",        "scatter",  "broadcast", "forward",
-                                       "gather+loss", "backward", "reduce",    "optimizer"};
-  if (p == Phase::reduce && s == Sync::allreduce) return "all-reduce";
-  if (p == Phase::gather_loss && s == Sync::allreduce) return "loss";
-  return names[int(p)];
-}
 
 std::vector<int> split_batch(int b, int n, Split split) {
   std::vector<int> sizes(n, 0);
@@ -48,53 +33,19 @@ std::vector<int> split_batch(int b, int n, Split split) {
   return sizes;
 }
 
-// A replica's stats: the loss sum, the correct count and, on device 0 after a step, 1 where the
-// step's gradient held a value that is not finite (else 0).
-constexpr int kStats = 3, kNonfinite = 2;
-
-// Everything one device holds for its replica. Shapes use B (global batch), b (largest local
-// batch), P (parameters), D (input size), C (classes).
-struct Engine::Replica {
-  Buffer params;    // (P)
-  Buffer grads;     // (P)
-  Buffer momentum;  // (P) scatter: device 0 only; allreduce: every device; none at momentum 0
-  Buffer running;   // (R) BatchNorm's running statistics; none without BatchNorm
-  std::unique_ptr<Network> net;
-  // The batch as uploaded: under scatter device 0's whole batch, (B, D) and (B), its own chunk the
-  // first rows; under allreduce each device's shard, (b, D) and (b). With prefetch two: the one a
-  // step trains on and the next step's, uploading meanwhile (Engine::stage).
-  struct Upload {
-    Buffer x, y;
-  };
-  std::array<Upload, Device::kUploadSlots> batch;
-  Buffer input;    // (b, D) scatter, devices 1..: the chunk scatter sends it
-  Buffer dlogits;  // (b, C) this device's logit gradients (not on device 0 under scatter)
-  Buffer stats;    // (kStats) loss sum, correct count, and on device 0 the step's gradient check
-  // scatter, device 0 only: the gathered logits and their gradients
-  Buffer gathered;       // (B, C)
-  Buffer gathered_grad;  // (B, C)
-};
-
 Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig cfg)
     : devices_(std::move(devices)),
       spec_(spec),
       cfg_(cfg),
-      phase_seconds_(devices_.size()),
-      spans_(devices_.size()),
-      open_phases_(devices_.size()),
-      bucket_spans_(devices_.size()),
-      eval_spans_(devices_.size()),
-      step_traffic_(devices_.size()),
-      step_inter_traffic_(devices_.size()),
-      t0_(std::chrono::steady_clock::now()) {
+      strategy_(find_strategy(cfg_.sync)),
+      recorder_(int(devices_.size()), cfg_.trace) {
   if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
   if (!(cfg_.timeout > 0)) throw UsageError("--timeout: must be a positive number of seconds");
   const int n = size();
   world_ = n;
   if (cfg_.group && cfg_.group->size() > 1) {
-    if (cfg_.sync != Sync::allreduce)
-      throw UsageError(
-          "--sync scatter: nn.DataParallel is one process by design; across processes use --sync allreduce");
+    if (const char* why = strategy_.one_process_only())
+      throw UsageError("--sync " + std::string(strategy_.name()) + ": " + why + "; across processes use --sync allreduce");
     world_ = cfg_.group->size() * n, first_ = cfg_.group->rank() * n;
     comm_ = make_process_communicator(devices_, *cfg_.group);  // NCCL on GPUs, MPI otherwise
   } else {
@@ -102,17 +53,16 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   }
   comm_->set_all_reduce_algorithm(cfg_.all_reduce);
   comm_->set_timeout(cfg_.timeout);
-  const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
-  const int b = split_batch(cfg_.batch, world_, cfg_.split)[0];  // the largest share of any device
-  const int eval_b = std::max(b, 1);
+  const int64_t P = spec_.param_count;
+  // Every device's buffers hold the largest share of any device.
+  const int b = std::max(split_batch(cfg_.batch, world_, cfg_.split)[0], 1);
   replicas_.resize(n);
   run_all([&](int r) {
     Device& dev = *devices_[r];
     auto rep = std::make_unique<Replica>();
     rep->params = dev.alloc_floats(P, Category::parameters);
     rep->grads = dev.alloc_floats(P, Category::gradients);
-    bool owns_optimizer = cfg_.sync == Sync::allreduce || r == 0;
-    if (cfg_.momentum != 0.0f && owns_optimizer) {
+    if (cfg_.momentum != 0.0f && strategy_.steps_optimizer(r)) {
       rep->momentum = dev.alloc_floats(P, Category::optimizer);
       dev.ops().fill(P, 0.0f, rep->momentum.f());
     }
@@ -123,35 +73,23 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       dev.upload(rep->running.f(), init.data(), init.size() * sizeof(float));
       dev.synchronize();  // init is a local
     }
-    rep->net = std::make_unique<Network>(spec_, dev, eval_b);
+    rep->net = std::make_unique<Network>(spec_, dev, b);
     rep->stats = dev.alloc_floats(kStats, Category::outputs);
-    const bool scatter_root = cfg_.sync == Sync::scatter && r == 0;
-    if (scatter_root || cfg_.sync == Sync::allreduce) {
-      const int rows = scatter_root ? cfg_.batch : eval_b;
-      for (int s = 0; s < (cfg_.prefetch ? Device::kUploadSlots : 1); ++s) {
-        rep->batch[size_t(s)].x = dev.alloc_floats(int64_t(rows) * D, Category::inputs);
-        rep->batch[size_t(s)].y = dev.alloc(size_t(rows) * sizeof(int32_t), Category::inputs);
-      }
-    } else {
-      rep->input = dev.alloc_floats(int64_t(eval_b) * D, Category::inputs);
-    }
-    if (scatter_root) {
-      rep->gathered = dev.alloc_floats(int64_t(cfg_.batch) * C, Category::outputs);
-      rep->gathered_grad = dev.alloc_floats(int64_t(cfg_.batch) * C, Category::outputs);
-    } else {
-      rep->dlogits = dev.alloc_floats(int64_t(eval_b) * C, Category::outputs);
-    }
+    strategy_.allocate(dev, *rep, spec_, cfg_, r, b);
     dev.synchronize();
     replicas_[r] = std::move(rep);
   });
+  make_buckets();
+}
 
-  // Buckets: parameterised layers from the last to the first (the order backward produces their
-  // gradients), closed once they reach bucket_kb. Layers are contiguous in the flat buffer, so each
-  // bucket is one contiguous range.
+// Buckets: parameterised layers from the last to the first (the order backward produces their
+// gradients), closed once they reach bucket_kb. Layers are contiguous in the flat buffer, so each
+// bucket is one contiguous range.
+void Engine::make_buckets() {
   layer_bucket_.assign(spec_.layers.size(), -1);
-  if (cfg_.sync == Sync::allreduce && cfg_.bucket_kb > 0) {
+  if (strategy_.takes_buckets() && cfg_.bucket_kb > 0) {
     Bucket cur;
-    int64_t hi = P;
+    int64_t hi = spec_.param_count;
     for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
       const Layer& l = spec_.layers[i];
       if (l.weight < 0) continue;
@@ -168,7 +106,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     }
     if (cur.layers > 0) buckets_.push_back(cur);
   }
-  if (cfg_.trace) bucket_timing_.assign(devices_.size(), std::vector<Interval>(buckets_.size()));
+  recorder_.set_buckets(int(buckets_.size()));
 }
 
 Engine::~Engine() {
@@ -211,53 +149,6 @@ void Engine::run_all(const std::function<void(int)>& fn) {
   }
 }
 
-// A phase is two marks on the device (engine/device.h): on CUDA two events, so the host goes on
-// enqueueing the next phase instead of waiting for this one; the step waits once, in close_phases.
-template <class F>
-void Engine::timed(int rank, Phase p, F&& f) {
-  Device& dev = *devices_[rank];
-  const int start = dev.mark();
-  f();
-  open_phases_[rank].push_back({p, start, dev.mark()});
-}
-
-// The step's one wait for the device: then each phase's marks become seconds (and trace spans). On
-// CUDA a phase is the GPU's time from the end of the previous phase to the end of its own work,
-// idle time waiting for the host's launches included, so the phases add up to the step.
-void Engine::close_phases(int rank) {
-  Device& dev = *devices_[rank];
-  dev.synchronize();
-  for (const OpenPhase& o : open_phases_[rank]) {
-    const auto start = dev.mark_time(o.start), end = dev.mark_time(o.end);
-    phase_seconds_[rank][int(o.phase)] += std::chrono::duration<double>(end - start).count();
-    if (cfg_.trace) spans_[rank].push_back({o.phase, step_, us_since_start(start), us_since_start(end)});
-  }
-}
-
-// After wait(): every bucket's all-reduce has returned and its stamps are this thread's to read. A
-// bucket the communicator did not run (nothing to reduce) left its interval unstamped.
-void Engine::record_buckets(int rank) {
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    Interval& t = bucket_timing_[rank][b];
-    if (t.end != std::chrono::steady_clock::time_point{})
-      bucket_spans_[rank].push_back({step_, int(b), us_since_start(t.start), us_since_start(t.end)});
-    t = {};
-  }
-}
-
-void Engine::reset_timing() {
-  for (auto& p : phase_seconds_) p = {};
-  for (auto& s : spans_) s.clear();
-  for (auto& s : bucket_spans_) s.clear();
-  for (auto& s : eval_spans_) s.clear();
-  host_spans_.clear();
-}
-
-void Engine::host_span(std::string name, double start_us, double end_us,
-                       std::vector<std::pair<std::string, double>> args) {
-  if (cfg_.trace) host_spans_.push_back({std::move(name), start_us, end_us, std::move(args)});
-}
-
 StepResult Engine::step(const float* x, const int32_t* y, int n) {
   if (!staged_.empty()) throw std::logic_error("Engine::step(x, y, n): a batch is already staged; step() trains on it");
   stage(x, y, n);
@@ -265,15 +156,10 @@ StepResult Engine::step(const float* x, const int32_t* y, int n) {
 }
 
 std::pair<int, int> Engine::upload_rows(int r, int n) const {
-  if (cfg_.sync == Sync::scatter) return {0, r == 0 ? n : 0};
-  const std::vector<int> sizes = split_batch(n, world_, cfg_.split);
-  // x holds this process's rows, from the job's device first_ on.
-  int first = 0;
-  for (int q = first_; q < first_ + r; ++q) first += sizes[size_t(q)];
-  return {first, sizes[size_t(first_ + r)]};
+  return strategy_.upload_rows(split_batch(n, world_, cfg_.split), first_, r);
 }
 
-void Engine::upload(int r, const Staged& b, bool ahead) {
+void Engine::upload(int r, const StagedBatch& b, bool ahead) {
   const auto [first, rows] = upload_rows(r, b.n);
   if (rows == 0) return;
   Device& dev = *devices_[r];
@@ -291,9 +177,7 @@ void Engine::upload(int r, const Staged& b, bool ahead) {
   }
 }
 
-// The load phase: the batch's upload on the compute stream or, with prefetch, the compute stream's
-// wait for its upload on the copy stream, staged while the step before ran.
-void Engine::load(int r, const Staged& b) {
+void Engine::load(int r, const StagedBatch& b) {
   if (!cfg_.prefetch)
     upload(r, b, /*ahead=*/false);
   else if (upload_rows(r, b.n).second > 0)
@@ -313,7 +197,7 @@ void Engine::stage(const float* x, const int32_t* y, int n) {
   if (staged_.size() >= capacity)
     throw std::logic_error("Engine::stage: " + std::to_string(capacity) + " batch(es) staged already, the most " +
                            (cfg_.prefetch ? "prefetch allows" : "an engine without prefetch takes") + "; step() first");
-  Staged b{x, y, n, 0};
+  StagedBatch b{x, y, n, 0};
   if (cfg_.prefetch) {
     b.slot = next_slot_;
     try {
@@ -329,48 +213,37 @@ void Engine::stage(const float* x, const int32_t* y, int n) {
 
 StepResult Engine::step() {
   if (staged_.empty()) throw std::logic_error("Engine::step: no batch staged; stage() one first");
-  const Staged b = staged_.front();
+  const StagedBatch b = staged_.front();
   staged_.pop_front();
-  const int n = b.n;
-  const std::vector<int> sizes = split_batch(n, world_, cfg_.split);
-  std::vector<Traffic> before(size()), before_inter(size());
-  for (int r = 0; r < size(); ++r) before[r] = comm_->total(r), before_inter[r] = comm_->inter_process(r);
+  const std::vector<int> sizes = split_batch(b.n, world_, cfg_.split);
+  const auto traffic_before = recorder_.before(*comm_);
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
   try {
     run_all([&](int r) {
-      // A new set of marks each step, also after a failed one, which left its marks behind.
-      devices_[r]->clear_marks();
-      open_phases_[r].clear();
-      if (cfg_.sync == Sync::scatter)
-        step_scatter(r, b, sizes);
-      else
-        step_allreduce(r, b, sizes);
-      // The loss and the correct count: on device 0 under scatter, a share on each device under
-      // allreduce; device 0's also says whether the gradient was finite. The download waits for the
-      // step's work (the step's one round trip); close_phases then waits for the copy stream too:
-      // the next batch's upload, staged before this step, is done when the step returns.
-      if (cfg_.sync == Sync::allreduce || r == 0)
+      recorder_.begin_step(*devices_[r], r);
+      StepContext context(*this, r, b, sizes);
+      strategy_.step(context);
+      // The loss and the correct count, on the devices that compute it; device 0's also says whether
+      // the gradient was finite. The download waits for the step's work (the step's one round trip);
+      // close_phases then waits for the copy stream too: the next batch's upload, staged before this
+      // step, is done when the step returns.
+      if (strategy_.computes_loss(r))
         devices_[r]->download(stats[size_t(r)].data(), replicas_[r]->stats.f(), sizeof(float) * kStats);
-      close_phases(r);
+      recorder_.close_phases(*devices_[r], r, step_);
     });
   } catch (...) {
     drop_staged();
     throw;
   }
   StepResult res;
-  res.n = n;
+  res.n = b.n;
   for (const auto& s : stats) {
     res.loss += s[0];
     res.correct += int64_t(s[1]);
   }
   res.finite_gradients = stats[0][kNonfinite] == 0.0f;
   if (spec_.has_batchnorm()) ++batches_tracked_;
-  if (n == cfg_.batch)
-    for (int r = 0; r < size(); ++r) {
-      Traffic t = comm_->total(r), i = comm_->inter_process(r);
-      step_traffic_[r] = {t.sent - before[r].sent, t.received - before[r].received};
-      step_inter_traffic_[r] = {i.sent - before_inter[r].sent, i.received - before_inter[r].received};
-    }
+  recorder_.after(*comm_, traffic_before, b.n == cfg_.batch);
   ++step_;
   return res;
 }
@@ -398,132 +271,27 @@ BatchNormPass Engine::batchnorm_pass(int r, int B) {
   return bn;
 }
 
-void Engine::step_scatter(int r, const Staged& batch, const std::vector<int>& sizes) {
-  Device& dev = *devices_[r];
-  Replica& rep = *replicas_[r];
-  Ops& ops = dev.ops();
-  const int64_t P = spec_.param_count, D = spec_.input_size(), C = spec_.classes;
-  int B = 0;
-  for (int s : sizes) B += s;
-  std::vector<int64_t> in_counts, out_counts;
-  for (int s : sizes) in_counts.push_back(s * D), out_counts.push_back(s * C);
-  const int mine = sizes[r];
-  const Replica::Upload& up = rep.batch[size_t(batch.slot)];  // device 0's
-
-  // The whole batch lands on device 0 (DataParallel's input is on device_ids[0]).
-  timed(r, Phase::load, [&] { load(r, batch); });
-  timed(r, Phase::scatter, [&] { comm_->scatter(r, r == 0 ? up.x.f() : nullptr, rep.input.f(), in_counts, 0); });
-  timed(r, Phase::broadcast, [&] {
-    comm_->broadcast(r, rep.params.f(), P, 0);
-    if (broadcasts_buffers()) comm_->broadcast(r, rep.running.f(), spec_.buffer_count, 0);
-  });
-  const float* logits = nullptr;
-  const BatchNormPass bn = batchnorm_pass(r, B);
-  timed(r, Phase::forward, [&] {
-    if (mine > 0)
-      logits = rep.net->forward(rep.params.f(), r == 0 ? up.x.f() : rep.input.f(), mine, &bn);
-    else
-      rep.net->forward_without_samples(&bn);
-  });
-  timed(r, Phase::gather_loss, [&] {
-    comm_->gather(r, logits, rep.gathered.f(), out_counts, 0);
-    if (r == 0) {
-      ops.fill(kStats, 0.0f, rep.stats.f());
-      ops.softmax_xent(B, int(C), rep.gathered.f(), up.y.i32(), 1.0f / float(B), rep.gathered_grad.f(), rep.stats.f());
-    }
-    comm_->scatter(r, r == 0 ? rep.gathered_grad.f() : nullptr, rep.dlogits.f(), out_counts, 0);
-  });
-  timed(r, Phase::backward, [&] {
-    // A device without samples (batch smaller than the device count) contributes zeros.
-    if (mine > 0)
-      rep.net->backward(rep.params.f(), rep.grads.f(), r == 0 ? rep.gathered_grad.f() : rep.dlogits.f(), mine, {}, &bn);
-    else
-      rep.net->backward_without_samples(rep.grads.f(), {}, &bn);
-  });
-  timed(r, Phase::reduce, [&] { comm_->reduce(r, rep.grads.f(), P, 0); });
-  timed(r, Phase::optimizer, [&] {
-    if (r == 0) {
-      ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
-      ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
-    }
-  });
-}
-
-void Engine::step_allreduce(int r, const Staged& batch, const std::vector<int>& sizes) {
-  Device& dev = *devices_[r];
-  Replica& rep = *replicas_[r];
-  Ops& ops = dev.ops();
-  const int64_t P = spec_.param_count, C = spec_.classes;
-  // sizes are the job's devices'; this device is the job's device first_ + r.
-  int B = 0;
-  for (int s : sizes) B += s;
-  const int mine = sizes[size_t(first_ + r)];
-  const Replica::Upload& up = rep.batch[size_t(batch.slot)];
-
-  // Each device reads its own shard straight from host memory (DistributedSampler's rank slice).
-  timed(r, Phase::load, [&] { load(r, batch); });
-  // DDP's broadcast_buffers: rank 0's running statistics to every replica before its forward.
-  if (broadcasts_buffers())
-    timed(r, Phase::broadcast, [&] { comm_->broadcast(r, rep.running.f(), spec_.buffer_count, 0); });
-  const float* logits = nullptr;
-  const BatchNormPass bn = batchnorm_pass(r, B);
-  timed(r, Phase::forward, [&] {
-    if (mine > 0)
-      logits = rep.net->forward(rep.params.f(), up.x.f(), mine, &bn);
-    else
-      rep.net->forward_without_samples(&bn);
-  });
-  // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly.
-  timed(r, Phase::gather_loss, [&] {
-    ops.fill(kStats, 0.0f, rep.stats.f());
-    if (mine > 0) ops.softmax_xent(mine, int(C), logits, up.y.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
-  });
-  std::vector<int> remaining;
-  for (auto& b : buckets_) remaining.push_back(b.layers);
-  auto on_ready = [&](int layer) {
-    int b = layer_bucket_[layer];
-    if (b >= 0 && --remaining[b] == 0)
-      comm_->all_reduce_async(r, rep.grads.f() + buckets_[b].offset, buckets_[b].count,
-                              cfg_.trace ? &bucket_timing_[r][b] : nullptr);
-  };
-  timed(r, Phase::backward, [&] {
-    const auto ready = buckets_.empty() ? std::function<void(int)>() : on_ready;
-    if (mine > 0)
-      rep.net->backward(rep.params.f(), rep.grads.f(), rep.dlogits.f(), mine, ready, &bn);
-    else
-      rep.net->backward_without_samples(rep.grads.f(), ready, &bn);
-  });
-  timed(r, Phase::reduce, [&] {
-    if (buckets_.empty())
-      comm_->all_reduce(r, rep.grads.f(), P);
-    else
-      comm_->wait(r);
-  });
-  if (cfg_.trace && !buckets_.empty()) record_buckets(r);
-  timed(r, Phase::optimizer, [&] {
-    // Every replica holds the same gradient now: device 0's check speaks for all.
-    if (r == 0) ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
-    ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), cfg_.lr, cfg_.momentum, cfg_.weight_decay);
-  });
+// Evaluation borrows the training buffers: with prefetch, a batch slot no staged batch is uploading
+// into (the trainer stages the next epoch's first batch before this epoch's evaluation).
+int Engine::evaluation_slot() const {
+  int slot = 0;
+  if (cfg_.prefetch)
+    while (std::any_of(staged_.begin(), staged_.end(), [&](const StagedBatch& b) { return b.slot == slot; }))
+      if (++slot == Device::kUploadSlots) throw std::logic_error("Engine::evaluate: every batch buffer is staged");
+  return slot;
 }
 
 StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
-  const double start_us = now_us();  // the span covers scatter's broadcast too
+  const double start_us = recorder_.now_us();  // the span covers the strategy's preparation too
   const int64_t D = spec_.input_size(), C = spec_.classes;
-  if (cfg_.sync == Sync::scatter)
-    run_all([&](int r) { comm_->broadcast(r, replicas_[r]->params.f(), spec_.param_count, 0); });
-  // Evaluation is device 0's model on every device: its running statistics too.
+  // Evaluation is device 0's model on every device: its parameters and its running statistics.
+  run_all([&](int r) { strategy_.before_evaluation(*comm_, r, *replicas_[r], spec_); });
   if (broadcasts_buffers())
     run_all([&](int r) { comm_->broadcast(r, replicas_[r]->running.f(), spec_.buffer_count, 0); });
   const std::vector<int> sizes = split_batch(n, size(), Split::even);
   std::vector<double> loss(size(), 0.0);
   std::vector<int64_t> correct(size(), 0);
-  // Evaluation borrows the training buffers: with prefetch, a batch slot no staged batch is uploading
-  // into (the trainer stages the next epoch's first batch before this epoch's evaluation).
-  int slot = 0;
-  if (cfg_.prefetch)
-    while (std::any_of(staged_.begin(), staged_.end(), [&](const Staged& b) { return b.slot == slot; }))
-      if (++slot == Device::kUploadSlots) throw std::logic_error("Engine::evaluate: every batch buffer is staged");
+  const int slot = evaluation_slot();
   run_all([&](int r) {
     Device& dev = *devices_[r];
     Replica& rep = *replicas_[r];
@@ -533,7 +301,7 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
     bn.running = rep.running.f();
     int first = 0;
     for (int q = 0; q < r; ++q) first += sizes[q];
-    // Under scatter the devices but device 0 have only their chunk's input, no labels.
+    // A device that uploads no rows in training has only its input buffer, and no labels.
     const Replica::Upload& up = rep.batch[size_t(slot)];
     float* in = up.x ? up.x.f() : rep.input.f();
     float* dl = rep.dlogits ? rep.dlogits.f() : rep.gathered_grad.f();
@@ -555,7 +323,7 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
       correct[r] += int64_t(stats[1]);
       done += m;
     }
-    if (cfg_.trace) eval_spans_[r].push_back({step_, sizes[r], start_us, now_us()});
+    recorder_.evaluation(r, step_, sizes[r], start_us);
   });
   StepResult res;
   res.n = n;
@@ -602,7 +370,7 @@ void Engine::set_momentum(const std::vector<float>& host) {
   });
 }
 
-std::vector<float> Engine::buffers(int rank) {
+std::vector<float> Engine::running_stats(int rank) {
   std::vector<float> host(size_t(spec_.buffer_count));
   if (host.empty()) return host;
   devices_[rank]
@@ -611,9 +379,9 @@ std::vector<float> Engine::buffers(int rank) {
   return host;
 }
 
-void Engine::set_buffers(const std::vector<float>& host) {
+void Engine::set_running_stats(const std::vector<float>& host) {
   if (int64_t(host.size()) != spec_.buffer_count)
-    throw std::invalid_argument("set_buffers: " + std::to_string(host.size()) + " values for a model of " +
+    throw std::invalid_argument("set_running_stats: " + std::to_string(host.size()) + " values for a model of " +
                                 std::to_string(spec_.buffer_count));
   if (host.empty()) return;
   run_all([&](int r) {

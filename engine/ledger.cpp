@@ -12,6 +12,15 @@ const char* category_name(Category c) {
   return names[int(c)];
 }
 
+std::string commas(int64_t v) {
+  std::string digits = std::to_string(v < 0 ? -v : v), out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return v < 0 ? "-" + out : out;
+}
+
 std::string format_bytes(int64_t bytes) {
   char buf[32];
   double b = double(bytes);

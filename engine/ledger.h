@@ -38,6 +38,7 @@ class Ledger {
   LedgerSnapshot s_;
 };
 
-std::string format_bytes(int64_t bytes);
+std::string format_bytes(int64_t bytes);  // "512 B", "1.5 KiB", "8.58 MiB", "1.20 GiB"
+std::string commas(int64_t v);            // 1234567 -> "1,234,567"
 
 }  // namespace dp

@@ -74,6 +74,7 @@ def strip(j):
 def normalize_stdout(text, build):
     text = text.replace(build, "BUILD")
     text = re.sub(r"[\d,.]+k? img/s", "N img/s", text)
+    text = re.sub(r"of the [\d.]+ [KMGT]iB available", "of the N available", text)  # the machine's free memory
     text = re.sub(r"\d+\.\d+ s\b", "N s", text)
     text = re.sub(r"(step time.*|images/s.*|  [a-z+| -]+  .*\d+\.\d+ / .*|communication.*ms.*|.*α.*|.*measured: communication.*)",
                   "(timing)", text)

@@ -17,6 +17,8 @@
 
 using namespace dp;
 using dp::test::Batches;
+using dp::test::all_strategies;
+using dp::test::takes_buckets;
 using dp::test::make_batches;
 using dp::test::max_diff;
 using dp::test::raw;
@@ -34,7 +36,7 @@ State initial(const ModelSpec& spec, uint64_t seed) {
   return s;
 }
 
-EngineConfig config(int B, Sync sync, bool sync_bn) {
+EngineConfig config(int B, const std::string& sync, bool sync_bn) {
   EngineConfig c;
   c.batch = B, c.lr = 0.1f, c.momentum = 0.9f, c.weight_decay = 5e-4f, c.sync = sync, c.sync_bn = sync_bn;
   return c;
@@ -43,9 +45,9 @@ EngineConfig config(int B, Sync sync, bool sync_bn) {
 // K steps on an engine; returns device 0's weights and running statistics.
 State train(Engine& e, const State& init, const Batches& data, int B, int K) {
   e.set_params(init.params);
-  e.set_buffers(init.buffers);
+  e.set_running_stats(init.buffers);
   for (int s = 0; s < K; ++s) e.step(data.x[size_t(s)].data(), data.y[size_t(s)].data(), B);
-  return {e.params(), e.buffers()};
+  return {e.params(), e.running_stats()};
 }
 
 // SyncBatchNorm's rounding: the statistics are summed in another order too, and backward divides by
@@ -63,18 +65,18 @@ TEST_CASE("lenet-bn: --sync-bn on n devices equals one device on the full batch 
   for (int B : {24, 25, 9}) {  // 25: uneven shards; 9 with --split chunk over 4: a device without samples
     const Batches data = make_batches(K, B, 100);
     auto ref_devs = dp::test::make_test_devices("cpu", 1);
-    Engine ref(raw(ref_devs), spec, config(B, Sync::allreduce, false));
+    Engine ref(raw(ref_devs), spec, config(B, "allreduce", false));
     const State want = train(ref, init, data, B, K);
     CHECK(ref.batches_tracked() == K);
     for (int n : {2, 3, 4})
-      for (Sync sync : {Sync::scatter, Sync::allreduce})
+      for (const std::string& sync : all_strategies())
         for (Split split : {Split::even, Split::chunk})
           for (int64_t bucket_kb : {int64_t(0), int64_t(16)}) {
-            if (sync == Sync::scatter && bucket_kb > 0) continue;
+            if (!takes_buckets(sync) && bucket_kb > 0) continue;
             if (B == 9 && (n != 4 || split != Split::chunk)) continue;
             CAPTURE(B);
             CAPTURE(n);
-            CAPTURE(sync_name(sync));
+            CAPTURE(sync);
             CAPTURE(split_name(split));
             CAPTURE(bucket_kb);
             auto devs = dp::test::make_test_devices("cpu", n);
@@ -85,8 +87,8 @@ TEST_CASE("lenet-bn: --sync-bn on n devices equals one device on the full batch 
             CHECK(max_diff(got.params, want.params) <= kSyncTolerance);
             CHECK(max_diff(got.buffers, want.buffers) <= kSyncTolerance);
             // Every replica holds the global statistics, bit for bit.
-            for (int r = 1; r < n; ++r) CHECK(e.buffers(r) == got.buffers);
-            if (sync == Sync::allreduce)
+            for (int r = 1; r < n; ++r) CHECK(e.running_stats(r) == got.buffers);
+            if (sync == "allreduce")
               for (int r = 1; r < n; ++r) CHECK(e.params(r) == got.params);
           }
   }
@@ -97,7 +99,7 @@ TEST_CASE("lenet-bn: local BatchNorm on n devices equals one device normalising 
   const ModelSpec spec = make_model("lenet-bn");
   const State init = initial(spec, 7);
   const Batches data = make_batches(K, B, 300);
-  const EngineConfig base = config(B, Sync::allreduce, false);
+  const EngineConfig base = config(B, "allreduce", false);
   for (int n : {2, 3}) {
     const std::vector<int> sizes = split_batch(B, n, Split::even);
     // The reference: one device runs each shard through the network by itself (its own batch
@@ -140,9 +142,9 @@ TEST_CASE("lenet-bn: local BatchNorm on n devices equals one device normalising 
        d.download(want.buffers.data(), running.f(), size_t(spec.buffer_count) * 4);
      }).get();
 
-    for (Sync sync : {Sync::scatter, Sync::allreduce}) {
+    for (const std::string& sync : all_strategies()) {
       CAPTURE(n);
-      CAPTURE(sync_name(sync));
+      CAPTURE(sync);
       auto devs = dp::test::make_test_devices("cpu", n);
       EngineConfig c = base;
       c.sync = sync;
@@ -167,10 +169,10 @@ TEST_CASE("lenet-bn: local BatchNorm broadcasts device 0's running statistics ev
   for (bool sync_bn : {false, true}) {
     CAPTURE(sync_bn);
     auto devs = dp::test::make_test_devices("cpu", n);
-    Engine e(raw(devs), spec, config(B, Sync::allreduce, sync_bn));
+    Engine e(raw(devs), spec, config(B, "allreduce", sync_bn));
     train(e, init, data, B, 2);
     // Local: device 0 sends its R floats to each peer before the forward; each peer receives them.
-    const Traffic t0 = e.step_traffic(0), t1 = e.step_traffic(1);
+    const Traffic t0 = e.recorder().step_traffic(0), t1 = e.recorder().step_traffic(1);
     for (int rank : {0, 1}) {
       // The gradient all-reduce, and with --sync-bn the statistics' all-reduces (mean, variance, and
       // backward's two sums, per BatchNorm layer).
@@ -193,9 +195,9 @@ TEST_CASE("lenet-bn: local BatchNorm broadcasts device 0's running statistics ev
     // After the step the replicas' own updates differ (local) or agree (sync); the next step starts
     // from device 0's either way, and the checkpoint and evaluation read device 0's.
     if (sync_bn)
-      CHECK(e.buffers(1) == e.buffers(0));
+      CHECK(e.running_stats(1) == e.running_stats(0));
     else
-      CHECK(e.buffers(1) != e.buffers(0));
+      CHECK(e.running_stats(1) != e.running_stats(0));
     CHECK(e.batches_tracked() == 2);
   }
 }
@@ -207,23 +209,23 @@ TEST_CASE("lenet-bn: evaluation normalises with the running statistics, the same
   const Batches data = make_batches(3, B, 40);
   const Batches test = make_batches(1, 37, 77);
   auto one = dp::test::make_test_devices("cpu", 1);
-  Engine ref(raw(one), spec, config(B, Sync::allreduce, false));
+  Engine ref(raw(one), spec, config(B, "allreduce", false));
   train(ref, init, data, B, 3);
   const StepResult want = ref.evaluate(test.x[0].data(), test.y[0].data(), 37);
   // Device 0's state placed on 3 devices: each evaluates its shard with it.
   auto three = dp::test::make_test_devices("cpu", 3);
-  Engine e(raw(three), spec, config(B, Sync::scatter, false));
+  Engine e(raw(three), spec, config(B, "scatter", false));
   e.set_params(ref.params());
-  e.set_buffers(ref.buffers());
+  e.set_running_stats(ref.running_stats());
   const StepResult got = e.evaluate(test.x[0].data(), test.y[0].data(), 37);
   CHECK(got.correct == want.correct);
   CHECK(std::fabs(got.loss - want.loss) < 1e-5);
   // Not the batch statistics: other running statistics give another loss.
-  std::vector<float> other = ref.buffers();
+  std::vector<float> other = ref.running_stats();
   for (auto& b : spec.buffers)  // every mean 1 less, every variance a hundredth: activations 10x larger
     for (int64_t i = b.offset; i < b.offset + b.channels; ++i)
       other[size_t(i)] = b.name.ends_with("_var") ? other[size_t(i)] / 100 : other[size_t(i)] - 1;
-  e.set_buffers(other);
+  e.set_running_stats(other);
   CHECK(std::fabs(e.evaluate(test.x[0].data(), test.y[0].data(), 37).loss - want.loss) > 0.1);
 }
 

@@ -15,6 +15,8 @@
 
 using namespace dp;
 using dp::test::Batches;
+using dp::test::all_strategies;
+using dp::test::takes_buckets;
 using dp::test::make_batches;
 using dp::test::max_diff;
 using dp::test::raw;
@@ -38,7 +40,7 @@ TEST_CASE("every strategy equals one device on the full batch, within the summat
       Batches data = make_batches(K, B, 100);
       auto ref_devs = dp::test::make_test_devices("cpu", 1);
       EngineConfig rc;
-      rc.batch = B, rc.lr = lr, rc.momentum = momentum, rc.weight_decay = 5e-4f, rc.sync = Sync::allreduce;
+      rc.batch = B, rc.lr = lr, rc.momentum = momentum, rc.weight_decay = 5e-4f, rc.sync = "allreduce";
       Engine ref(raw(ref_devs), spec, rc);
       ref.set_params(init);
       for (int s = 0; s < K; ++s) ref.step(data.x[s].data(), data.y[s].data(), B);
@@ -46,14 +48,14 @@ TEST_CASE("every strategy equals one device on the full batch, within the summat
       const double tol = summation_tolerance(K, B, lr, momentum);
 
       for (int n : {2, 3, 4})
-        for (Sync sync : {Sync::scatter, Sync::allreduce})
+        for (const std::string& sync : all_strategies())
           for (Split split : {Split::even, Split::chunk})
             for (int64_t bucket_kb : {int64_t(0), int64_t(16)}) {
-              if (sync == Sync::scatter && bucket_kb > 0) continue;
+              if (!takes_buckets(sync) && bucket_kb > 0) continue;
               CAPTURE(model);
               CAPTURE(B);
               CAPTURE(n);
-              CAPTURE(sync_name(sync));
+              CAPTURE(sync);
               CAPTURE(split_name(split));
               CAPTURE(bucket_kb);
               auto devs = dp::test::make_test_devices("cpu", n);
@@ -64,7 +66,7 @@ TEST_CASE("every strategy equals one device on the full batch, within the summat
               if (bucket_kb > 0) CHECK(e.buckets().size() > 1);
               for (int s = 0; s < K; ++s) {
                 e.step(data.x[s].data(), data.y[s].data(), B);
-                if (sync == Sync::allreduce) {
+                if (sync == "allreduce") {
                   auto p0 = e.params(0);
                   for (int r = 1; r < n; ++r) REQUIRE(e.params(r) == p0);  // bitwise, every step
                 }
@@ -85,7 +87,7 @@ TEST_CASE("the tolerance is meaningful: a changed learning rate is caught") {
   auto run = [&](float lr, int n) {
     auto devs = dp::test::make_test_devices("cpu", n);
     EngineConfig c;
-    c.batch = 16, c.lr = lr, c.momentum = 0.9f, c.sync = Sync::allreduce;
+    c.batch = 16, c.lr = lr, c.momentum = 0.9f, c.sync = "allreduce";
     Engine e(raw(devs), spec, c);
     e.set_params(init);
     for (int s = 0; s < 3; ++s) e.step(data.x[s].data(), data.y[s].data(), 16);
@@ -100,7 +102,7 @@ TEST_CASE("bytes per step match the theory to the byte") {
   Batches data = make_batches(1, int(B), 3);
   for (int n : {2, 3, 4}) {
     CAPTURE(n);
-    for (Sync sync : {Sync::scatter, Sync::allreduce}) {
+    for (const std::string& sync : all_strategies()) {
       auto devs = dp::test::make_test_devices("cpu", n);
       EngineConfig c;
       c.batch = int(B), c.sync = sync;
@@ -110,22 +112,22 @@ TEST_CASE("bytes per step match the theory to the byte") {
       e.set_params(init);
       e.step(data.x[0].data(), data.y[0].data(), int(B));
       auto sizes = split_batch(int(B), n, Split::even);
-      if (sync == Sync::scatter) {
+      if (sync == "scatter") {
         int64_t others = B - sizes[0];
-        CHECK(e.step_traffic(0).sent == 4 * (others * D + (n - 1) * P + others * C));
-        CHECK(e.step_traffic(0).received == 4 * (others * C + (n - 1) * P));
+        CHECK(e.recorder().step_traffic(0).sent == 4 * (others * D + (n - 1) * P + others * C));
+        CHECK(e.recorder().step_traffic(0).received == 4 * (others * C + (n - 1) * P));
         for (int r = 1; r < n; ++r) {
-          CHECK(e.step_traffic(r).received == 4 * (sizes[r] * D + P + sizes[r] * C));
-          CHECK(e.step_traffic(r).sent == 4 * (sizes[r] * C + P));
+          CHECK(e.recorder().step_traffic(r).received == 4 * (sizes[r] * D + P + sizes[r] * C));
+          CHECK(e.recorder().step_traffic(r).sent == 4 * (sizes[r] * C + P));
         }
       } else {
         auto chunk = even_chunks(P, n);
         for (int r = 0; r < n; ++r) {
           int64_t sent = 0;
           for (int s = 0; s < n - 1; ++s) sent += chunk[((r - s) % n + n) % n] + chunk[((r + 1 - s) % n + n) % n];
-          CHECK(e.step_traffic(r).sent == 4 * sent);
+          CHECK(e.recorder().step_traffic(r).sent == 4 * sent);
           // about 2(n-1)/n P floats
-          CHECK(std::abs(double(e.step_traffic(r).sent) - 8.0 * (n - 1) * P / n) <= 8.0 * n);
+          CHECK(std::abs(double(e.recorder().step_traffic(r).sent) - 8.0 * (n - 1) * P / n) <= 8.0 * n);
         }
       }
     }
@@ -138,10 +140,10 @@ namespace {
 // 8 KiB buckets.
 template <class F>
 void for_each_strategy(F&& f) {
-  for (Sync sync : {Sync::scatter, Sync::allreduce}) {
+  for (const std::string& sync : all_strategies()) {
     for (int64_t bucket_kb : {int64_t(0), int64_t(8)}) {
-      if (sync == Sync::scatter && bucket_kb) continue;
-      CAPTURE(sync_name(sync));
+      if (!takes_buckets(sync) && bucket_kb) continue;
+      CAPTURE(sync);
       CAPTURE(bucket_kb);
       f(sync, bucket_kb);
     }
@@ -153,7 +155,7 @@ void for_each_strategy(F&& f) {
 TEST_CASE("a fault on one device ends the step on all devices and names the device") {
   ModelSpec spec = make_model("lenet5");
   Batches data = make_batches(2, 12, 9);
-  for_each_strategy([&](Sync sync, int64_t bucket_kb) {
+  for_each_strategy([&](const std::string& sync, int64_t bucket_kb) {
     auto devs = dp::test::make_test_devices("cpu", 3);
     EngineConfig c;
     c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb;
@@ -179,7 +181,7 @@ TEST_CASE("a step says whether its gradient was finite, and only then is a layer
   bad = good;
   bad[size_t(spec.params.back().offset)] = std::numeric_limits<float>::quiet_NaN();  // in the last parameter
   Batches data = make_batches(2, 12, 9);
-  for_each_strategy([&](Sync sync, int64_t bucket_kb) {
+  for_each_strategy([&](const std::string& sync, int64_t bucket_kb) {
     auto devs = dp::test::make_test_devices("cpu", 2);
     EngineConfig c;
     c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb;
@@ -199,12 +201,12 @@ TEST_CASE("a step says whether its gradient was finite, and only then is a layer
 TEST_CASE("a device that stops answering in a collective: the step is aborted within the timeout, and the next runs") {
   ModelSpec spec = make_model("lenet5");
   Batches data = make_batches(2, 12, 9);
-  for_each_strategy([&](Sync sync, int64_t bucket_kb) {
+  for_each_strategy([&](const std::string& sync, int64_t bucket_kb) {
     auto devs = dp::test::make_test_devices("cpu", 3);
     EngineConfig c;
     c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb, c.timeout = 0.25;
     Engine e(raw(devs), spec, c);
-    e.comm().stall_once(1, sync == Sync::scatter ? Collective::broadcast : Collective::all_reduce);
+    e.comm().stall_once(1, sync == "scatter" ? Collective::broadcast : Collective::all_reduce);
     const auto start = std::chrono::steady_clock::now();
     try {
       e.step(data.x[0].data(), data.y[0].data(), 12);
@@ -247,7 +249,7 @@ TEST_CASE("batch smaller than the device count") {
   Engine ref(raw(ref_devs), spec, rc);
   ref.set_params(init);
   for (int s = 0; s < 2; ++s) ref.step(data.x[s].data(), data.y[s].data(), 2);
-  for (Sync sync : {Sync::scatter, Sync::allreduce}) {
+  for (const std::string& sync : all_strategies()) {
     auto devs = dp::test::make_test_devices("cpu", 4);
     EngineConfig c = rc;
     c.sync = sync, c.split = Split::chunk;
@@ -274,7 +276,8 @@ TEST_CASE("bad device lists are usage errors") {
   DeviceSet all = make_devices(c);
   CHECK(all.devices.size() == size_t(kDefaultSimulatedDevices));
   CHECK(all.ids == std::vector<int>{0, 1});
-  CHECK_THROWS_AS(parse_sync("ring"), UsageError);
+  CHECK_THROWS_AS(find_strategy("ring"), UsageError);
+  CHECK(std::string(find_strategy("allreduce").name()) == "allreduce");
   CHECK_THROWS_AS(parse_split("half"), UsageError);
 }
 
@@ -282,7 +285,7 @@ TEST_CASE("the ledger: categories add up to the peak, and scatter's device 0 hol
   ModelSpec spec = make_model("lenet");
   Batches data = make_batches(1, 64, 1);
   std::vector<double> skew;
-  for (Sync sync : {Sync::scatter, Sync::allreduce}) {
+  for (const std::string& sync : all_strategies()) {
     auto devs = dp::test::make_test_devices("cpu", 4);
     EngineConfig c;
     c.batch = 64, c.sync = sync;
@@ -297,7 +300,7 @@ TEST_CASE("the ledger: categories add up to the peak, and scatter's device 0 hol
       if (r > 0) others += double(s.total_peak) / 3;
     }
     skew.push_back(double(devs[0]->ledger().snapshot().total_peak) / others);
-    if (sync == Sync::scatter) {
+    if (sync == "scatter") {
       auto s0 = devs[0]->ledger().snapshot();
       CHECK(s0.at_peak[int(Category::optimizer)] == spec.param_count * 4);  // momentum on device 0 only
       CHECK(devs[1]->ledger().snapshot().at_peak[int(Category::optimizer)] == 0);
@@ -325,7 +328,7 @@ void check_prefetch(const std::string& kind, int n) {
   const std::vector<int> sizes{12, 12, 7, 2, 12};
   const int K = int(sizes.size()), B = 12;
   Batches data = make_batches(K, B, 21), test = make_batches(1, 20, 77);
-  for_each_strategy([&](Sync sync, int64_t bucket_kb) {
+  for_each_strategy([&](const std::string& sync, int64_t bucket_kb) {
     EngineConfig c;
     c.batch = B, c.sync = sync, c.bucket_kb = bucket_kb;
     auto ref_devs = dp::test::make_test_devices(kind, n);
@@ -347,7 +350,7 @@ void check_prefetch(const std::string& kind, int n) {
       CAPTURE(r);
       const int64_t with = devs[r]->ledger().snapshot().current[int(Category::inputs)];
       const int64_t without = ref_devs[r]->ledger().snapshot().current[int(Category::inputs)];
-      CHECK(with == (sync == Sync::allreduce || r == 0 ? 2 * without : without));
+      CHECK(with == (sync == "allreduce" || r == 0 ? 2 * without : without));
     }
     std::vector<std::vector<float>> host_x(3);
     std::vector<std::vector<int32_t>> host_y(3);
@@ -428,7 +431,7 @@ TEST_CASE("prefetch: staging past the buffers, a step with nothing staged, and a
     CAPTURE(prefetch);
     auto devs = dp::test::make_test_devices("cpu", 2);
     EngineConfig c;
-    c.batch = 12, c.sync = Sync::allreduce, c.prefetch = prefetch;
+    c.batch = 12, c.sync = "allreduce", c.prefetch = prefetch;
     Engine e(raw(devs), spec, c);
     CHECK_THROWS_AS(e.step(), std::logic_error);
     const int most = prefetch ? 2 : 1;

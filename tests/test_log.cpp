@@ -127,7 +127,7 @@ TEST_CASE("log: a run stopped by a signal keeps its records, up to the step it s
 
 TEST_CASE("log: a write the system refuses throws IoError naming the file and the reason") {
   const dp::PhaseSeconds phases(2);  // two devices, nothing timed yet
-  dp::TrainLog log("/dev/full", 1, 0.1f, dp::Sync::scatter, phases);
+  dp::TrainLog log("/dev/full", 1, 0.1f, dp::find_strategy("scatter"), phases);
   dp::StepResult step;
   step.loss = 2.3, step.n = 32;
   try {

@@ -30,7 +30,7 @@ TEST_CASE("naive all-reduce training equals one device and keeps every replica b
       Batches data = make_batches(K, B, 100);
       auto ref_devs = dp::test::make_test_devices("cpu", 1);
       EngineConfig rc;
-      rc.batch = B, rc.lr = lr, rc.momentum = momentum, rc.weight_decay = 5e-4f, rc.sync = Sync::allreduce;
+      rc.batch = B, rc.lr = lr, rc.momentum = momentum, rc.weight_decay = 5e-4f, rc.sync = "allreduce";
       Engine ref(raw(ref_devs), spec, rc);
       ref.set_params(init);
       for (int s = 0; s < K; ++s) ref.step(data.x[s].data(), data.y[s].data(), B);
@@ -61,11 +61,11 @@ TEST_CASE("naive all-reduce training equals one device and keeps every replica b
           // The naive model, not the ring's: device 0 receives every peer's gradients and sends each
           // the sum, (n-1)·P·4 bytes each way; every other device P·4 each way (buckets add up to P).
           const int64_t P = spec.param_count;
-          CHECK(e.step_traffic(0).sent == (n - 1) * P * 4);
-          CHECK(e.step_traffic(0).received == (n - 1) * P * 4);
+          CHECK(e.recorder().step_traffic(0).sent == (n - 1) * P * 4);
+          CHECK(e.recorder().step_traffic(0).received == (n - 1) * P * 4);
           for (int r = 1; r < n; ++r) {
-            CHECK(e.step_traffic(r).sent == P * 4);
-            CHECK(e.step_traffic(r).received == P * 4);
+            CHECK(e.recorder().step_traffic(r).sent == P * 4);
+            CHECK(e.recorder().step_traffic(r).received == P * 4);
           }
           CHECK(e.comm().traffic(0, Collective::reduce).received == 0);  // counted as the all_reduce it is
         }
@@ -78,7 +78,7 @@ TEST_CASE("naive all-reduce: device 0 holds the (n-1) gradient buffers it sums, 
   Batches data = make_batches(1, 12, 4);
   auto devs = dp::test::make_test_devices("cpu", 3);
   EngineConfig c;
-  c.batch = 12, c.sync = Sync::allreduce, c.all_reduce = AllReduceAlgorithm::naive;
+  c.batch = 12, c.sync = "allreduce", c.all_reduce = AllReduceAlgorithm::naive;
   Engine e(raw(devs), spec, c);
   e.step(data.x[0].data(), data.y[0].data(), 12);
   CHECK(devs[0]->ledger().snapshot().peak[int(Category::comm)] == 2 * spec.param_count * 4);

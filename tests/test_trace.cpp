@@ -66,7 +66,7 @@ Trace train_trace(const std::string& dir, const std::string& extra) {
 
 EngineConfig bucketed(int batch, bool trace) {
   EngineConfig cfg;
-  cfg.sync = Sync::allreduce;
+  cfg.sync = "allreduce";
   cfg.batch = batch;
   cfg.bucket_kb = kBucketKb;
   cfg.trace = trace;
@@ -178,16 +178,16 @@ TEST_CASE("trace: trace_json shifts every ts by the offset, and host spans get a
   e.set_params(init);
   const std::vector<float> x = dp::test::random_floats(16 * 784, 3);
   const std::vector<int32_t> y(16, 4);
-  const double t0 = e.now_us();
+  const double t0 = e.recorder().now_us();
   for (int s = 0; s < 2; ++s) e.step(x.data(), y.data(), 16);
   e.evaluate(x.data(), y.data(), 10);
-  e.host_span("epoch 1", t0, e.now_us(), {{"images", 32}});
-  const double now = e.now_us();  // the engine's clock: since start_time()
-  CHECK(now <= std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - e.start_time()).count());
+  e.recorder().host_span("epoch 1", t0, e.recorder().now_us(), {{"images", 32}});
+  const double now = e.recorder().now_us();  // the engine's clock: since start_time()
+  CHECK(now <= std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - e.recorder().start_time()).count());
   for (int r = 0; r < 2; ++r) {
-    CHECK(e.bucket_spans()[r].size() == 2 * e.buckets().size());
-    REQUIRE(e.eval_spans()[r].size() == 1);
-    CHECK(e.eval_spans()[r][0].images == 5);
+    CHECK(e.recorder().bucket_spans()[r].size() == 2 * e.buckets().size());
+    REQUIRE(e.recorder().eval_spans()[r].size() == 1);
+    CHECK(e.recorder().eval_spans()[r][0].images == 5);
   }
 
   const double offset = 1500.25;
@@ -213,7 +213,7 @@ TEST_CASE("trace: trace_json shifts every ts by the offset, and host spans get a
   }
   CHECK(host == 1);
 
-  e.reset_timing();  // dp_bench compare drops its warm-up steps this way
+  e.recorder().reset_timing();  // dp_bench compare drops its warm-up steps this way
   CHECK(parse(trace_json(e)).spans.empty());
 }
 
@@ -224,11 +224,11 @@ TEST_CASE("trace: without --trace the engine keeps no spans") {
   const std::vector<int32_t> y(8, 1);
   e.step(x.data(), y.data(), 8);
   e.evaluate(x.data(), y.data(), 8);
-  e.host_span("epoch 1", 0, e.now_us());
+  e.recorder().host_span("epoch 1", 0, e.recorder().now_us());
   for (int r = 0; r < 2; ++r) {
-    CHECK(e.spans()[r].empty());
-    CHECK(e.bucket_spans()[r].empty());
-    CHECK(e.eval_spans()[r].empty());
+    CHECK(e.recorder().spans()[r].empty());
+    CHECK(e.recorder().bucket_spans()[r].empty());
+    CHECK(e.recorder().eval_spans()[r].empty());
   }
-  CHECK(e.host_spans().empty());
+  CHECK(e.recorder().host_spans().empty());
 }

@@ -29,6 +29,7 @@
 #include "engine/communicator.h"
 #include "engine/device.h"
 #include "engine/error.h"
+#include "engine/strategy.h"
 
 extern char** environ;
 
@@ -285,6 +286,16 @@ inline Batches make_batches(int steps, int b, uint32_t seed) {
 }
 
 // The largest elementwise difference of two equally long vectors.
+// Every registered strategy's --sync name (engine/strategy.h), in the registry's order: the loops of
+// the "every strategy ..." tests, which a new strategy joins by being registered.
+inline std::vector<std::string> all_strategies() {
+  std::vector<std::string> names;
+  for (const Strategy* s : strategies()) names.push_back(s->name());
+  return names;
+}
+// Whether the strategy takes gradient buckets (--bucket-kb).
+inline bool takes_buckets(const std::string& sync) { return find_strategy(sync).takes_buckets(); }
+
 inline double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
   REQUIRE(a.size() == b.size());
   double m = 0;

@@ -10,10 +10,9 @@ namespace dp {
 
 void check_job_options(const TrainOptions& o, int processes) {
   const std::string across = " across processes (mpirun -np " + std::to_string(processes) + ")";
-  if (o.sync != Sync::allreduce)
-    throw UsageError("--sync scatter" + across +
-                     ": nn.DataParallel is one process by design (the batch lands on one device, which alone steps "
-                     "the optimizer); across processes use --sync allreduce, as DDP and Horovod do");
+  if (const char* why = find_strategy(o.sync).one_process_only())
+    throw UsageError("--sync " + o.sync + across + ": " + why +
+                     "; across processes use --sync allreduce, as DDP and Horovod do");
   if (o.all_reduce != AllReduceAlgorithm::ring)
     throw UsageError("--allreduce naive" + across +
                      ": not supported; the ring is (NCCL's over every GPU of every process on GPUs, the hierarchical "
@@ -140,7 +139,7 @@ nlohmann::json gather_devices(ProcessGroup& g, Engine& engine, double timeout) {
   nlohmann::json mine = device_report(engine);
   for (int r = 0; r < engine.size(); ++r) {
     nlohmann::json& d = mine[size_t(r)];
-    const Traffic t = engine.step_inter_traffic(r);
+    const Traffic t = engine.recorder().step_inter_traffic(r);
     d["job_rank"] = engine.first_device() + r;
     d["process"] = g.rank();
     d["host"] = g.host();

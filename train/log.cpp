@@ -16,12 +16,13 @@ namespace {
 
 // Per phase, by its name for the strategy: the mean milliseconds per step of `steps` on device 0
 // ("device0") and the largest over the devices ("max"): the device the others wait for.
-nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& before, int64_t steps, Sync sync) {
+nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& before, int64_t steps,
+                                const Strategy& strategy) {
   nlohmann::ordered_json device0, most;
   for (int p = 0; p < kPhases; ++p) {
     double top = 0;
     for (size_t r = 0; r < now.size(); ++r) top = std::max(top, now[r][p] - before[r][p]);
-    const char* name = phase_name(Phase(p), sync);
+    const char* name = strategy.phase_name(Phase(p));
     device0[name] = 1e3 * (now[0][p] - before[0][p]) / double(steps);
     most[name] = 1e3 * top / double(steps);
   }
@@ -30,8 +31,9 @@ nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& bef
 
 }  // namespace
 
-TrainLog::TrainLog(const std::string& path, int64_t every, float lr, Sync sync, const PhaseSeconds& phases)
-    : path_(path), every_(every), lr_(json_float(lr)), sync_(sync), interval_phases_(phases) {
+TrainLog::TrainLog(const std::string& path, int64_t every, float lr, const Strategy& strategy,
+                   const PhaseSeconds& phases)
+    : path_(path), every_(every), lr_(json_float(lr)), strategy_(strategy), interval_phases_(phases) {
   fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd_ < 0) throw IoError(path + ": cannot open the log: " + std::strerror(errno));
 }
@@ -72,7 +74,7 @@ void TrainLog::flush(const PhaseSeconds& phases) {
                               {"images_per_second", seconds > 0 ? double(images_) / seconds : 0.0},
                               {"elapsed_s", std::chrono::duration<double>(now - start_).count()},
                               {"lr", lr_},
-                              {"phase_ms", phase_ms(phases, interval_phases_, steps_, sync_)}};
+                              {"phase_ms", phase_ms(phases, interval_phases_, steps_, strategy_)}};
   write_line(j.dump() + "\n");
   recorded_step_ = last_step_;
   steps_ = images_ = 0;

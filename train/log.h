@@ -20,14 +20,12 @@
 
 namespace dp {
 
-// Engine::phase_seconds(): per device, the seconds spent in each phase so far.
-using PhaseSeconds = std::vector<std::array<double, kPhases>>;
 
 class TrainLog {
  public:
   // Opens `path`, truncating it; the clock of elapsed_s starts here, and the phase times count from
   // `phases`. Throws IoError naming the path and the OS's reason where the system refuses.
-  TrainLog(const std::string& path, int64_t every, float lr, Sync sync, const PhaseSeconds& phases);
+  TrainLog(const std::string& path, int64_t every, float lr, const Strategy& strategy, const PhaseSeconds& phases);
   ~TrainLog();
   TrainLog(const TrainLog&) = delete;
   TrainLog& operator=(const TrainLog&) = delete;
@@ -53,7 +51,7 @@ class TrainLog {
   off_t written_ = 0;  // bytes of the whole records written
   int64_t every_;
   double lr_;
-  Sync sync_;
+  const Strategy& strategy_;  // names the phases
   Clock::time_point start_ = Clock::now(), interval_start_ = start_;
   PhaseSeconds interval_phases_;
   // The interval since the last step record: its steps, images, sum of loss * images, and the

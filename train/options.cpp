@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "engine/error.h"
+#include "engine/strategy.h"
 #include "train/report.h"
 
 namespace dp {
@@ -270,7 +271,7 @@ double parse_timeout(const std::string& text) {
 }
 
 void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
-  app.add_option("--sync", t.sync, "scatter (nn.DataParallel) | allreduce (DDP)")->capture_default_str();
+  app.add_option("--sync", t.sync, strategy_choices())->capture_default_str();
   app.add_option("--allreduce", t.allreduce,
                  "allreduce: ring (reduce-scatter + all-gather, DDP) | naive (reduce to device 0 + broadcast, d2l)")
       ->capture_default_str();
@@ -379,10 +380,9 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
                        (n > 1 ? "them" : "it"));
   }
   if (app.count("--log-every") && o.log.empty()) throw UsageError("--log-every: needs --log FILE to say where");
-  if (app.count("--allreduce") && o.sync != Sync::allreduce)
-    throw UsageError(
-        "--allreduce: applies to --sync allreduce only (scatter reduces its gradients to device 0); "
-        "add --sync allreduce or drop --allreduce");
+  if (const Strategy& s = find_strategy(o.sync); app.count("--allreduce") && !s.takes_all_reduce_algorithm())
+    throw UsageError("--allreduce: applies to --sync allreduce only (" + std::string(s.name()) + " " + s.reduces() +
+                     "); add --sync allreduce or drop --allreduce");
 }
 
 }  // namespace
@@ -402,7 +402,7 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.weight_decay = parse_float(t.weight_decay, "--weight-decay");
   o.seed = parse_seed(t.seed, "--seed");
   o.devices = dev.finish(app);
-  o.sync = parse_sync(t.sync);
+  o.sync = find_strategy(t.sync).name();
   o.all_reduce = parse_all_reduce(t.allreduce);
   o.split = parse_split(t.split);
   o.timeout = parse_timeout(t.timeout);

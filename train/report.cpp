@@ -43,7 +43,8 @@ nlohmann::json device_notes() {
 // The all-reduce algorithm beside the strategy: "ring" or "naive" under allreduce, null under scatter
 // (which reduces to device 0 and runs no all-reduce).
 nlohmann::json all_reduce_json(const TrainOptions& o) {
-  return o.sync == Sync::allreduce ? nlohmann::json(all_reduce_name(o.all_reduce)) : nlohmann::json();
+  return find_strategy(o.sync).takes_all_reduce_algorithm() ? nlohmann::json(all_reduce_name(o.all_reduce))
+                                                        : nlohmann::json();
 }
 
 }  // namespace
@@ -95,7 +96,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                  {"workers", o.workers},
                  {"prefetch", o.prefetch},
                  {"gpus", o.devices.all ? nlohmann::json("all") : nlohmann::json(o.devices.ids)},
-                 {"strategy", sync_name(o.sync)},
+                 {"strategy", o.sync},
                  {"allreduce", all_reduce_json(o)}});
   // What --backend resolved to (auto picks cuda or the simulated cpu devices), not what was asked.
   nlohmann::json names = nlohmann::json::array();
@@ -118,7 +119,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                       {"command_line", o.command_line},
                       {"started_at", o.started_at},
                       {"config", config},
-                      {"strategy", sync_name(o.sync)},
+                      {"strategy", o.sync},
                       {"allreduce", all_reduce_json(o)},
                       {"split", split_name(o.split)},
                       {"bucket_kb", o.bucket_kb},
@@ -145,7 +146,7 @@ nlohmann::json device_report(Engine& e) {
       cats[category_name(Category(c))] = s.at_peak[c];
       peaks[category_name(Category(c))] = s.peak[c];
     }
-    Traffic t = e.step_traffic(r);
+    Traffic t = e.recorder().step_traffic(r);
     out.push_back({{"rank", r},
                    {"id", d.id()},
                    {"name", d.name()},
@@ -168,13 +169,7 @@ std::string skew_line(Engine& e) {
   for (int r = 1; r < e.size(); ++r) others += double(e.device(r).ledger().snapshot().total_peak);
   others /= e.size() - 1;
   const double skew = others > 0 ? double(e.device(0).ledger().snapshot().total_peak) / others : 0;
-  std::string why = " (allreduce, ring: every replica holds the same)";
-  if (e.config().sync == Sync::scatter)
-    why = std::string(" (scatter: device 0 also holds the whole batch") +
-          (e.config().prefetch ? ", twice with prefetch: this step's and the next's," : ",") +
-          " the gathered logits, the gradients it reduces and the optimizer state)";
-  else if (e.config().all_reduce == AllReduceAlgorithm::naive)
-    why = " (allreduce, naive: device 0 also holds every other replica's gradients, which it sums and sends back)";
+  const std::string why = " (" + e.strategy().memory_note(e.config()) + ")";
   char line[320];
   std::snprintf(line, sizeof line, "skew: %s's peak / the mean of the others' = %.3f%s\n", e.device(0).name().c_str(),
                 skew, why.c_str());
@@ -191,7 +186,7 @@ std::string device_table(Engine& e) {
     LedgerSnapshot s = e.device(r).ledger().snapshot();
     std::vector<std::string> row = {e.device(r).name(), format_bytes(s.total_peak)};
     for (int c = 0; c < kCategories; ++c) row.push_back(format_bytes(s.at_peak[c]));
-    Traffic t = e.step_traffic(r);
+    Traffic t = e.recorder().step_traffic(r);
     row.insert(row.end(), {format_bytes(t.sent), format_bytes(t.received)});
     rows.push_back(row);
   }

@@ -92,7 +92,7 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
                  {"batch", std::to_string(o.batch)},
                  {"train_samples", std::to_string(train_set.count)},
                  {"train_labels_crc32", std::to_string(labels_crc)}};
-  id.exact_only = {{"sync", sync_name(o.sync)},
+  id.exact_only = {{"sync", o.sync},
                    {"allreduce", all_reduce_name(o.all_reduce)},
                    {"devices", std::to_string(devices)},
                    {"split", split_name(o.split)},
@@ -128,7 +128,7 @@ void CheckpointSaver::save(Engine& engine, int64_t global_step) {
   position["global_step"] = std::to_string(global_step);
   position["limit_train"] = std::to_string(o_.limit_train);
   position["dp_version"] = version();  // informational: loading neither needs nor checks it
-  Checkpoint c{engine.params(), engine.momentum(), engine.buffers(), engine.batches_tracked(), position, {}};
+  Checkpoint c{engine.params(), engine.momentum(), engine.running_stats(), engine.batches_tracked(), position, {}};
   // Finite gradients times a huge --lr can still overflow the weights.
   if (!all_finite(c.params) || !all_finite(c.momentum) || !all_finite(c.buffers))
     throw NumericalError("step " + std::to_string(global_step) +

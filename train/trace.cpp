@@ -79,13 +79,14 @@ void device_lanes(Engine& e, int r, TraceBuilder& t, bool job) {
   const int n = e.size();
   const std::string name = lane_name(e, r, job);
   t.lane(r, name, 2 * r);
-  for (const Span& s : e.spans()[r])
-    t.span(phase_name(s.phase, e.config().sync), "phase", r, s.start_us, s.end_us, {{"step", s.step}});
-  for (const EvalSpan& s : e.eval_spans()[r])
+  const Recorder& rec = e.recorder();
+  for (const Span& s : rec.spans()[r])
+    t.span(e.strategy().phase_name(s.phase), "phase", r, s.start_us, s.end_us, {{"step", s.step}});
+  for (const EvalSpan& s : rec.eval_spans()[r])
     t.span("evaluate", "evaluate", r, s.start_us, s.end_us, {{"step", s.step}, {"images", s.images}});
   if (e.buckets().empty()) return;  // one all-reduce after backward: the device lane's "all-reduce"
   t.lane(n + r, name + " comm", 2 * r + 1);
-  for (const BucketSpan& s : e.bucket_spans()[r]) {
+  for (const BucketSpan& s : rec.bucket_spans()[r]) {
     const Bucket& b = e.buckets()[size_t(s.bucket)];
     t.span("all-reduce bucket " + std::to_string(s.bucket), "all-reduce", n + r, s.start_us, s.end_us,
            {{"step", s.step}, {"bucket", s.bucket}, {"bytes", b.count * int64_t(sizeof(float))}, {"layers", b.layers}});
@@ -95,10 +96,10 @@ void device_lanes(Engine& e, int r, TraceBuilder& t, bool job) {
 // The engine's lanes and spans; `job`: across processes, where lanes are named by job rank.
 void engine_events(Engine& e, TraceBuilder& t, bool job) {
   for (int r = 0; r < e.size(); ++r) device_lanes(e, r, t, job);
-  if (!e.host_spans().empty()) {
+  if (!e.recorder().host_spans().empty()) {
     const int host = 2 * e.size();
     t.lane(host, "host", host);
-    for (const HostSpan& s : e.host_spans()) {
+    for (const HostSpan& s : e.recorder().host_spans()) {
       nlohmann::json args = nlohmann::json::object();
       for (const auto& [key, value] : s.args) args[key] = value;
       t.span(s.name, "host", host, s.start_us, s.end_us, std::move(args));
@@ -110,16 +111,14 @@ void engine_events(Engine& e, TraceBuilder& t, bool job) {
 
 nlohmann::json trace_json(Engine& e, double offset_us) {
   TraceBuilder t(offset_us);
-  t.process(
-      std::string("dp ") + sync_name(e.config().sync) +
-      (e.config().sync == Sync::allreduce ? std::string(" (") + all_reduce_name(e.config().all_reduce) + ")" : ""));
+  t.process("dp " + e.strategy().describe(e.config()));
   engine_events(e, t, false);
   return t.finish();
 }
 
 double clock_offset_to_rank0(ProcessGroup& g, Engine& e, double timeout) {
   g.barrier(Deadline::after(timeout), "the trace's common instant");
-  const double mine = e.now_us();
+  const double mine = e.recorder().now_us();
   double rank0 = mine;
   g.broadcast(kHostChannel, &rank0, sizeof rank0, 0, Deadline::after(timeout), "the broadcast of rank 0's clock",
               nullptr);

@@ -49,7 +49,7 @@ void check_options(const TrainOptions& o, bool lead = true) {
                      " loader threads would be no faster than 1: a batch is a gather from the data set in memory, "
                      "which one thread assembles well within a step; give 0 or 1");
   if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");
-  if (o.bucket_kb > 0 && o.sync != Sync::allreduce)
+  if (o.bucket_kb > 0 && !find_strategy(o.sync).takes_buckets())
     throw UsageError("--bucket-kb: buckets are an all-reduce feature; add --sync allreduce");
   if (o.save_every < 0) throw UsageError("--save-every: must be >= 0");
   if (o.save_every > 0 && o.save.empty()) throw UsageError("--save-every: needs --save FILE to say where");
@@ -161,8 +161,7 @@ void note_idle_devices(const TrainOptions& o, int batch, int devices) {
   if (idle > 0)
     std::printf("note: a batch of %d over %d devices (--split %s) leaves %d device(s) without samples; %s\n", batch,
                 devices, split_name(o.split), idle,
-                o.sync == Sync::scatter ? "they idle in compute (as nn.DataParallel's unused devices do)"
-                                        : "their shards are empty and they add zero gradients");
+                find_strategy(o.sync).idle_device());
 }
 
 // Sizes past what the data holds are clamped, as a user asking for "at most N" expects, and said.
@@ -201,7 +200,7 @@ Checkpoint initial_state(const TrainOptions& o, const ModelSpec& spec, const Res
 void place(Engine& engine, const Checkpoint& state) {
   engine.set_params(state.params);
   if (!state.momentum.empty()) engine.set_momentum(state.momentum);
-  engine.set_buffers(state.buffers);
+  engine.set_running_stats(state.buffers);
   engine.set_batches_tracked(state.batches_tracked);
 }
 
@@ -358,11 +357,11 @@ class Run {
 // when tracing, a "load wait" span on the host lane per batch (with --workers 0 the wait is the
 // batch's assembly).
 const HostBatch& Run::next_batch(BatchLoader& loader, int64_t step) {
-  const double start_us = engine_.now_us();
+  const double start_us = engine_.recorder().now_us();
   const HostBatch& batch = loader.next();
-  const double end_us = engine_.now_us();
+  const double end_us = engine_.recorder().now_us();
   load_wait_us_ += end_us - start_us;
-  if (engine_.config().trace) engine_.host_span("load wait", start_us, end_us, {{"step", double(step + 1)}});
+  if (engine_.config().trace) engine_.recorder().host_span("load wait", start_us, end_us, {{"step", double(step + 1)}});
   if (batch.step != step)  // the loader and the loop walk the same plan; a mismatch is a bug here
     throw std::logic_error("loader: batch of step " + std::to_string(batch.step) + " for step " + std::to_string(step));
   return batch;
@@ -391,7 +390,7 @@ Interrupted Run::interrupted(int sig) {
   }
   if (!skipped.empty()) what += "; " + skipped[0] + (skipped.size() > 1 ? " and " + skipped[1] : "") + " not written";
   if (log_) {  // its records are on disk as they come; the steps since the last one get theirs now
-    io([&] { log_->flush(engine_.phase_seconds()); });
+    io([&] { log_->flush(engine_.recorder().phase_seconds()); });
     what += "; log " + log_->path() +
             (log_->last_step() > 0 ? " kept up to step " + std::to_string(log_->last_step()) : " has no step records");
   }
@@ -428,7 +427,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   int64_t stage_next = step_;           // the step whose batch is staged next
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);
-    const double epoch_start_us = engine_.now_us();
+    const double epoch_start_us = engine_.recorder().now_us();
     progress.begin_epoch(meter.epoch(), plan_.epochs, plan_.per_epoch, step_ % plan_.per_epoch);
     // A resumed run starts mid-epoch; every later epoch starts at a multiple of per_epoch, at step 0.
     for (int64_t s = step_ % plan_.per_epoch; s < plan_.per_epoch && step_ < plan_.total_steps; ++s) {
@@ -452,13 +451,13 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
       }
       meter.add(r);
       progress.update(s + 1, r.n, meter.loss());
-      if (log_) io([&] { log_->step(step_, meter.epoch(), r, engine_.phase_seconds(), step_ >= plan_.total_steps); });
+      if (log_) io([&] { log_->step(step_, meter.epoch(), r, engine_.recorder().phase_seconds(), step_ >= plan_.total_steps); });
       if (o_.save_every > 0 && step_ % o_.save_every == 0) save();
       stop_if_signalled();
     }
     EpochRecord rec = meter.finish();
     // The trace's host lane: the epoch's steps (its evaluation is a span on each device's lane).
-    engine_.host_span("epoch " + std::to_string(rec.epoch), epoch_start_us, engine_.now_us(),
+    engine_.recorder().host_span("epoch " + std::to_string(rec.epoch), epoch_start_us, engine_.recorder().now_us(),
                       {{"steps", double(rec.steps)}, {"images", double(rec.images)}});
     signals_.stage(Stage::evaluation);
     if (step_ >= plan_.total_steps) test_point("final-eval");
@@ -549,7 +548,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, plan, resumed.global_step);
   CheckpointSaver saver(opt, spec, id, plan.per_epoch);
   std::optional<TrainLog> log;  // opened (truncated) as training starts; rank 0's alone
-  if (!opt.log.empty() && lead) log.emplace(opt.log, opt.log_every, opt.lr, opt.sync, engine.phase_seconds());
+  if (!opt.log.empty() && lead) log.emplace(opt.log, opt.log_every, opt.lr, engine.strategy(), engine.recorder().phase_seconds());
   Run run(opt, plan, engine, saver, signals, log ? &*log : nullptr, resumed.global_step, g);
   run.stop_if_signalled();  // one that came during the setup: nothing trained, nothing saved
   TrainResult result;
@@ -603,7 +602,7 @@ nlohmann::json eval_report(const TrainOptions& o, const ModelSpec& spec, Engine&
   config.update({{"data", o.data},
                  {"limit_test", o.limit_test},
                  {"gpus", o.devices.ids},
-                 {"strategy", sync_name(o.sync)},
+                 {"strategy", o.sync},
                  {"backend_requested", o.devices.backend},
                  {"backend", kind_name(engine.device(0).kind())},
                  {"device_names", names}});
@@ -636,7 +635,7 @@ EvalResult evaluate_checkpoint(const TrainOptions& opt) {
   // Evaluated in chunks of the batch a run with these options trains with (up to the set's size).
   Engine engine(pointers(devs), spec, engine_config(opt, test.count));
   engine.set_params(state.params);
-  engine.set_buffers(state.buffers);
+  engine.set_running_stats(state.buffers);
   EpochRecord rec;
   evaluate(engine, test, rec);
   const EvalResult result{test.count, rec.test_loss, rec.test_accuracy};

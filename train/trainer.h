@@ -27,7 +27,7 @@ struct TrainOptions {
   int workers = 1;       // --workers: 0 assembles each batch between steps, 1 on a loader thread (loader.h)
   bool prefetch = true;  // off with --no-prefetch: each batch uploads at its own step (EngineConfig::prefetch)
   DeviceConfig devices;
-  Sync sync = Sync::scatter;
+  std::string sync = "scatter";  // --sync: a strategy's name (engine/strategy.h)
   Split split = Split::even;
   int64_t bucket_kb = 0;
   bool sync_bn = false;                                      // --sync-bn: SyncBatchNorm (EngineConfig::sync_bn)

@@ -34,7 +34,7 @@ namespace {
 
 // One device in this process, also when the run is one process of a job (EngineConfig::group).
 EngineConfig one_device(EngineConfig c) {
-  c.sync = Sync::allreduce, c.bucket_kb = 0, c.trace = false, c.group = nullptr;
+  c.sync = "allreduce", c.bucket_kb = 0, c.trace = false, c.group = nullptr;
   return c;
 }
 
@@ -49,7 +49,7 @@ Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const Eng
   engine_ = std::make_unique<Engine>(std::vector<Device*>{devices_.devices[0].get()}, spec, one_device(run));
   engine_->set_params(state.params);
   if (!state.momentum.empty()) engine_->set_momentum(state.momentum);
-  engine_->set_buffers(state.buffers);
+  engine_->set_running_stats(state.buffers);
 }
 
 VerifyResult Verifier::compare(Engine& run, int batch) {

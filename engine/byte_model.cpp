@@ -1,0 +1,73 @@
+#include "engine/byte_model.h"
+
+#include <algorithm>
+
+namespace dp {
+namespace {
+constexpr int64_t F = sizeof(float);
+}  // namespace
+
+int64_t CollectiveTraffic::busiest() const {
+  int64_t b = 0;
+  for (const Traffic& t : per_rank) b = std::max({b, t.sent, t.received});
+  return b;
+}
+
+std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
+  std::vector<Traffic> t;
+  for (int r = 0; r < n; ++r) t.push_back(ring_all_reduce_traffic(r, n, count));
+  return t;
+}
+
+void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, const std::vector<int64_t>& share) {
+  CollectiveTraffic ct{c, what, std::vector<Traffic>(size_t(n_))};
+  for (int i = 1; i < n_; ++i) {
+    const int64_t b = share[size_t(i)] * F;
+    Traffic &root = ct.per_rank[0], &peer = ct.per_rank[size_t(i)];
+    (root_sends ? root.sent : root.received) += b;
+    (root_sends ? peer.received : peer.sent) += b;
+  }
+  out_.push_back(ct);
+}
+
+void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, int64_t each) {
+  rooted(c, what, root_sends, std::vector<int64_t>(size_t(n_), each));
+}
+
+void ByteModel::all_reduce(const std::string& what, int64_t count) {
+  if (algorithm_ == AllReduceAlgorithm::ring)
+    return out_.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(count, n_)});
+  rooted(Collective::all_reduce, what + ": reduce to device 0", false, count);
+  rooted(Collective::all_reduce, what + ": broadcast from device 0", true, count);
+}
+
+void ByteModel::batchnorm(const ModelSpec& spec, bool sync_bn, bool backward) {
+  if (!spec.has_batchnorm()) return;
+  if (!sync_bn) {
+    if (!backward) rooted(Collective::broadcast, "running statistics", true, spec.buffer_count);
+    return;
+  }
+  std::vector<const Layer*> bns;
+  for (auto& l : spec.layers)
+    if (l.kind == LayerKind::batchnorm) bns.push_back(&l);
+  if (backward) std::reverse(bns.begin(), bns.end());
+  for (const Layer* l : bns)
+    if (backward) {
+      all_reduce(l->name + " gradient sums", 2 * int64_t(l->out_c));
+    } else {
+      all_reduce(l->name + " mean", l->out_c);
+      all_reduce(l->name + " variance", l->out_c);
+    }
+}
+
+std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n) {
+  std::vector<Traffic> total(static_cast<size_t>(n));
+  for (const auto& c : collectives)
+    for (size_t r = 0; r < total.size(); ++r) {
+      total[r].sent += c.per_rank[r].sent;
+      total[r].received += c.per_rank[r].received;
+    }
+  return total;
+}
+
+}  // namespace dp

@@ -1,0 +1,64 @@
+// The byte model: the collectives of one training step and what each device sends and receives in
+// each, from the model, the batch split and the buckets alone. Every strategy states its own
+// (Strategy::step_collectives) with this builder; the engine's measured bytes must equal it to the
+// byte (tests, dp_bench compare), and dp_bench's alpha-beta model costs a step with it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/config.h"
+#include "models/model.h"
+
+namespace dp {
+
+// One collective of a step and what each rank sends and receives in it.
+struct CollectiveTraffic {
+  Collective collective;
+  std::string what;               // "input chunks", "parameters", "gradient bucket 2", ...
+  std::vector<Traffic> per_rank;  // bytes
+  int64_t busiest() const;        // the most bytes one rank sends or receives in it
+};
+
+// What a step's bytes depend on.
+struct StepShape {
+  const ModelSpec& spec;
+  std::vector<int> sizes;        // each device's samples (split_batch of the global batch)
+  std::vector<Bucket> buckets;   // empty: the gradients in one piece
+  bool sync_bn = false;          // SyncBatchNorm (EngineConfig::sync_bn)
+  AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;
+  int devices() const { return int(sizes.size()); }
+};
+
+// Ring all-reduce of `count` floats over n ranks (reduce-scatter then all-gather over
+// even_chunks(count, n)): what each rank sends and receives.
+std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n);
+
+// The collectives of a step as a strategy lists them, in the order it runs them. All sizes in floats.
+class ByteModel {
+ public:
+  ByteModel(int n, AllReduceAlgorithm algorithm) : n_(n), algorithm_(algorithm) {}
+  // A collective rooted at device 0: with root_sends device 0 sends device i share(i) floats (scatter,
+  // broadcast), otherwise it receives them (gather, reduce).
+  void rooted(Collective c, const std::string& what, bool root_sends, const std::vector<int64_t>& share);
+  void rooted(Collective c, const std::string& what, bool root_sends, int64_t each);
+  // An all-reduce of count floats by the model's algorithm: the ring, or naive's two rooted halves.
+  void all_reduce(const std::string& what, int64_t count);
+  // BatchNorm's part of a step: local BatchNorm broadcasts device 0's running statistics before the
+  // forward; SyncBatchNorm all-reduces, per BatchNorm layer of C channels, two sums of C floats in
+  // forward (mean, variance) and one of 2C in backward (layer order, then reversed).
+  void batchnorm(const ModelSpec& spec, bool sync_bn, bool backward);
+  std::vector<CollectiveTraffic> take() { return std::move(out_); }
+
+ private:
+  int n_;
+  AllReduceAlgorithm algorithm_;
+  std::vector<CollectiveTraffic> out_;
+};
+
+// Every collective's bytes added up, per rank.
+std::vector<Traffic> total_traffic(const std::vector<CollectiveTraffic>& collectives, int n);
+
+}  // namespace dp

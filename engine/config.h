@@ -1,0 +1,63 @@
+// What an engine is built with (EngineConfig), and the small vocabulary every part of a step shares:
+// how a batch splits over the devices, the phases of a step, the gradient buckets.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/wait.h"
+
+namespace dp {
+
+class ProcessGroup;
+
+enum class Split { even, chunk };
+Split parse_split(const std::string& s);
+const char* split_name(Split s);
+
+// Per-device sample counts of a batch of b over n devices.
+//   even:  sizes differ by at most one (256 over 3 -> 86/85/85)
+//   chunk: torch.chunk's ceil(b/n) per device, the last smaller, trailing ones possibly 0
+//          (256 over 3 -> 86/86/84, 9 over 4 -> 3/3/3/0)
+std::vector<int> split_batch(int b, int n, Split split);
+
+// The phases of a training step, in order. A strategy names them (Strategy::phase_name) and runs the
+// ones it has; "reduce" is the gradient reduction of any strategy: reduce-to-root or all-reduce.
+enum class Phase { load, scatter, broadcast, forward, gather_loss, backward, reduce, optimizer };
+inline constexpr int kPhases = 8;
+
+// A contiguous range of the flat gradient buffer that is communicated as one: gradients go in buckets
+// from the last layer to the first, the order backward produces them (EngineConfig::bucket_kb).
+struct Bucket {
+  int64_t offset = 0, count = 0;
+  int layers = 0;  // parameterised layers in it
+};
+
+struct EngineConfig {
+  std::string sync = "scatter";  // the strategy (strategy.h): a name the registry knows
+  Split split = Split::even;
+  int batch = 256;  // the largest global batch a step will see; buffers are sized for it
+  float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;
+  int64_t bucket_kb = 0;  // where the strategy takes buckets: 0 = one collective after backward
+  // BatchNorm across replicas. Off: each replica normalises its own samples, and device 0's running
+  // statistics are broadcast to every replica before each step (nn.DataParallel's replicas copy
+  // device 0's buffers; DDP's broadcast_buffers does the same): they are device 0's alone. On
+  // (SyncBatchNorm): the statistics of the whole global batch, in every strategy.
+  bool sync_bn = false;
+  AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // where the strategy takes it: ring or naive (d2l)
+  double timeout = kDefaultTimeout;  // seconds a collective waits for its peers (--timeout; wait.h)
+  // Each batch uploaded during the step before it, on the devices' copy streams (Engine::stage;
+  // dp_train's default, --no-prefetch turns it off): the load phase is then only the wait for that
+  // upload, and every device that uploads holds two batch buffers instead of one.
+  bool prefetch = false;
+  bool trace = false;
+  // The job's processes (mpirun; process_group.h), for a strategy that runs across them. Null, or a
+  // group of one: this process alone. Otherwise this engine's devices are the job's devices
+  // rank·K .. rank·K + K-1 of P·K, a step's batch is split over all of them, and step() takes this
+  // process's rows of it.
+  ProcessGroup* group = nullptr;
+};
+
+}  // namespace dp

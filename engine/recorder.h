@@ -1,0 +1,114 @@
+// What the engine records of its steps, in one place: the seconds each device spends in each phase,
+// the trace's spans (phases, bucket collectives, evaluations, the trainer's host spans) and the bytes
+// each device moved in the last full step. The engine writes to it; the report, the log, the trace and
+// dp_bench read it.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/config.h"
+#include "engine/device.h"
+
+namespace dp {
+
+// A phase of a step on a device, as the trace shows it.
+struct Span {
+  Phase phase;
+  int64_t step;
+  double start_us, end_us;  // since the engine started
+};
+// The spans that are not step phases, recorded only when tracing (the trace lays them out).
+struct BucketSpan {  // one bucket's collective on the device's communication thread
+  int64_t step;
+  int bucket;
+  double start_us, end_us;
+};
+struct EvalSpan {  // one evaluate() on the device
+  int64_t step;    // steps trained before it
+  int images;      // this device's share
+  double start_us, end_us;
+};
+struct HostSpan {  // the trainer's own: an epoch, a save
+  std::string name;
+  double start_us, end_us;
+  std::vector<std::pair<std::string, double>> args;
+};
+
+// Per device: the seconds spent in each phase so far.
+using PhaseSeconds = std::vector<std::array<double, kPhases>>;
+
+class Recorder {
+ public:
+  // devices: the engine's; trace: keep spans (else only the phase seconds and the bytes).
+  Recorder(int devices, bool trace);
+  void set_buckets(int buckets);
+
+  // The clock every span is on: microseconds since start_time(), when the engine was built.
+  std::chrono::steady_clock::time_point start_time() const { return t0_; }
+  double now_us() const { return us(std::chrono::steady_clock::now()); }
+  double us(std::chrono::steady_clock::time_point t) const {
+    return std::chrono::duration<double, std::micro>(t - t0_).count();
+  }
+  bool tracing() const { return trace_; }
+
+  // A phase is two marks on the device (Device::mark): on CUDA two events, so the host goes on
+  // enqueueing the next phase instead of waiting for this one. Compute thread of `rank` only.
+  void phase(Device& dev, int rank, Phase p, const std::function<void()>& work);
+  // Before a step's first phase on `rank` (its marks and open phases are dropped).
+  void begin_step(Device& dev, int rank);
+  // After the step's one wait for the device: each phase's marks become seconds and, when tracing,
+  // spans of step `step`. On CUDA a phase is the GPU's time from the end of the previous phase to
+  // the end of its own work, idle time waiting for the host's launches included, so the phases add
+  // up to the step.
+  void close_phases(Device& dev, int rank, int64_t step);
+  // Where bucket b's collective on `rank` stamps its interval: null unless tracing.
+  Interval* bucket_timing(int rank, int b) { return trace_ ? &bucket_timing_[size_t(rank)][size_t(b)] : nullptr; }
+  // After the bucket collectives have returned: their stamps become spans (a bucket the communicator
+  // did not run left its interval unstamped).
+  void close_buckets(int rank, int64_t step);
+  void evaluation(int rank, int64_t step, int images, double start_us);
+  // A span on the trace's host lane; kept only when tracing. From the thread that drives the engine.
+  void host_span(std::string name, double start_us, double end_us,
+                 std::vector<std::pair<std::string, double>> args = {});
+  // Drops the phase seconds and every span.
+  void reset_timing();
+
+  // The bytes of a step: counted from before() to after() on every device, kept when `full` (a step of
+  // the configured batch, the one the byte model describes).
+  std::vector<std::pair<Traffic, Traffic>> before(const Communicator& comm) const;
+  void after(const Communicator& comm, const std::vector<std::pair<Traffic, Traffic>>& before, bool full);
+
+  const PhaseSeconds& phase_seconds() const { return phase_seconds_; }
+  const std::vector<std::vector<Span>>& spans() const { return spans_; }
+  const std::vector<std::vector<BucketSpan>>& bucket_spans() const { return bucket_spans_; }
+  const std::vector<std::vector<EvalSpan>>& eval_spans() const { return eval_spans_; }
+  const std::vector<HostSpan>& host_spans() const { return host_spans_; }
+  // Of the most recent full step, per device: among this process's devices, and to and from others.
+  Traffic step_traffic(int rank) const { return step_traffic_[size_t(rank)]; }
+  Traffic step_inter_traffic(int rank) const { return step_inter_traffic_[size_t(rank)]; }
+
+ private:
+  struct OpenPhase {  // a phase of the step in flight: its marks on the device
+    Phase phase;
+    int start, end;
+  };
+  bool trace_;
+  std::chrono::steady_clock::time_point t0_;
+  PhaseSeconds phase_seconds_;
+  std::vector<std::vector<OpenPhase>> open_phases_;   // per device
+  std::vector<std::vector<Interval>> bucket_timing_;  // per device, per bucket: this step's, when tracing
+  std::vector<std::vector<Span>> spans_;
+  std::vector<std::vector<BucketSpan>> bucket_spans_;
+  std::vector<std::vector<EvalSpan>> eval_spans_;
+  std::vector<HostSpan> host_spans_;
+  std::vector<Traffic> step_traffic_, step_inter_traffic_;
+};
+
+}  // namespace dp

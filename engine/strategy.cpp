@@ -1,0 +1,70 @@
+#include "engine/strategy.h"
+
+#include "engine/engine.h"
+#include "engine/error.h"
+
+namespace dp {
+
+// Each strategy's file defines its one instance.
+const Strategy& scatter_strategy();
+const Strategy& allreduce_strategy();
+
+// The registry: a new strategy is one line here.
+const std::vector<const Strategy*>& strategies() {
+  static const std::vector<const Strategy*> all = {&scatter_strategy(), &allreduce_strategy()};
+  return all;
+}
+
+std::string strategy_names(const char* last_separator) {
+  std::string s;
+  const auto& all = strategies();
+  for (size_t i = 0; i < all.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == all.size() ? last_separator : ", ") + std::string(all[i]->name());
+  return s;
+}
+
+std::string strategy_choices() {
+  std::string help;
+  for (const Strategy* s : strategies())
+    help += (help.empty() ? "" : " | ") + std::string(s->name()) + " (" + s->mirrors() + ")";
+  return help;
+}
+
+const Strategy& find_strategy(const std::string& name) {
+  for (const Strategy* s : strategies())
+    if (name == s->name()) return *s;
+  throw UsageError("--sync: '" + name + "' is not a strategy; use " + strategy_names());
+}
+
+const char* Strategy::phase_name(Phase p) const {
+  static const char* names[kPhases] = {"load",        "scatter",  "broadcast", "forward",
+                                       "gather+loss", "backward", "reduce",    "optimizer"};
+  return names[int(p)];
+}
+
+StepContext::StepContext(Engine& engine, int rank, const StagedBatch& batch, const std::vector<int>& sizes)
+    : engine_(engine), rank_(rank), batch_rows_(batch), sizes_(sizes), batch_(0) {
+  for (int s : sizes) batch_ += s;
+}
+
+Device& StepContext::device() const { return engine_.device(rank_); }
+Replica& StepContext::replica() const { return *engine_.replicas_[size_t(rank_)]; }
+Communicator& StepContext::comm() const { return engine_.comm(); }
+const ModelSpec& StepContext::spec() const { return engine_.spec(); }
+const EngineConfig& StepContext::config() const { return engine_.config(); }
+int StepContext::mine() const { return sizes_[size_t(engine_.first_device() + rank_)]; }
+const Replica::Upload& StepContext::upload() const { return replica().batch[size_t(batch_rows_.slot)]; }
+
+void StepContext::phase(Phase p, const std::function<void()>& work) {
+  engine_.recorder_.phase(device(), rank_, p, work);
+}
+
+void StepContext::load() { engine_.load(rank_, batch_rows_); }
+BatchNormPass StepContext::batchnorm() const { return engine_.batchnorm_pass(rank_, batch_); }
+bool StepContext::broadcasts_buffers() const { return engine_.broadcasts_buffers(); }
+const std::vector<Bucket>& StepContext::buckets() const { return engine_.buckets(); }
+int StepContext::layer_bucket(int layer) const { return engine_.layer_bucket_[size_t(layer)]; }
+Interval* StepContext::bucket_timing(int bucket) { return engine_.recorder_.bucket_timing(rank_, bucket); }
+void StepContext::close_buckets() { engine_.recorder_.close_buckets(rank_, engine_.steps()); }
+
+}  // namespace dp

@@ -1,0 +1,169 @@
+// A strategy is one way of keeping the replicas in sync, a value of --sync: one file each under
+// engine/strategies/, listed once in the registry (engine/strategy.cpp). It says what each device
+// holds, which rows of a batch each device uploads, its step phase by phase, what it does before an
+// evaluation, its byte model and its memory model; the engine (engine.h) runs it and everything that
+// reports on a run (the report, the log, the trace, dp_bench) takes the strategy's names and models
+// from it, never from tables of its own.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/byte_model.h"
+#include "engine/communicator.h"
+#include "engine/config.h"
+#include "engine/device.h"
+#include "engine/network.h"
+#include "models/model.h"
+
+namespace dp {
+
+class Engine;
+
+// A replica's stats buffer: the loss sum, the correct count and, on device 0 after a step, 1 where
+// the step's gradient held a value that is not finite (else 0).
+inline constexpr int kStats = 3, kNonfinite = 2;
+
+// Everything one device holds for its replica; which of the optional buffers it has is its
+// strategy's choice (Strategy::allocate). Shapes use B (global batch), b (largest local batch),
+// P (parameters), R (running statistics), D (input size), C (classes).
+struct Replica {
+  Buffer params;    // (P)
+  Buffer grads;     // (P)
+  Buffer momentum;  // (P) on a device that steps the optimizer; none at momentum 0
+  Buffer running;   // (R) BatchNorm's running statistics; none without BatchNorm
+  std::unique_ptr<Network> net;
+  Buffer stats;  // (kStats)
+  // The rows the device uploads (Strategy::upload_rows); with prefetch two: the one a step trains on
+  // and the next step's, uploading meanwhile (Engine::stage).
+  struct Upload {
+    Buffer x, y;
+  };
+  std::array<Upload, Device::kUploadSlots> batch;
+  Buffer input;          // (b, D) on a device that uploads nothing: the rows another device sends it
+  Buffer dlogits;        // (b, C) this device's logit gradients
+  Buffer gathered;       // (B, C) on a device that computes the loss for every device: the logits
+  Buffer gathered_grad;  // (B, C) and their gradients
+};
+
+// A batch as Engine::stage took it: the host rows, and the upload slot it goes to.
+struct StagedBatch {
+  const float* x;
+  const int32_t* y;
+  int n;
+  int slot;  // Replica::batch[slot]; always 0 without prefetch
+};
+
+// One device's part of one training step: what a strategy's step() works with. The engine builds one
+// per device per step, on that device's compute thread.
+class StepContext {
+ public:
+  StepContext(Engine& engine, int rank, const StagedBatch& batch, const std::vector<int>& sizes);
+  int rank() const { return rank_; }  // the device, among the engine's
+  Device& device() const;
+  Replica& replica() const;
+  Communicator& comm() const;
+  const ModelSpec& spec() const;
+  const EngineConfig& config() const;
+  const std::vector<int>& sizes() const { return sizes_; }  // every device of the job's share of the batch
+  int batch() const { return batch_; }                      // B: the step's global batch
+  int mine() const;                                         // this device's share of it
+  const Replica::Upload& upload() const;                    // where this step's rows were uploaded
+  // Runs `work` as phase p of the step, timed on the device (Recorder::phase).
+  void phase(Phase p, const std::function<void()>& work);
+  // The batch onto this device: its upload on the compute stream or, with prefetch, the compute
+  // stream's wait for its upload on the copy stream, staged while the step before ran.
+  void load();
+  // The BatchNorm pass of a training step; with SyncBatchNorm its statistics are all-reduced.
+  BatchNormPass batchnorm() const;
+  // Without SyncBatchNorm, on a model with BatchNorm and more than one device: device 0's running
+  // statistics go to every replica before the forward (counted as a broadcast).
+  bool broadcasts_buffers() const;
+  // The gradient buckets, and the bucket of parameterised layer `layer` (-1: none).
+  const std::vector<Bucket>& buckets() const;
+  int layer_bucket(int layer) const;
+  Interval* bucket_timing(int bucket);  // where a bucket's collective stamps its time: null unless tracing
+  void close_buckets();                 // after the bucket collectives are done: their trace spans
+
+ private:
+  Engine& engine_;
+  int rank_;
+  const StagedBatch& batch_rows_;
+  const std::vector<int>& sizes_;
+  int batch_;
+};
+
+// What a device of the strategy holds of one category beyond what every replica holds (the bytes its
+// memory model predicts, for dp_bench skew to set beside the ledger).
+struct Holding {
+  Category category;
+  int64_t bytes;
+  std::string what;
+  bool checked = true;  // false: a line of text with no ledger figure to check
+};
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  virtual const char* name() const = 0;     // the --sync value
+  virtual const char* mirrors() const = 0;  // what it is in PyTorch: "nn.DataParallel", "DDP"
+  // How it reduces the gradients, for messages: "reduces its gradients to device 0".
+  virtual const char* reduces() const = 0;
+
+  // The options it takes: --allreduce (the all-reduce algorithm), --bucket-kb (gradients in buckets
+  // overlapped with backward), and whether it runs across processes (nullptr; else why not).
+  virtual bool takes_all_reduce_algorithm() const { return false; }
+  virtual bool takes_buckets() const { return false; }
+  virtual const char* one_process_only() const { return nullptr; }
+
+  // What each device holds: whether `rank` steps the optimizer (and so holds its state), then its
+  // batch, input and output buffers (b: rows of the largest local batch, at least 1).
+  virtual bool steps_optimizer(int rank) const = 0;
+  virtual void allocate(Device& dev, Replica& rep, const ModelSpec& spec, const EngineConfig& c, int rank,
+                        int b) const = 0;
+  // The rows of a global batch of n that device `rank` of the job (of `devices`) uploads: the first
+  // and how many, within the rows of the engine's process from row 0 of its first device's share.
+  virtual std::pair<int, int> upload_rows(const std::vector<int>& sizes, int first_device, int rank) const = 0;
+  // One device's step, phase by phase; the loss of the step ends up in the stats of the devices that
+  // compute it (computes_loss).
+  virtual void step(StepContext& s) const = 0;
+  virtual bool computes_loss(int rank) const = 0;
+  // Before an evaluation, on every device: what makes each replica hold device 0's model.
+  virtual void before_evaluation(Communicator& /*comm*/, int /*rank*/, Replica& /*rep*/,
+                                 const ModelSpec& /*spec*/) const {}
+
+  // The phases it runs, their names in its vocabulary, and which of them are communication.
+  virtual bool has_phase(Phase p) const = 0;
+  virtual const char* phase_name(Phase p) const;
+  virtual bool communicates(Phase p) const = 0;
+  // "scatter", "allreduce (ring)": the strategy with what configures it.
+  virtual std::string describe(const EngineConfig& c) const { return name(); }
+  // A device the split leaves without samples: what it does.
+  virtual const char* idle_device() const = 0;
+
+  // The byte model: the collectives of one full step, in order (byte_model.h).
+  virtual std::vector<CollectiveTraffic> step_collectives(const StepShape& s) const = 0;
+  // The memory model: what device 0 holds beyond every replica's parameters, gradients, activations
+  // and workspace, after a heading; and in a sentence, for the end-of-run skew line.
+  virtual std::vector<Holding> holdings(const ModelSpec& spec, const EngineConfig& c, int devices,
+                                        std::string& heading) const = 0;
+  virtual std::string memory_note(const EngineConfig& c) const = 0;
+  // Whether device 0 holds more than the others (dp_bench skew checks skew > 1, else skew within 2% of 1).
+  virtual bool skewed(const EngineConfig& c) const = 0;
+};
+
+// The registry: every strategy, in the order help and dp_bench list them.
+const std::vector<const Strategy*>& strategies();
+// The strategy named `name`; UsageError naming --sync and the accepted values for another.
+const Strategy& find_strategy(const std::string& name);
+// "scatter or allreduce": the accepted --sync values, for messages.
+std::string strategy_names(const char* last_separator = " or ");
+// "scatter (nn.DataParallel) | allreduce (DDP)": each with what it is in PyTorch, for --help.
+std::string strategy_choices();
+
+}  // namespace dp
