@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "engine/error.h"
+#include "engine/failpoint.h"
 
 namespace dp {
 namespace {
@@ -137,42 +138,11 @@ Communicator::Communicator(std::vector<Device*> devices)
       traffic_(devices_.size()),
       inter_(devices_.size()),
       pending_(devices_.size()) {
-  // The end-to-end tests' stall (communicator.h). A rank past this communicator's size never enters
-  // it (--verify's one-device engine), so it is no error.
-  if (const char* v = std::getenv("DP_TEST_STALL"); v && *v) {
-    const std::string spec = v;
-    const size_t colon = spec.find(':');
-    int c = 0;
-    while (c < kCollectives && spec.substr(0, colon) != collective_name(Collective(c))) ++c;
-    const std::string digits = colon == std::string::npos ? "" : spec.substr(colon + 1);
-    if (c == kCollectives || digits.empty() || digits.size() > 6 ||
-        digits.find_first_not_of("0123456789") != std::string::npos)
-      throw UsageError("DP_TEST_STALL=" + spec +
-                       ": give <collective>:<rank>, e.g. all_reduce:1 (collectives: scatter, gather, broadcast, "
-                       "reduce, all_reduce)");
-    if (std::stoi(digits) < size()) stall_once(std::stoi(digits), Collective(c));
-  }
-}
-
-void Communicator::stall_once(int rank, Collective c) {
-  stall_collective_ = c;
-  stall_rank_.store(rank);
-}
-
-void Communicator::stop_answering(int rank, Collective c) {
-  // Bounded too, at twice the timeout: the peers' own deadline passes first and they abort.
-  poll_until([] { return false; }, [this] { return barrier_.aborted(); }, Deadline::after(2 * timeout_ + 1),
-             devices_[rank]->id(),
-             [&] {
-               return std::string("the stall of DP_TEST_STALL in ") + collective_text(c) + " on " +
-                      devices_[rank]->name();
-             });
+  failpoint::communicator_built(*this);
 }
 
 void Communicator::meet(int rank, Collective c) {
-  int armed = stall_rank_.load(std::memory_order_acquire);
-  if (armed == rank && stall_collective_ == c && stall_rank_.compare_exchange_strong(armed, -1))
-    stop_answering(rank, c);
+  failpoint::collective(*this, rank, c, [this] { return barrier_.aborted(); }, timeout_);
   meet(rank, collective_text(c), Deadline::after(timeout_));
 }
 

@@ -149,13 +149,6 @@ class Communicator {
   void set_timeout(double seconds) { timeout_ = seconds; }
   double timeout() const { return timeout_; }
 
-  // Test hook: the next time `rank` enters collective `c` it stops answering: it never arrives, and
-  // waits until a peer's timeout (or failure) aborts the collective, then throws Aborted. The
-  // environment variable DP_TEST_STALL=<collective>:<rank> (e.g. all_reduce:1, names as
-  // collective_name gives them) sets it on every communicator built (dp_train's end-to-end tests);
-  // a malformed value is a UsageError.
-  void stall_once(int rank, Collective c);
-
   Traffic traffic(int rank, Collective c) const { return traffic_[rank][int(c)]; }
   // Bytes between this rank's device and the others of its process, every collective together.
   Traffic total(int rank) const;
@@ -189,8 +182,8 @@ class Communicator {
     }));
   }
   float* scratch(int rank, int64_t floats);  // comm buffer on the rank's device, grown on demand
-  // Every rank's meeting point within collective c: the barrier, with the timeout (and the stall
-  // hook). Past the deadline it throws TimedOut, naming the collective, this rank's device and the
+  // Every rank's meeting point within collective c: the barrier, with the timeout (and a test
+  // build's stall, engine/failpoint.h). Past the deadline it throws TimedOut, naming the collective, this rank's device and the
   // ranks that never came. The second form names what it waits in (`what`, e.g. "the start of
   // NCCL") and takes its own deadline.
   void meet(int rank, Collective c);
@@ -214,11 +207,6 @@ class Communicator {
   std::vector<std::vector<std::future<void>>> pending_;
   AllReduceAlgorithm all_reduce_algorithm_ = AllReduceAlgorithm::ring;
   double timeout_ = kDefaultTimeout;
-
- private:
-  void stop_answering(int rank, Collective c);  // the stall hook's wait
-  std::atomic<int> stall_rank_{-1};             // -1: no stall armed
-  Collective stall_collective_ = Collective::all_reduce;
 };
 
 // NCCL when every device is a distinct GPU, the peer ring otherwise (kernels/cuda/ or the stub).

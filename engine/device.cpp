@@ -50,13 +50,6 @@ Buffer Device::alloc(size_t bytes, Category category) {
   return Buffer(this, p, bytes, category);
 }
 
-void Device::maybe_fail(const char* where) {
-  if (fault_.empty()) return;
-  std::string what = std::move(fault_);
-  fault_.clear();
-  throw DeviceError(id_, std::string("injected fault in ") + where + ": " + what);
-}
-
 void Device::check_upload_slot(int slot) const {
   if (slot < 0 || slot >= kUploadSlots)
     throw DeviceError(id_,

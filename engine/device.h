@@ -108,12 +108,6 @@ class Device {
   std::future<void> run(std::function<void()> fn) { return compute_->submit(std::move(fn)); }
   std::future<void> run_comm(std::function<void()> fn) { return comm_->submit(std::move(fn)); }
 
-  // Test hook: the next call to maybe_fail() on this device throws (fault injection).
-  void inject_fault(std::string what) { fault_ = std::move(what); }
-  void maybe_fail(const char* where);
-  // Test hook: on a simulated device every later upload ahead first waits this long (a slow copy
-  // engine), so that a step reading a batch before its upload finished reads the wrong bytes.
-  void slow_uploads(std::chrono::milliseconds delay) { upload_delay_ = delay; }
 
  protected:
   virtual void* raw_alloc(size_t bytes) = 0;
@@ -124,7 +118,6 @@ class Device {
   void stop_workers();
   // Throws DeviceError unless 0 <= slot < kUploadSlots (upload_ahead, await_upload).
   void check_upload_slot(int slot) const;
-  std::chrono::milliseconds upload_delay_{0};  // slow_uploads
 
  private:
   friend class Buffer;
@@ -132,7 +125,6 @@ class Device {
   DeviceKind kind_;
   Ledger ledger_;
   std::unique_ptr<Worker> compute_, comm_;
-  std::string fault_;
   std::vector<std::chrono::steady_clock::time_point> host_marks_;
 };
 

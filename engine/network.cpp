@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "engine/failpoint.h"
+
 namespace dp {
 namespace {
 
@@ -103,7 +105,7 @@ void Network::forward_layer(int i, const float* params, int first, int n) {
     case LayerKind::flatten:
       break;
   }
-  dev_.maybe_fail("forward");
+  failpoint::device_call(dev_, "forward");
 }
 
 void Network::batchnorm_forward(int i, const float* params, int n) {
@@ -164,7 +166,7 @@ void Network::forward_step(int i, const float* params, int first, int n) {
       input(i) + int64_t(first) * l.in_size(), params + spec_.params[l.weight].offset,
       params + spec_.params[l.bias].offset, acts_[i + 1].f() + int64_t(first) * act.out_size(),
       acts_[i + 2].f() + int64_t(first) * pool.out_size(), workspace_.f());
-  dev_.maybe_fail("forward");
+  failpoint::device_call(dev_, "forward");
 }
 
 void Network::backward_step(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first,
@@ -177,7 +179,7 @@ void Network::backward_step(int i, const float* params, const float* dy, float* 
                                       acts_[i + 1].f() + int64_t(first) * act.out_size(), dy,
                                       acts_[i].f() + (chunk_ ? 0 : int64_t(first) * l.out_size()),  // scratch
                                       dx, dw, db, workspace_.f());
-  dev_.maybe_fail("backward");
+  failpoint::device_call(dev_, "backward");
 }
 
 const float* Network::forward(const float* params, const float* x, int n, const BatchNormPass* bn) {
@@ -222,7 +224,7 @@ void Network::backward_layer(int i, const float* params, const float* dy, float*
     case LayerKind::flatten:
       break;
   }
-  dev_.maybe_fail("backward");
+  failpoint::device_call(dev_, "backward");
 }
 
 void Network::backward(const float* params, float* grads, const float* dlogits, int n,

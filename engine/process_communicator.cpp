@@ -6,18 +6,13 @@
 #include <thread>
 
 #include "engine/error.h"
+#include "engine/failpoint.h"
 
 namespace dp {
 
 ProcessCommunicator::ProcessCommunicator(std::vector<Device*> devices, ProcessGroup& group)
     : Communicator(std::move(devices)), group_(group) {
   group_.open_channels(size());
-  if (const char* v = std::getenv("DP_TEST_STALL_RANK"); v && *v) {
-    const std::string s = v;
-    if (s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos)
-      throw UsageError("DP_TEST_STALL_RANK=" + s + ": give a process rank, e.g. 1");
-    stall_rank_ = std::stoi(s);
-  }
 }
 
 void ProcessCommunicator::all_reduce(int rank, float* buf, int64_t count) {
@@ -28,10 +23,7 @@ void ProcessCommunicator::all_reduce(int rank, float* buf, int64_t count) {
   const int mine = n > 1 ? ring_owned_chunk(rank, n) : 0;
   const int64_t offset = chunk_offsets(chunk)[size_t(mine)];
   if (n > 1) ring_reduce_scatter(rank, buf, count);
-  if (rank == 0 && group_.rank() == stall_rank_) {
-    stall_rank_ = -1;
-    std::this_thread::sleep_for(std::chrono::duration<double>(2 * timeout() + 1));
-  }
+  failpoint::across_processes(*this, group_.rank(), rank, timeout());
   if (chunk[size_t(mine)] > 0) {
     devices_[rank]->synchronize();  // the chunk's adds are done before MPI reads it
     group_.all_reduce(rank, buf + offset, chunk[size_t(mine)], Deadline::after(timeout()),

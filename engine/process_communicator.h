@@ -37,10 +37,6 @@ class ProcessCommunicator : public Communicator {
  private:
   [[noreturn]] void refuse(const char* what) const;
   ProcessGroup& group_;
-  // Test hook: DP_TEST_STALL_RANK=<process rank> makes that process stop answering at its first
-  // all-reduce across processes (its device 0 sleeps for twice the timeout), so that the others' --timeout
-  // trips; tests/test_mpi.cpp.
-  int stall_rank_ = -1;
 };
 
 // The communicator of a job's process (Engine, with a group of more than one process), beside

@@ -142,7 +142,7 @@ class Strategy {
   virtual const char* phase_name(Phase p) const;
   virtual bool communicates(Phase p) const = 0;
   // "scatter", "allreduce (ring)": the strategy with what configures it.
-  virtual std::string describe(const EngineConfig& c) const { return name(); }
+  virtual std::string describe(const EngineConfig& /*c*/) const { return name(); }
   // A device the split leaves without samples: what it does.
   virtual const char* idle_device() const = 0;
 

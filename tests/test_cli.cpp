@@ -216,3 +216,26 @@ TEST_CASE("dp_train: sizes past the data are clamped with a one-line note") {
   CHECK(r.exit_code == 0);
   CHECK(r.output.find("note:") == std::string::npos);
 }
+
+// A release binary carries no test seam (engine/failpoint.h): no DP_TEST_ string in dp_train or
+// dp_bench, and the environment that drives the test build's failpoints changes nothing there.
+TEST_CASE("release binaries: no failpoint, no DP_TEST_ string in dp_train or dp_bench") {
+  auto contains = [](const std::string& path, const std::string& needle) {
+    return slurp(path).find(needle) != std::string::npos;
+  };
+  CHECK(contains(kTrain, "DP_TEST_"));  // the test build's dp_train has them: the search finds what it looks for
+  CHECK_FALSE(contains(DP_RELEASE_TRAIN_BIN, "DP_TEST_"));
+#ifdef DP_BENCH_BIN
+  CHECK_FALSE(contains(DP_BENCH_BIN, "DP_TEST_"));
+#endif
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 16);
+  const std::string run = " --backend cpu --quiet --data " + dir.path.string() + " --batch 16 --steps 2";
+  // In the test build this signals the run before it starts (exit 143); in a release build it is nothing.
+  CommandResult seamed = run_command("env DP_TEST_AT=start:SIGTERM " + kTrain + run);
+  CHECK(seamed.exit_code == 143);
+  CommandResult release =
+      run_command("env DP_TEST_AT=start:SIGTERM DP_TEST_STALL=all_reduce:x " + std::string(DP_RELEASE_TRAIN_BIN) + run);
+  INFO(release.output);
+  CHECK(release.exit_code == 0);
+}

@@ -10,6 +10,7 @@
 #include "engine/communicator.h"
 #include "engine/error.h"
 #include "tests/backends.h"
+#include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
 
 using namespace dp;
@@ -226,7 +227,7 @@ TEST_CASE(
   for (bool buckets : {false, true}) {  // on the compute thread, and on the communication thread
     CAPTURE(buckets);
     comm->set_timeout(0.2);
-    comm->stall_once(2, Collective::all_reduce);
+    dp::failpoint::stall_once(*comm, 2, Collective::all_reduce);
     const auto start = std::chrono::steady_clock::now();
     auto body = [&](int r) {
       if (!buckets) return comm->all_reduce(r, bufs[r].f(), 8);

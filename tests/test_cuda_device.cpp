@@ -25,6 +25,7 @@
 #include "tests/backends.h"
 #include "tests/ops_matrix.h"
 #include "tests/tolerance.h"
+#include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
 #if DP_TESTS_CUDA
 #include "kernels/cuda/cuda_ops.h"  // conv_choices: CudaOps' own, not the Ops interface's
@@ -301,7 +302,7 @@ TEST_CASE("cuda: a failure on one replica aborts the step on all, and the next s
     ec.sync = "allreduce", ec.batch = batch, ec.bucket_kb = bucket_kb;
     Engine engine(raw(devs), spec, ec);
     engine.set_params(init);
-    devs[1]->inject_fault("test");
+    dp::failpoint::inject_fault(*devs[1], "test");
     CHECK_THROWS_AS(engine.step(x.data(), y.data(), batch), DeviceError);
     StepResult r = engine.step(x.data(), y.data(), batch);
     CHECK(std::isfinite(r.loss));

@@ -13,6 +13,7 @@
 
 #include "train/data.h"
 #include "engine/error.h"
+#include "engine/failpoint.h"
 #include "train/progress.h"
 #include "train/trainer.h"
 
@@ -150,7 +151,7 @@ void check_directory(const std::string& flag, const std::string& shown, const fs
     throw UsageError(flag + " " + shown + ": " + dir.string() + " is not a directory");
   TempFile probe(target);  // removed at once, by a signal's _exit too
   if (probe.fd() < 0) throw UsageError(flag + " " + shown + ": cannot write there: " + std::strerror(probe.error()));
-  test_point("probe");  // DP_TEST_AT: a signal while the probe file exists
+  failpoint::at("probe");  // a test build: a signal while the probe file exists
 }
 
 // The output exists as a regular file or can be created: its directory is there and writable.
@@ -257,7 +258,7 @@ void write_file_atomically(const std::string& path, const std::vector<std::strin
       c += w, n -= size_t(w);
     }
   }
-  test_point("temp-file");  // DP_TEST_AT: a signal or a hang while the temporary file is full but not in place
+  failpoint::at("temp-file");  // a test build: a signal or a hang while the temporary file is full but not in place
   if (::fsync(tmp.fd()) != 0) throw fail("flushing to disk failed", errno);
   if (tmp.close() != 0) throw fail("flushing to disk failed", errno);
   if (tmp.rename_to(target) != 0) throw fail("cannot move the new file into place", errno);

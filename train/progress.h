@@ -1,6 +1,6 @@
 // What dp_train shows while it trains and how it stops: the progress line on a terminal; SIGINT,
 // SIGTERM and SIGHUP turned into a flag the loop reads between steps, with a grace deadline after
-// which the process leaves anyway; and the test hooks that put a signal or a hang at a chosen moment.
+// which the process leaves anyway.
 #pragma once
 
 #include <chrono>
@@ -92,14 +92,5 @@ std::string describe_signal(int sig);
 // The grace period from DP_GRACE_SECONDS (default 10): a number of seconds in (0, 86400]; anything
 // else is a UsageError naming the variable.
 double grace_seconds();
-
-// Test hooks, for tests/test_signals.cpp to hit a moment exactly: DP_TEST_AT="point:action,..." makes
-// the process raise a signal at itself (action SIGINT, SIGTERM or SIGHUP) or hang for good (action
-// hang, after a line on stderr) the first time it reaches `point`: step-N (before global step N runs),
-// final-eval (before the last epoch's evaluation), final-save, report, trace (before that write),
-// temp-file (inside a write, the temporary file full but not yet in place), probe (while
-// check_output_paths' writability probe file exists). Unset, they cost one load. A malformed value is
-// a UsageError.
-void test_point(const char* point, int64_t n = -1);
 
 }  // namespace dp

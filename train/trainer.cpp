@@ -16,6 +16,7 @@
 
 #include "train/data.h"
 #include "engine/error.h"
+#include "engine/failpoint.h"
 #include "train/job.h"
 #include "train/loader.h"
 #include "train/log.h"
@@ -308,7 +309,7 @@ class Run {
   // The report or the trace: written, then a safe point.
   void output(Stage p, const std::function<void()>& write) {
     signals_.stage(p);
-    test_point(p == Stage::report ? "report" : "trace");
+    failpoint::at(p == Stage::report ? "report" : "trace");
     io(write);
     (p == Stage::report ? report_written_ : trace_written_) = true;
     stop_if_signalled();
@@ -432,7 +433,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
     // A resumed run starts mid-epoch; every later epoch starts at a multiple of per_epoch, at step 0.
     for (int64_t s = step_ % plan_.per_epoch; s < plan_.per_epoch && step_ < plan_.total_steps; ++s) {
       signals_.stage(Stage::step);
-      test_point("step", step_ + 1);
+      failpoint::at("step", step_ + 1);
       for (; stage_next <= step_ + ahead && stage_next < plan_.total_steps; ++stage_next) {
         const HostBatch& b = next_batch(loader, stage_next);
         engine_.stage(b.x.data(), b.y.data(), b.n);
@@ -460,7 +461,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
     engine_.recorder().host_span("epoch " + std::to_string(rec.epoch), epoch_start_us, engine_.recorder().now_us(),
                       {{"steps", double(rec.steps)}, {"images", double(rec.images)}});
     signals_.stage(Stage::evaluation);
-    if (step_ >= plan_.total_steps) test_point("final-eval");
+    if (step_ >= plan_.total_steps) failpoint::at("final-eval");
     const auto eval_start = std::chrono::steady_clock::now();
     evaluate(engine_, data.test, rec, group_);
     const double eval_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - eval_start).count();
@@ -497,7 +498,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   // First: from here on a signal at any moment, even while the output paths are probed, stops the run
   // at its next safe point with 128 + signal and a line saying what was saved.
   SignalGuard signals(grace_seconds());
-  test_point("start");  // reads DP_TEST_AT: a malformed value is refused before anything runs
+  failpoint::at("start");  // a test build reads DP_TEST_AT here: a malformed value is refused before anything runs
   check_options(opt, lead);
   if (g) check_job_options(opt, g->size());
   const ModelSpec spec = make_model(opt.model);
@@ -571,7 +572,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   if (run.speak()) std::printf("%s", device_table(engine).c_str());
   if (!opt.save.empty()) {
     signals.stage(Stage::save);
-    test_point("final-save");
+    failpoint::at("final-save");
     run.save();  // a signal from here on still lets it finish: the trained weights are worth keeping
     if (run.speak()) std::printf("saved %s\n", opt.save.c_str());
   }

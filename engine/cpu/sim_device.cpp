@@ -13,6 +13,7 @@
 
 #include "engine/device.h"
 #include "engine/error.h"
+#include "engine/failpoint.h"
 #include "kernels/cpu/cpu_ops.h"
 
 namespace dp {
@@ -61,7 +62,7 @@ class SimDevice final : public Device {
         throw DeviceError(id(), std::string("cannot start the copy thread: ") + e.what());
       }
     }
-    uploads_[size_t(slot)].push_back(copier_->submit([dst, src, n, delay = upload_delay_] {
+    uploads_[size_t(slot)].push_back(copier_->submit([dst, src, n, delay = failpoint::upload_delay(*this)] {
       if (delay.count() > 0) std::this_thread::sleep_for(delay);
       if (n) std::memcpy(dst, src, n);
     }));

@@ -1,0 +1,46 @@
+// Failpoints: the places where a test makes dp fail, stall or signal itself on purpose, as etcd's
+// gofail and TiKV's fail-rs put them. Each is a call here. A release binary links
+// engine/failpoint/none.cpp, where every call does nothing and nothing reads the environment (a
+// shipped dp_train or dp_bench has no DP_TEST_ string in it); the test build's binaries (dp_tests,
+// dp_train_failpoints) link tests/failpoint/failpoints.cpp, which arms them from the tests' own calls
+// (tests/failpoint/failpoints.h) and from the environment of a dp_train a test starts:
+//   DP_TEST_AT=point:action,...      at(): raise SIGINT, SIGTERM or SIGHUP at this process, or hang
+//   DP_TEST_STALL=<collective>:<rank> collective(): that rank of every communicator never arrives in its
+//                                    first such collective (names as collective_name gives them)
+//   DP_TEST_STALL_RANK=<process>     across_processes(): that process stops answering at its first
+//                                    all-reduce across processes
+//   DP_TEST_VERIFY_OFFSET=<x>        verify_offset(): --verify's reference moved by x
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+
+#include "engine/communicator.h"
+
+namespace dp {
+
+class Device;
+
+namespace failpoint {
+
+// A moment of the run (train/): "start", "step" with n the global step it is about to run, "final-eval",
+// "final-save", "report", "trace", "temp-file", "probe".
+void at(const char* point, int64_t n = -1);
+// A device's kernel work, where it may throw an injected fault (DeviceError naming the device).
+void device_call(const Device& dev, const char* where);
+// How long a simulated device's copy thread waits before each upload ahead (a slow copy engine).
+std::chrono::milliseconds upload_delay(const Device& dev);
+// A communicator was built (throws UsageError for a malformed DP_TEST_STALL), and one of its ranks
+// enters collective c: where a stall is armed there the rank stops answering until a peer's timeout
+// aborts the collective (aborted() turns true) and throws Aborted, or past twice `timeout` TimedOut.
+void communicator_built(const Communicator& comm);
+void collective(const Communicator& comm, int rank, Collective c, const std::function<bool()>& aborted,
+                double timeout);
+// A process's device `rank` is about to all-reduce its chunk across the processes.
+void across_processes(const Communicator& comm, int process, int rank, double timeout);
+// What --verify adds to its reference's first weight before comparing (0 in a release binary).
+double verify_offset();
+
+}  // namespace failpoint
+}  // namespace dp

@@ -1,0 +1,36 @@
+// The test build's failpoints (engine/failpoint.h): what a test arms in its own process. A dp_train the
+// tests start (dp_train_failpoints) arms the same ones from its environment, as engine/failpoint.h
+// lists. A release binary has none of this.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/device.h"
+
+namespace dp::failpoint {
+
+// The next kernel call (a forward or backward) on `dev` throws DeviceError "injected fault in
+// <where>: <what>", naming the device.
+void inject_fault(const Device& dev, std::string what);
+
+// The next time `rank` of `comm` enters collective c it stops answering: it never arrives, and waits
+// until a peer's timeout (or failure) aborts the collective, then throws Aborted.
+void stall_once(const Communicator& comm, int rank, Collective c);
+
+// While alive, every upload ahead on these (simulated) devices first waits `delay`: a slow copy
+// engine, so that a step reading a batch before its upload finished reads the wrong bytes.
+class SlowUploads {
+ public:
+  SlowUploads(const std::vector<Device*>& devices, std::chrono::milliseconds delay);
+  ~SlowUploads();
+  SlowUploads(const SlowUploads&) = delete;
+  SlowUploads& operator=(const SlowUploads&) = delete;
+
+ private:
+  std::vector<const Device*> devices_;
+};
+
+}  // namespace dp::failpoint
