@@ -60,7 +60,9 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   run_all([&](int r) {
     Device& dev = *devices_[r];
     auto rep = std::make_unique<Replica>();
+    // Zeros until set_params: no replica starts from whatever the memory held (a NaN there would last).
     rep->params = dev.alloc_floats(P, Category::parameters);
+    dev.ops().fill(P, 0.0f, rep->params.f());
     rep->grads = dev.alloc_floats(P, Category::gradients);
     if (cfg_.momentum != 0.0f && strategy_.steps_optimizer(r)) {
       rep->momentum = dev.alloc_floats(P, Category::optimizer);

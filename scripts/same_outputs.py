@@ -107,7 +107,10 @@ def run_case(build, cmds, d):
         c = cmd.replace("{T}", os.path.join(build, "dp_train")).replace("{B}", os.path.join(build, "dp_bench"))
         r = subprocess.run(c, shell=True, cwd=d, env=env, capture_output=True, text=True, timeout=900)
         # dp's own lines, sorted: under mpirun the ranks' lines interleave, and OpenMPI adds its own.
-        err = "\n".join(sorted(l for l in r.stderr.splitlines() if "dp_train" in l or "dp_bench" in l))
+        # Which ranks print before MPI_Abort ends the job varies: each distinct line once, rank aside.
+        lines = {re.sub(r"^rank \d+ \([^)]*\): ", "", l) for l in r.stderr.splitlines()
+                 if "dp_train" in l or "dp_bench" in l}
+        err = "\n".join(sorted(lines))
         with open(os.path.join(d, f"cmd{i}.txt"), "w") as f:
             f.write(f"exit {r.returncode}\n{r.stdout}\n--- stderr\n{err}\n")
 

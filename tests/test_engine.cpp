@@ -427,6 +427,8 @@ TEST_CASE("cuda: prefetch on the copy stream trains bit-identical to uploads at 
 
 TEST_CASE("prefetch: staging past the buffers, a step with nothing staged, and a failed step are handled") {
   const ModelSpec spec = make_model("lenet5");
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 9, init.data());
   Batches data = make_batches(4, 12, 9);
   for (bool prefetch : {false, true}) {
     CAPTURE(prefetch);
@@ -434,6 +436,7 @@ TEST_CASE("prefetch: staging past the buffers, a step with nothing staged, and a
     EngineConfig c;
     c.batch = 12, c.sync = "allreduce", c.prefetch = prefetch;
     Engine e(raw(devs), spec, c);
+    e.set_params(init);
     CHECK_THROWS_AS(e.step(), std::logic_error);
     const int most = prefetch ? 2 : 1;
     for (int i = 0; i < most; ++i) e.stage(data.x[size_t(i)].data(), data.y[size_t(i)].data(), 12);

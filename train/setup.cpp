@@ -1,0 +1,188 @@
+// What a run decides before its first step (setup.h).
+#include "train/setup.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "engine/error.h"
+#include "train/loader.h"
+#include "train/paths.h"
+
+namespace dp {
+
+// lead: this process writes the outputs (rank 0 of a job, or the only process).
+void check_options(const TrainOptions& o, bool lead) {
+  if (o.batch <= 0)
+    throw UsageError("--batch: " + std::to_string(o.batch) +
+                     " is not a batch size; give a positive number of images, e.g. 256");
+  if (o.epochs <= 0 && o.steps <= 0) throw UsageError("--epochs: must be at least 1 (or give --steps)");
+  if (o.steps < 0) throw UsageError("--steps: must be positive");
+  if (!std::isfinite(o.lr) || o.lr <= 0) throw UsageError("--lr: must be a positive finite number, e.g. 0.1");
+  if (!std::isfinite(o.momentum) || o.momentum < 0 || o.momentum >= 1)
+    throw UsageError("--momentum: must be in [0, 1)");
+  if (!std::isfinite(o.weight_decay) || o.weight_decay < 0) throw UsageError("--weight-decay: must be >= 0");
+  if (o.limit_train < 0 || o.limit_test < 0)
+    throw UsageError("--limit-train/--limit-test: must be >= 0 (0 keeps every sample)");
+  if (o.workers < 0)
+    throw UsageError("--workers: " + std::to_string(o.workers) +
+                     " is not a number of loader threads; give 0 (each batch assembled between steps) or 1");
+  if (o.workers > kMaxWorkers)
+    throw UsageError("--workers: " + std::to_string(o.workers) +
+                     " loader threads would be no faster than 1: a batch is a gather from the data set in memory, "
+                     "which one thread assembles well within a step; give 0 or 1");
+  if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");
+  if (o.bucket_kb > 0 && !find_strategy(o.sync).takes_buckets())
+    throw UsageError("--bucket-kb: buckets are an all-reduce feature; add --sync allreduce");
+  if (o.save_every < 0) throw UsageError("--save-every: must be >= 0");
+  if (o.save_every > 0 && o.save.empty()) throw UsageError("--save-every: needs --save FILE to say where");
+  if (o.log_every < 1)
+    throw UsageError("--log-every: " + std::to_string(o.log_every) + " is not a step count; give at least 1");
+  // Everything written at the end is checked before training: an unwritable path must not cost a run,
+  // and no output may destroy another output or an input.
+  if (lead) check_output_paths(o);
+  if (!o.load.empty() && !o.resume.empty())
+    throw UsageError("--load and --resume: give one (--resume also restores the optimizer and position)");
+}
+
+// No product or sum here can overflow: per_epoch <= train_count < 2^32 and epochs < 2^31, so
+// per_epoch * epochs < 2^63; the epoch count is a quotient, checked against the int the epoch
+// records and the report count in.
+Schedule schedule(const TrainOptions& o, int64_t train_count) {
+  Schedule s;
+  s.per_epoch = train_count / o.batch + (train_count % o.batch != 0);
+  s.total_steps = o.steps > 0 ? o.steps : s.per_epoch * o.epochs;
+  const int64_t epochs = s.total_steps / s.per_epoch + (s.total_steps % s.per_epoch != 0);
+  if (epochs > std::numeric_limits<int>::max())
+    throw UsageError("--steps: " + std::to_string(s.total_steps) + " steps of " + std::to_string(s.per_epoch) +
+                     " per epoch are " + std::to_string(epochs) + " epochs, more than the " +
+                     std::to_string(std::numeric_limits<int>::max()) + " a run can count; give fewer steps");
+  s.epochs = int(epochs);
+  return s;
+}
+
+// Either set, each held to the same checks: the model's image size and label range.
+Dataset load_set(const TrainOptions& o, const ModelSpec& spec, const char* prefix, int64_t limit) {
+  return load_idx(o.data, prefix, limit, spec.classes, ImageShape{spec.in_h, spec.in_w, spec.name});
+}
+
+DataSets load_data(const TrainOptions& o, const ModelSpec& spec) {
+  DataSets d{load_set(o, spec, "train", o.limit_train), load_set(o, spec, "t10k", o.limit_test)};
+  if (d.train.count == 0)
+    throw UsageError(o.data + ": the training set has no images (--limit-train keeps the first N of them)");
+  return d;
+}
+
+EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
+  EngineConfig ec;
+  // Buffers are sized for the largest batch a step will see: never more than the training set.
+  ec.sync = o.sync, ec.split = o.split, ec.batch = int(std::min<int64_t>(o.batch, train_count)), ec.lr = o.lr;
+  ec.momentum = o.momentum, ec.weight_decay = o.weight_decay, ec.bucket_kb = o.bucket_kb, ec.trace = !o.trace.empty();
+  ec.sync_bn = o.sync_bn;
+  ec.all_reduce = o.all_reduce;
+  ec.timeout = o.timeout;
+  ec.prefetch = o.prefetch && !o.eval;  // --eval stages nothing
+  return ec;
+}
+
+// BatchNorm in training divides by the count's variance less one: a replica normalising one sample
+// (PyTorch: "Expected more than 1 value per channel when training") is refused before any step, for
+// the full batch and, where the run gets there, the epoch's last, smaller one. With --sync-bn only
+// the global batch counts.
+void check_batchnorm(const TrainOptions& o, const ModelSpec& spec, const Schedule& plan, int64_t train_count,
+                     int devices) {
+  if (o.sync_bn && !spec.has_batchnorm())
+    throw UsageError("--sync-bn: model " + spec.name + " has no BatchNorm; the model with BatchNorm is lenet-bn");
+  if (!spec.has_batchnorm() || o.eval) return;
+  if (o.verify && !o.sync_bn && devices > 1)
+    throw UsageError(
+        "--verify: with BatchNorm each of the " + std::to_string(devices) +
+        " devices normalises its own samples, which one device on the full batch does not: the runs differ by "
+        "more than summation order. Add --sync-bn (then they match), or run --verify on one device");
+  const int64_t batch = std::min<int64_t>(o.batch, train_count);
+  const int64_t last = plan.total_steps >= plan.per_epoch ? train_count % batch : 0;
+  for (int64_t b : {batch, last}) {
+    if (b == 0) continue;
+    const std::string which = (b == batch ? "a batch of " : "the epoch's last batch of ") + std::to_string(b);
+    const auto sizes = split_batch(int(b), o.sync_bn ? 1 : devices, o.split);  // --sync-bn: the global batch
+    for (size_t d = 0; d < sizes.size(); ++d)
+      if (sizes[d] == 1)
+        throw UsageError("--model " + spec.name + ": " + which +
+                         (sizes.size() > 1 ? " over " + std::to_string(devices) + " devices gives device " +
+                                                 std::to_string(d) + " a shard of 1 sample"
+                                           : (b == 1 ? " sample" : "")) +
+                         ", and BatchNorm needs more than 1 value per channel in training; give a --batch or "
+                         "--limit-train that leaves " +
+                         (sizes.size() > 1 ? "every device 0 or at least 2 samples, or add --sync-bn (statistics "
+                                             "over the global batch)"
+                                           : "at least 2 samples in every batch"));
+  }
+}
+
+std::vector<Device*> pointers(const DeviceSet& set) {
+  std::vector<Device*> out;
+  for (auto& d : set.devices) out.push_back(d.get());
+  return out;
+}
+
+// A device the split leaves without samples (batch < devices, or torch.chunk's trailing devices)
+// idles under scatter, as in nn.DataParallel; said once, for the full batch.
+void note_idle_devices(const TrainOptions& o, int batch, int devices) {
+  auto sizes = split_batch(batch, devices, o.split);
+  int idle = int(std::count(sizes.begin(), sizes.end(), 0));
+  if (idle > 0)
+    std::printf("note: a batch of %d over %d devices (--split %s) leaves %d device(s) without samples; %s\n", batch,
+                devices, split_name(o.split), idle,
+                find_strategy(o.sync).idle_device());
+}
+
+// Sizes past what the data holds are clamped, as a user asking for "at most N" expects, and said.
+void note_clamped_sizes(const TrainOptions& o, const DataSets& d) {
+  auto more_than = [&](const std::string& flag, int64_t asked, int64_t count, const std::string& images) {
+    std::printf("note: %s %lld is more than the %lld %s; %s\n", flag.c_str(), (long long)asked, (long long)count,
+                images.c_str(), flag == "--batch" ? "every step trains on all of them" : "all of them are used");
+  };
+  const std::string in = " images in " + o.data;
+  if (o.limit_train > d.train.count) more_than("--limit-train", o.limit_train, d.train.count, "training" + in);
+  if (o.limit_test > d.test.count) more_than("--limit-test", o.limit_test, d.test.count, "test" + in);
+  if (o.batch > d.train.count)
+    more_than("--batch", o.batch, d.train.count,
+              o.limit_train == d.train.count ? "training images --limit-train keeps" : "training" + in);
+}
+
+// --resume's weights (with momentum), --load's, or fresh ones drawn from --seed, with BatchNorm's
+// running statistics.
+Checkpoint initial_state(const TrainOptions& o, const ModelSpec& spec, const Resumed& resumed) {
+  if (!o.resume.empty()) return resumed.checkpoint;
+  Checkpoint init;
+  if (!o.load.empty()) {
+    init = load_checkpoint(o.load, spec);
+    init.momentum.clear();  // --load starts the optimizer afresh
+    if (!init.note.empty() && !o.quiet) std::printf("note: %s\n", init.note.c_str());
+    return init;
+  }
+  init.params.resize(size_t(spec.param_count));
+  init_params(spec, o.seed, init.params.data());
+  init.buffers.resize(size_t(spec.buffer_count));
+  init_buffers(spec, init.buffers.data());
+  return init;
+}
+
+// A state (weights, momentum, running statistics) onto every replica.
+void place(Engine& engine, const Checkpoint& state) {
+  engine.set_params(state.params);
+  if (!state.momentum.empty()) engine.set_momentum(state.momentum);
+  engine.set_running_stats(state.buffers);
+  engine.set_batches_tracked(state.batches_tracked);
+}
+
+void print_resuming(const TrainOptions& o, const Schedule& s, int64_t global_step) {
+  std::printf("resuming from %s at step %lld (epoch %lld, step %lld of %lld)%s\n", o.resume.c_str(),
+              (long long)global_step, (long long)(global_step / s.per_epoch) + 1,
+              (long long)(global_step % s.per_epoch), (long long)s.per_epoch,
+              global_step >= s.total_steps ? "; that is already the last step, nothing to train" : "");
+}
+
+
+}  // namespace dp

@@ -1,0 +1,52 @@
+// What a run decides before its first step: its options checked, how long it is, its data, the
+// engine's configuration, BatchNorm's batch checks, the notes it prints, and the state it starts
+// from. Shared by training (trainer.cpp) and --eval (eval.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/device.h"
+#include "engine/engine.h"
+#include "train/checkpoint.h"
+#include "train/data.h"
+#include "train/resume.h"
+#include "train/trainer.h"
+
+namespace dp {
+
+// Every option on its own and against the others; lead: this process writes the outputs (rank 0 of a
+// job, or the only process), whose paths are checked before training.
+void check_options(const TrainOptions& o, bool lead = true);
+
+// How long the run is, in steps. The position is the global step alone: epoch global_step / per_epoch,
+// step global_step % per_epoch within it.
+struct Schedule {
+  int64_t per_epoch = 0, total_steps = 0;
+  int epochs = 0;
+};
+
+Schedule schedule(const TrainOptions& o, int64_t train_count);
+
+struct DataSets {
+  Dataset train, test;
+};
+
+// The training and test sets; a set is refused where it does not fit the model.
+Dataset load_set(const TrainOptions& o, const ModelSpec& spec, const char* prefix, int64_t limit);
+DataSets load_data(const TrainOptions& o, const ModelSpec& spec);
+
+EngineConfig engine_config(const TrainOptions& o, int64_t train_count);
+void check_batchnorm(const TrainOptions& o, const ModelSpec& spec, const Schedule& plan, int64_t train_count,
+                     int devices);
+std::vector<Device*> pointers(const DeviceSet& set);
+
+void note_idle_devices(const TrainOptions& o, int batch, int devices);
+void note_clamped_sizes(const TrainOptions& o, const DataSets& d);
+void print_resuming(const TrainOptions& o, const Schedule& s, int64_t global_step);
+
+Checkpoint initial_state(const TrainOptions& o, const ModelSpec& spec, const Resumed& resumed);
+void place(Engine& engine, const Checkpoint& state);
+
+}  // namespace dp
