@@ -84,47 +84,45 @@ nlohmann::json json_of(const Measured& m, int n) {
           {"busbw_gbps", m.busbw / 1e9}};
 }
 
-}  // namespace
-
-int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& group) {
-  DeviceSet set = make_devices(o.devices);
-  const int K = int(set.devices.size()), P = group.size(), n = P * K;
-  // Every process runs the same sweep on as many devices, checked before any channel opens (a process
-  // with fewer devices would leave the others waiting in a collective).
-  check_agreement(group,
-                  {{"devices per process (--gpus/--devices)", std::to_string(K)},
-                   {"--min-bytes", std::to_string(sw.min_bytes)},
-                   {"--max-bytes", std::to_string(sw.max_bytes)},
-                   {"--iters", std::to_string(o.iters)}},
-                  kDefaultTimeout);
-  if (n < 2)
-    throw UsageError(
-        "comm across processes: one process of one device has no collective to measure; run more "
-        "processes (mpirun -np 2) or give more devices");
-  if (set.devices[0]->kind() == DeviceKind::cuda)
-    throw UsageError(
-        "comm across processes: GPUs across processes go through NCCL, which this measurement does not cover yet; "
-        "use --backend cpu (simulated devices)");
+// The devices of this process in a communicator across the job, with one buffer each of the largest size.
+struct Job {
+  ProcessGroup& group;
+  const CommOptions& o;
   std::vector<Device*> devices;
-  for (auto& d : set.devices) devices.push_back(d.get());
-  std::printf("%s\n", set.notice.c_str());
-  ProcessCommunicator comm(devices, group);
-  const double timeout = comm.timeout();
+  ProcessCommunicator comm;
+  int K, P, n;
+  double timeout;
+  std::vector<Buffer> buf;  // per device: (max_count)
 
-  // The sweep's sizes and LeNet's gradient, ascending; each device holds one buffer of the largest.
-  const int64_t lenet_bytes = make_model("lenet").param_count * int64_t(sizeof(float));
-  std::vector<int64_t> sizes = sweep_sizes(sw.min_bytes, sw.max_bytes);
-  if (std::find(sizes.begin(), sizes.end(), lenet_bytes) == sizes.end()) sizes.push_back(lenet_bytes);
-  std::sort(sizes.begin(), sizes.end());
-  const int64_t max_count = sizes.back() / 4;
-  std::vector<Buffer> buf(static_cast<size_t>(K));
-  spmd(comm, devices, [&](int k) {
-    buf[size_t(k)] = devices[size_t(k)]->alloc_floats(max_count, Category::workspace);
-    devices[size_t(k)]->ops().fill(max_count, 0.0f, buf[size_t(k)].f());  // zeros: repeated sums stay finite
-    devices[size_t(k)]->synchronize();
-  });
-  std::vector<float> host(size_t(max_count), 0.0f);  // MPI's buffer, in this process's memory
+  Job(ProcessGroup& g, const CommOptions& options, std::vector<Device*> devs, int64_t max_count)
+      : group(g),
+        o(options),
+        devices(std::move(devs)),
+        comm(devices, g),
+        K(int(devices.size())),
+        P(g.size()),
+        n(P * K),
+        timeout(comm.timeout()),
+        buf(devices.size()) {
+    spmd(comm, devices, [&](int k) {
+      buf[size_t(k)] = devices[size_t(k)]->alloc_floats(max_count, Category::workspace);
+      devices[size_t(k)]->ops().fill(max_count, 0.0f, buf[size_t(k)].f());  // zeros: repeated sums stay finite
+      devices[size_t(k)]->synchronize();
+    });
+  }
+  ~Job() {
+    for (int k = 0; k < K; ++k) devices[size_t(k)]->run([&, k] { buf[size_t(k)].reset(); }).get();
+  }
 
+  // dp's all-reduce beside a bare MPI_Allreduce at every size: the table, and its points for --json.
+  nlohmann::json sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes);
+  // One all-reduce of LeNet's gradient on every device, its bytes against the hierarchical model;
+  // every process's records, in rank order (every process judges and prints alike).
+  nlohmann::json check_bytes(int64_t lenet_bytes, bool& any_off);
+};
+
+nlohmann::json Job::sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes) {
+  std::vector<float> host(size_t(sizes.back() / 4), 0.0f);  // MPI's buffer, in this process's memory
   std::printf(
       "\nall-reduce across %d processes (%s): dp over %d devices (%d per process) vs a bare MPI_Allreduce over "
       "the %d processes; time per op = the slowest rank's mean over up to %d ops after one warm-up\n",
@@ -163,8 +161,10 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
                    {"busbw_ratio", ratio}});
   }
   std::printf("%s", t.str(2).c_str());
+  return pts;
+}
 
-  // One all-reduce of LeNet's gradient, every device's bytes against the model.
+nlohmann::json Job::check_bytes(int64_t lenet_bytes, bool& any_off) {
   const int64_t count = lenet_bytes / 4;
   comm.reset_traffic();
   spmd(comm, devices, [&](int k) { comm.all_reduce(k, buf[size_t(k)].f(), count); });
@@ -186,15 +186,13 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
                     {"matches_model", local.sent == model.local.sent && local.received == model.local.received &&
                                           inter.sent == model.inter.sent && inter.received == model.inter.received}});
   }
-  // Every process's records, in rank order: every process judges and prints alike (rank 0's stdout is
-  // the one that shows).
-  nlohmann::json bytes_check = nlohmann::json::array();
+  nlohmann::json records = nlohmann::json::array();
   for (const std::string& s : group.all_gather(mine.dump(), Deadline::after(timeout), "dp_bench comm's byte records"))
-    for (auto& d : nlohmann::json::parse(s)) bytes_check.push_back(d);
+    for (auto& d : nlohmann::json::parse(s)) records.push_back(d);
   std::printf("\nbytes of one all-reduce of lenet's gradient (%s), sent / received, against the hierarchical model:\n",
               format_bytes(lenet_bytes).c_str());
-  bool any_off = false;
-  for (const nlohmann::json& d : bytes_check) {
+  any_off = false;
+  for (const nlohmann::json& d : records) {
     auto b = [&](const char* key) { return commas(d[key].get<int64_t>()); };
     const bool ok = d["matches_model"];
     any_off |= !ok;
@@ -205,10 +203,49 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
                 b("model_inter_sent").c_str(), b("model_inter_received").c_str(), ok ? "" : "  OFF THE MODEL");
   }
   std::printf("%s\n", any_off ? "bytes: OFF the model (see the lines marked)" : "bytes: every device equals the model");
+  return records;
+}
 
+// Every process runs the same sweep on as many devices, checked before any channel opens (a process
+// with fewer devices would leave the others waiting in a collective).
+void check_job(ProcessGroup& group, const CommSweep& sw, const CommOptions& o, const DeviceSet& set) {
+  const int K = int(set.devices.size());
+  check_agreement(group,
+                  {{"devices per process (--gpus/--devices)", std::to_string(K)},
+                   {"--min-bytes", std::to_string(sw.min_bytes)},
+                   {"--max-bytes", std::to_string(sw.max_bytes)},
+                   {"--iters", std::to_string(o.iters)}},
+                  kDefaultTimeout);
+  if (group.size() * K < 2)
+    throw UsageError(
+        "comm across processes: one process of one device has no collective to measure; run more "
+        "processes (mpirun -np 2) or give more devices");
+  if (set.devices[0]->kind() == DeviceKind::cuda)
+    throw UsageError(
+        "comm across processes: GPUs across processes go through NCCL, which this measurement does not cover yet; "
+        "use --backend cpu (simulated devices)");
+}
+
+}  // namespace
+
+int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& group) {
+  DeviceSet set = make_devices(o.devices);
+  check_job(group, sw, o, set);
+  std::vector<Device*> devices;
+  for (auto& d : set.devices) devices.push_back(d.get());
+  std::printf("%s\n", set.notice.c_str());
+  // The sweep's sizes and LeNet's gradient, ascending; each device holds one buffer of the largest.
+  const int64_t lenet_bytes = make_model("lenet").param_count * int64_t(sizeof(float));
+  std::vector<int64_t> sizes = sweep_sizes(sw.min_bytes, sw.max_bytes);
+  if (std::find(sizes.begin(), sizes.end(), lenet_bytes) == sizes.end()) sizes.push_back(lenet_bytes);
+  std::sort(sizes.begin(), sizes.end());
+  Job job(group, o, devices, sizes.back() / 4);
+  const nlohmann::json pts = job.sweep(sizes, lenet_bytes);
+  bool any_off = false;
+  const nlohmann::json bytes_check = job.check_bytes(lenet_bytes, any_off);
   nlohmann::json j = {{"command", o.command},
-                      {"processes", P},
-                      {"devices_per_process", K},
+                      {"processes", job.P},
+                      {"devices_per_process", job.K},
                       {"hosts", group.hosts()},
                       {"min_bytes", sw.min_bytes},
                       {"max_bytes", sw.max_bytes},
@@ -218,7 +255,6 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
                       {"bytes_check", bytes_check},
                       {"bytes_match_model", !any_off}};
   if (group.rank() == 0 && !o.json.empty()) write_json(o.json, j);
-  for (int k = 0; k < K; ++k) devices[size_t(k)]->run([&, k] { buf[size_t(k)].reset(); }).get();
   return any_off ? 1 : 0;
 }
 

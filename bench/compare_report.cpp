@@ -25,6 +25,64 @@ std::string sizes_text(const std::vector<int>& sizes) {
 
 }  // namespace
 
+namespace {
+
+// A table with a column per strategy: each row's cells come from asking every strategy's run.
+class StrategyTable {
+ public:
+  explicit StrategyTable(const DeviceCountRun& run) : run_(run) {
+    std::vector<std::string> head{""};
+    for (auto& s : run.strategies) head.push_back(s.design.name);
+    t_.row(head);
+  }
+  template <class Cell>
+  void add(const std::string& label, Cell cell) {
+    std::vector<std::string> r{label};
+    for (auto& s : run_.strategies) r.push_back(cell(s));
+    t_.row(r);
+  }
+  void heading(const std::string& text) { t_.row({text}); }
+  std::string str() const { return t_.str(); }
+
+ private:
+  const DeviceCountRun& run_;
+  Table t_;
+};
+
+void add_phases(StrategyTable& t) {
+  t.heading("time per step by phase, ms (device 0 / max over devices)");
+  for (int p = 0; p < kPhases; ++p) {
+    // The phase as each strategy names it: "reduce | all-reduce".
+    std::string label;
+    for (const Strategy* s : strategies())
+      if (const std::string name = s->phase_name(Phase(p)); label.find(name) == std::string::npos)
+        label += (label.empty() ? "" : " | ") + name;
+    t.add("  " + label, [&](const StrategyRun& s) -> std::string {
+      if (!s.design.strategy->has_phase(Phase(p))) return "-";
+      double worst = 0;
+      for (auto& d : s.phase_seconds) worst = std::max(worst, d[p]);
+      return ms(s.phase_seconds[0][p]) + " / " + ms(worst);
+    });
+  }
+}
+
+void add_bytes_and_memory(StrategyTable& t, const DeviceCountRun& run) {
+  t.heading("bytes per device per step, sent / received (measured, then the byte model)");
+  for (int r = 0; r < run.n; ++r) {
+    t.add("  " + run.names[r] + " measured",
+          [&](const StrategyRun& s) { return commas(s.measured[r].sent) + " / " + commas(s.measured[r].received); });
+    t.add("  " + run.names[r] + " model", [&](const StrategyRun& s) {
+      bool ok = s.measured[r].sent == s.predicted[r].sent && s.measured[r].received == s.predicted[r].received;
+      return commas(s.predicted[r].sent) + " / " + commas(s.predicted[r].received) + (ok ? " match" : " MISMATCH");
+    });
+  }
+  t.heading("peak memory per device (ledger)");
+  for (int r = 0; r < run.n; ++r)
+    t.add("  " + run.names[r], [&](const StrategyRun& s) { return format_bytes(s.ledgers[r].total_peak); });
+}
+
+}  // namespace
+
 void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOptions& o) {
   const int n = run.n;
   const char* kind = run.kind == DeviceKind::cuda ? "CUDA" : "simulated";
@@ -34,52 +92,20 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
       spec.name.c_str(), commas(spec.param_count).c_str(), o.batch, sizes_text(run.sizes).c_str(), n, kind,
       n > 1 ? "s" : "", device_range(run.names).c_str(), o.steps, o.warmup, (unsigned long long)o.seed,
       o.bucket_kb > 0 ? (", naive and allreduce buckets of " + std::to_string(o.bucket_kb) + " KiB").c_str() : "");
-  Table t;
-  std::vector<std::string> head{""};
-  for (auto& s : run.strategies) head.push_back(s.design.name);
-  t.row(head);
-  auto add = [&](const std::string& label, auto cell) {
-    std::vector<std::string> r{label};
-    for (auto& s : run.strategies) r.push_back(cell(s));
-    t.row(r);
-  };
-  add("step time, median / min / max (ms)", [&](const StrategyRun& s) {
+  StrategyTable t(run);
+  t.add("step time, median / min / max (ms)", [&](const StrategyRun& s) {
     auto [lo, hi] = std::minmax_element(s.step_seconds.begin(), s.step_seconds.end());
     return ms(median(s.step_seconds)) + " / " + ms(*lo) + " / " + ms(*hi);
   });
-  add("images/s", [&](const StrategyRun& s) { return commas(int64_t(s.images_per_second + 0.5)); });
-  add("loss of the last step", [&](const StrategyRun& s) { return fixed(s.loss, 6); });
-  t.row({"time per step by phase, ms (device 0 / max over devices)"});
-  for (int p = 0; p < kPhases; ++p) {
-    // The phase as each strategy names it: "reduce | all-reduce".
-    std::string label;
-    for (const Strategy* s : strategies())
-      if (const std::string name = s->phase_name(Phase(p)); label.find(name) == std::string::npos)
-        label += (label.empty() ? "" : " | ") + name;
-    add("  " + label, [&](const StrategyRun& s) -> std::string {
-      if (!s.design.strategy->has_phase(Phase(p))) return "-";
-      double worst = 0;
-      for (auto& d : s.phase_seconds) worst = std::max(worst, d[p]);
-      return ms(s.phase_seconds[0][p]) + " / " + ms(worst);
-    });
-  }
-  t.row({"communication per step, ms"});
-  add(run.ab.repeats.empty() ? "  α-β model (below)" : "  α-β model, median fit (below)",
-      [&](const StrategyRun& s) { return run.ab.valid() ? ms(s.comm_model_seconds, 3) : std::string("-"); });
-  add("  measured: communication phases, max over devices",
-      [&](const StrategyRun& s) { return ms(s.comm_measured_seconds, 3); });
-  t.row({"bytes per device per step, sent / received (measured, then the byte model)"});
-  for (int r = 0; r < n; ++r) {
-    add("  " + run.names[r] + " measured",
-        [&](const StrategyRun& s) { return commas(s.measured[r].sent) + " / " + commas(s.measured[r].received); });
-    add("  " + run.names[r] + " model", [&](const StrategyRun& s) {
-      bool ok = s.measured[r].sent == s.predicted[r].sent && s.measured[r].received == s.predicted[r].received;
-      return commas(s.predicted[r].sent) + " / " + commas(s.predicted[r].received) + (ok ? " match" : " MISMATCH");
-    });
-  }
-  t.row({"peak memory per device (ledger)"});
-  for (int r = 0; r < n; ++r)
-    add("  " + run.names[r], [&](const StrategyRun& s) { return format_bytes(s.ledgers[r].total_peak); });
+  t.add("images/s", [&](const StrategyRun& s) { return commas(int64_t(s.images_per_second + 0.5)); });
+  t.add("loss of the last step", [&](const StrategyRun& s) { return fixed(s.loss, 6); });
+  add_phases(t);
+  t.heading("communication per step, ms");
+  t.add(run.ab.repeats.empty() ? "  α-β model (below)" : "  α-β model, median fit (below)",
+        [&](const StrategyRun& s) { return run.ab.valid() ? ms(s.comm_model_seconds, 3) : std::string("-"); });
+  t.add("  measured: communication phases, max over devices",
+        [&](const StrategyRun& s) { return ms(s.comm_measured_seconds, 3); });
+  add_bytes_and_memory(t, run);
   std::printf("%s", t.str().c_str());
   if (run.ab.valid())
     std::printf(
@@ -99,22 +125,26 @@ TrainOptions as_training(const CompareOptions& o) {
   return t;
 }
 
-nlohmann::json run_json(const DeviceCountRun& run) {
-  nlohmann::json strategies = nlohmann::json::array();
-  for (const auto& s : run.strategies) {
-    nlohmann::json phases = nlohmann::json::array();
-    for (int p = 0; p < kPhases; ++p) {
-      if (!s.design.strategy->has_phase(Phase(p))) continue;
-      nlohmann::json per = nlohmann::json::array();
-      double worst = 0;
-      for (auto& d : s.phase_seconds) per.push_back(d[p] * 1e3), worst = std::max(worst, d[p]);
-      phases.push_back({{"phase", s.design.strategy->phase_name(Phase(p))},
-                        {"device0_ms", s.phase_seconds[0][p] * 1e3},
-                        {"max_ms", worst * 1e3},
-                        {"per_device_ms", per}});
-    }
-    nlohmann::json devices = nlohmann::json::array();
-    for (int r = 0; r < run.n; ++r) {
+// A strategy's phases, each on device 0, the slowest device and every device.
+nlohmann::json phases_json(const StrategyRun& s) {
+  nlohmann::json phases = nlohmann::json::array();
+  for (int p = 0; p < kPhases; ++p) {
+    if (!s.design.strategy->has_phase(Phase(p))) continue;
+    nlohmann::json per = nlohmann::json::array();
+    double worst = 0;
+    for (auto& d : s.phase_seconds) per.push_back(d[p] * 1e3), worst = std::max(worst, d[p]);
+    phases.push_back({{"phase", s.design.strategy->phase_name(Phase(p))},
+                      {"device0_ms", s.phase_seconds[0][p] * 1e3},
+                      {"max_ms", worst * 1e3},
+                      {"per_device_ms", per}});
+  }
+  return phases;
+}
+
+// Each device's bytes against the model, and its memory at its peak.
+nlohmann::json devices_json(const DeviceCountRun& run, const StrategyRun& s) {
+  nlohmann::json devices = nlohmann::json::array();
+  for (int r = 0; r < run.n; ++r) {
       nlohmann::json cats = nlohmann::json::object();
       for (int c = 0; c < kCategories; ++c) cats[category_name(Category(c))] = s.ledgers[r].at_peak[c];
       devices.push_back(
@@ -127,13 +157,23 @@ nlohmann::json run_json(const DeviceCountRun& run) {
            {"match", s.measured[r].sent == s.predicted[r].sent && s.measured[r].received == s.predicted[r].received},
            {"peak_bytes", s.ledgers[r].total_peak},
            {"peak_by_category", cats}});
-    }
-    nlohmann::json collectives = nlohmann::json::array();
-    for (const auto& c : s.collectives) {
-      nlohmann::json per = nlohmann::json::array();
-      for (const auto& t : c.per_rank) per.push_back({{"sent", t.sent}, {"received", t.received}});
-      collectives.push_back({{"collective", collective_name(c.collective)}, {"what", c.what}, {"per_rank", per}});
-    }
+  }
+  return devices;
+}
+
+nlohmann::json collectives_json(const std::vector<CollectiveTraffic>& collectives) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& c : collectives) {
+    nlohmann::json per = nlohmann::json::array();
+    for (const auto& t : c.per_rank) per.push_back({{"sent", t.sent}, {"received", t.received}});
+    out.push_back({{"collective", collective_name(c.collective)}, {"what", c.what}, {"per_rank", per}});
+  }
+  return out;
+}
+
+nlohmann::json run_json(const DeviceCountRun& run) {
+  nlohmann::json strategies = nlohmann::json::array();
+  for (const auto& s : run.strategies) {
     nlohmann::json buckets = nlohmann::json::array();
     for (const auto& b : s.buckets) buckets.push_back({{"offset", b.offset}, {"count", b.count}, {"layers", b.layers}});
     auto [lo, hi] = std::minmax_element(s.step_seconds.begin(), s.step_seconds.end());
@@ -149,13 +189,13 @@ nlohmann::json run_json(const DeviceCountRun& run) {
           {{"median", median(s.step_seconds) * 1e3}, {"min", *lo * 1e3}, {"max", *hi * 1e3}, {"all", steps_ms}}},
          {"images_per_second", s.images_per_second},
          {"loss", s.loss},
-         {"phases", phases},
+         {"phases", phases_json(s)},
          {"comm_model_ms", run.ab.valid() ? nlohmann::json(s.comm_model_seconds * 1e3) : nlohmann::json()},
          {"comm_measured_ms", s.comm_measured_seconds * 1e3},
-         {"collectives", collectives},
+         {"collectives", collectives_json(s.collectives)},
          {"buckets", buckets},
          {"bytes_match", s.match},
-         {"devices", devices}});
+         {"devices", devices_json(run, s)}});
   }
   return {{"devices", run.n},
           {"names", run.names},

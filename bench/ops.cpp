@@ -118,10 +118,7 @@ void check_memory(const ModelSpec& spec, const EngineConfig& ec, int batches) {
       fits > 0 ? "the largest batch that fits is " + std::to_string(fits) : "not even a batch of 1 fits");
 }
 
-}  // namespace
-
-int run_ops(const OpsOptions& o) {
-  using clock = std::chrono::steady_clock;
+void check_options(const OpsOptions& o) {
   if (o.backend != "cpu")
     throw UsageError("--backend: '" + o.backend +
                      "': ops profiles the simulated CPU device only (a CUDA op's call returns when it is queued, "
@@ -132,24 +129,16 @@ int run_ops(const OpsOptions& o) {
   if (o.steps <= 0) throw UsageError("--steps: " + std::to_string(o.steps) + " measured steps; give at least 1");
   if (o.warmup < 0) throw UsageError("--warmup: " + std::to_string(o.warmup) + "; give 0 or more steps");
   check_output_file("--json", o.json);
-  const ModelSpec spec = make_model(o.model);
+}
 
-  EngineConfig ec;
-  ec.sync = "allreduce", ec.batch = o.batch;  // one device: no collective, only the step
-  const int batches = std::min(o.warmup + o.steps, 8);
-  check_memory(spec, ec, batches);
-
-  auto owned = std::make_unique<ProfilingOps>(make_cpu_ops());
-  ProfilingOps& profile = *owned;
-  std::unique_ptr<Device> device = make_simulated_device(0, 0, 0, std::move(owned));
-  const std::string variant = profile.variant();
-  std::printf("ops: %s, batch %d, one simulated device (%s), CPU kernels %s; %d warm-up + %d timed steps\n",
-              spec.name.c_str(), o.batch, device->name().c_str(), variant.c_str(), o.warmup, o.steps);
-
+// The steps, timed whole after the warm-up (the profile counts the timed steps' ops); their seconds.
+double time_steps(const OpsOptions& o, const ModelSpec& spec, const EngineConfig& ec, Device& device,
+                  ProfilingOps& profile, int batches) {
+  using clock = std::chrono::steady_clock;
   const SyntheticData data = make_synthetic(spec, o.batch, batches, o.seed);
   std::vector<float> init(size_t(spec.param_count));
   init_params(spec, o.seed, init.data());
-  Engine engine({device.get()}, spec, ec);
+  Engine engine({&device}, spec, ec);
   engine.set_params(init);
   int64_t step = 0;
   for (int i = 0; i < o.warmup; ++i, ++step) engine.step(data.images(step), data.labels(step), o.batch);
@@ -160,17 +149,11 @@ int run_ops(const OpsOptions& o) {
     engine.step(data.images(step), data.labels(step), o.batch);
     step_seconds += std::chrono::duration<double>(clock::now() - t0).count();
   }
+  return step_seconds;
+}
 
-  std::vector<Row> rows;
-  double op_seconds = 0;
-  for (const auto& [key, total] : profile.totals()) {
-    rows.push_back({std::string(key.op), layer_of(spec, key, o.batch), shape_of(key), total});
-    op_seconds += total.seconds;
-  }
-  std::stable_sort(rows.begin(), rows.end(),
-                   [](const Row& a, const Row& b) { return a.total.seconds > b.total.seconds; });
-
-  const double steps = o.steps, step_us = step_seconds / steps * 1e6;
+// The rows, slowest first: the table printed, the rows for --json returned; op_seconds their sum.
+nlohmann::json print_rows(const std::vector<Row>& rows, double steps, double step_seconds, double& op_seconds) {
   auto us = [&](double seconds) { return seconds / steps * 1e6; };
   auto share = [&](double seconds) { return fixed(100.0 * seconds / step_seconds, 1) + "%"; };
   size_t layer_width = 5;
@@ -178,6 +161,7 @@ int run_ops(const OpsOptions& o) {
   Table t;
   t.row({pad("layer", int(layer_width), false) + "  op", "shape", "calls/step", "us/step", "share", "GFLOP/s"});
   nlohmann::json jrows = nlohmann::json::array();
+  op_seconds = 0;
   for (const Row& r : rows) {
     const double gflops = r.total.flops > 0 ? r.total.flops / r.total.seconds / 1e9 : 0;
     t.row({pad(r.layer.empty() ? "-" : r.layer, int(layer_width), false) + "  " + r.op, r.shape,
@@ -191,34 +175,59 @@ int run_ops(const OpsOptions& o) {
                      {"share", r.total.seconds / step_seconds},
                      {"flops_per_step", r.total.flops / steps},
                      {"gflops", r.total.flops > 0 ? nlohmann::json(gflops) : nlohmann::json(nullptr)}});
+    op_seconds += r.total.seconds;
   }
   const double host_seconds = step_seconds - op_seconds;
   t.row({"all ops", "", "", fixed(us(op_seconds), 1), share(op_seconds), ""});
   t.row({"host (outside every op)", "", "", fixed(us(host_seconds), 1), share(host_seconds), ""});
-  t.row({"step", "", "", fixed(step_us, 1), "100.0%", ""});
+  t.row({"step", "", "", fixed(us(step_seconds), 1), "100.0%", ""});
   std::printf("\n%s", t.str().c_str());
+  return jrows;
+}
+
+}  // namespace
+
+int run_ops(const OpsOptions& o) {
+  check_options(o);
+  const ModelSpec spec = make_model(o.model);
+  EngineConfig ec;
+  ec.sync = "allreduce", ec.batch = o.batch;  // one device: no collective, only the step
+  const int batches = std::min(o.warmup + o.steps, 8);
+  check_memory(spec, ec, batches);
+
+  auto owned = std::make_unique<ProfilingOps>(make_cpu_ops());
+  ProfilingOps& profile = *owned;
+  std::unique_ptr<Device> device = make_simulated_device(0, 0, 0, std::move(owned));
+  const std::string variant = profile.variant();
+  std::printf("ops: %s, batch %d, one simulated device (%s), CPU kernels %s; %d warm-up + %d timed steps\n",
+              spec.name.c_str(), o.batch, device->name().c_str(), variant.c_str(), o.warmup, o.steps);
+  const double step_seconds = time_steps(o, spec, ec, *device, profile, batches);
+
+  std::vector<Row> rows;
+  for (const auto& [key, total] : profile.totals())
+    rows.push_back({std::string(key.op), layer_of(spec, key, o.batch), shape_of(key), total});
+  std::stable_sort(rows.begin(), rows.end(),
+                   [](const Row& a, const Row& b) { return a.total.seconds > b.total.seconds; });
+  const double steps = o.steps, step_us = step_seconds / steps * 1e6;
+  double op_seconds = 0;
+  const nlohmann::json jrows = print_rows(rows, steps, step_seconds, op_seconds);
   std::printf(
       "\nstep: %.1f us, %.0f images/s; GFLOP/s counts 2 per multiply-add (a backward's: weight gradient, and "
       "data gradient but for the first layer)\n",
       step_us, o.batch / (step_seconds / steps));
-
-  if (!o.json.empty()) {
-    nlohmann::json j = {{"command", o.command},
-                        {"config",
-                         {{"model", spec.name},
-                          {"batch", o.batch},
-                          {"steps", o.steps},
-                          {"warmup", o.warmup},
-                          {"seed", o.seed},
-                          {"cpu_kernels", variant}}},
-                        {"step_us", step_us},
-                        {"ops_us", us(op_seconds)},
-                        {"host_us", us(host_seconds)},
-                        {"images_per_second", o.batch / (step_seconds / steps)},
-                        {"ops", jrows}};
-    record_backend(j["config"], o.backend, DeviceKind::simulated, {device->name()});
-    write_json(o.json, j);
-  }
+  if (o.json.empty()) return 0;
+  nlohmann::json j = {
+      {"command", o.command},
+      {"config",
+       {{"model", spec.name}, {"batch", o.batch}, {"steps", o.steps}, {"warmup", o.warmup}, {"seed", o.seed},
+        {"cpu_kernels", variant}}},
+      {"step_us", step_us},
+      {"ops_us", op_seconds / steps * 1e6},
+      {"host_us", (step_seconds - op_seconds) / steps * 1e6},
+      {"images_per_second", o.batch / (step_seconds / steps)},
+      {"ops", jrows}};
+  record_backend(j["config"], o.backend, DeviceKind::simulated, {device->name()});
+  write_json(o.json, j);
   return 0;
 }
 

@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -44,10 +45,48 @@ void check_finite(const float* v, int64_t count, const std::string& path, const 
                    "; the checkpoint is damaged or came from a diverged run");
 }
 
+using Refusal = std::function<UsageError(const std::string& why)>;
+
+// One tensor's header entry: its dtype, shape and bytes, which must lie inside the data section and
+// fill exactly what the shape needs.
+Tensor parse_tensor(const std::string& name, const nlohmann::json& v, const unsigned char* data, uint64_t data_size,
+                    std::pair<uint64_t, uint64_t>& range, const Refusal& fail) {
+  if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+    throw fail("tensor '" + name + "' lacks dtype, shape or data_offsets");
+  Tensor t;
+  if (!v["dtype"].is_string() || dtype_size(t.dtype = v["dtype"].get<std::string>()) == 0)
+    throw fail("tensor '" + name + "' has an unknown dtype");
+  if (!v["shape"].is_array()) throw fail("tensor '" + name + "' shape is not a list");
+  uint64_t numel = 1;
+  for (auto& d : v["shape"]) {
+    if (!d.is_number_unsigned()) throw fail("tensor '" + name + "' has a negative or non-integer dimension");
+    uint64_t dim = d.get<uint64_t>();
+    if (dim > (uint64_t(1) << 40) || (dim && numel > (uint64_t(1) << 40) / dim))
+      throw fail("tensor '" + name + "' is impossibly large");
+    numel *= dim;
+    t.shape.push_back(int64_t(dim));
+  }
+  auto& off = v["data_offsets"];
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+    throw fail("tensor '" + name + "' data_offsets is not [begin, end]");
+  uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
+  if (b > e || e > data_size)
+    throw fail("tensor '" + name + "' data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
+               "] lie outside the " + std::to_string(data_size) + "-byte data section");
+  if (e - b != numel * uint64_t(dtype_size(t.dtype)))
+    throw fail("tensor '" + name + "' holds " + std::to_string(e - b) + " bytes, its shape " + shape_str(t.shape) +
+               " of " + t.dtype + " needs " + std::to_string(numel * dtype_size(t.dtype)));
+  t.data.assign(data + b, data + e);
+  range = {b, e};
+  return t;
+}
+
 }  // namespace
 
 SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std::string& path) {
-  auto fail = [&](const std::string& why) { return UsageError(path + ": not a valid safetensors file: " + why); };
+  const Refusal fail = [&](const std::string& why) {
+    return UsageError(path + ": not a valid safetensors file: " + why);
+  };
   if (size < 8) throw fail("only " + std::to_string(size) + " bytes; the 8-byte header length is missing");
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; --i) hlen = hlen << 8 | bytes[i];
@@ -75,33 +114,8 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
       }
       continue;
     }
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
-      throw fail("tensor '" + name + "' lacks dtype, shape or data_offsets");
-    Tensor t;
-    if (!v["dtype"].is_string() || dtype_size(t.dtype = v["dtype"].get<std::string>()) == 0)
-      throw fail("tensor '" + name + "' has an unknown dtype");
-    if (!v["shape"].is_array()) throw fail("tensor '" + name + "' shape is not a list");
-    uint64_t numel = 1;
-    for (auto& d : v["shape"]) {
-      if (!d.is_number_unsigned()) throw fail("tensor '" + name + "' has a negative or non-integer dimension");
-      uint64_t dim = d.get<uint64_t>();
-      if (dim > (uint64_t(1) << 40) || (dim && numel > (uint64_t(1) << 40) / dim))
-        throw fail("tensor '" + name + "' is impossibly large");
-      numel *= dim;
-      t.shape.push_back(int64_t(dim));
-    }
-    auto& off = v["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
-      throw fail("tensor '" + name + "' data_offsets is not [begin, end]");
-    uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
-    if (b > e || e > data_size)
-      throw fail("tensor '" + name + "' data_offsets [" + std::to_string(b) + ", " + std::to_string(e) +
-                 "] lie outside the " + std::to_string(data_size) + "-byte data section");
-    if (e - b != numel * uint64_t(dtype_size(t.dtype)))
-      throw fail("tensor '" + name + "' holds " + std::to_string(e - b) + " bytes, its shape " + shape_str(t.shape) +
-                 " of " + t.dtype + " needs " + std::to_string(numel * dtype_size(t.dtype)));
-    t.data.assign(data + b, data + e);
-    ranges.push_back({b, e});
+    ranges.emplace_back();
+    Tensor t = parse_tensor(name, v, data, data_size, ranges.back(), fail);
     st.order.push_back(name);
     st.tensors[name] = std::move(t);
   }
@@ -212,39 +226,42 @@ SafeTensors strip_module_prefix(const SafeTensors& st, const std::string& path, 
 
 }  // namespace
 
-Checkpoint checkpoint_from_safetensors(const SafeTensors& file, const ModelSpec& spec, const std::string& path) {
-  std::string note;
-  const SafeTensors st = strip_module_prefix(file, path, note);
-  auto m = st.metadata.find("model");
-  if (m != st.metadata.end() && m->second != spec.name)
-    throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " +
-                     m->second + ")");
-  const std::string opt_prefix = "optimizer.", opt_suffix = ".momentum_buffer";
-  auto momentum_of = [&](const std::string& name) -> const Param* {  // "optimizer.<param>.momentum_buffer"
-    if (name.size() <= opt_prefix.size() + opt_suffix.size() || name.rfind(opt_prefix, 0) != 0 ||
-        name.compare(name.size() - opt_suffix.size(), opt_suffix.size(), opt_suffix) != 0)
-      return nullptr;
-    return spec.find(name.substr(opt_prefix.size(), name.size() - opt_prefix.size() - opt_suffix.size()));
-  };
+namespace {
+
+const std::string kOptimizerPrefix = "optimizer.", kMomentumSuffix = ".momentum_buffer";
+
+// The parameter whose momentum "optimizer.<param>.momentum_buffer" names, or null.
+const Param* momentum_of(const ModelSpec& spec, const std::string& name) {
+  const size_t affixes = kOptimizerPrefix.size() + kMomentumSuffix.size();
+  if (name.size() <= affixes || name.rfind(kOptimizerPrefix, 0) != 0 ||
+      name.compare(name.size() - kMomentumSuffix.size(), kMomentumSuffix.size(), kMomentumSuffix) != 0)
+    return nullptr;
+  return spec.find(name.substr(kOptimizerPrefix.size(), name.size() - affixes));
+}
+
+// Refuses a tensor the model does not have; whether the file holds momentum buffers.
+bool check_names(const SafeTensors& st, const ModelSpec& spec, const std::string& path) {
   const auto tracked = spec.batches_tracked_names();
   bool any_momentum = false;
   for (auto& name : st.order) {
     if (spec.find(name) || spec.find_buffer(name) || std::count(tracked.begin(), tracked.end(), name)) continue;
-    if (momentum_of(name)) {
+    if (momentum_of(spec, name)) {
       any_momentum = true;
       continue;
     }
     throw UsageError(path + ": unexpected tensor '" + name + "' for model " + spec.name + ", which has " +
                      expected_names(spec) + (spec.has_batchnorm() ? "" : " (no BatchNorm: --model lenet-bn has it)"));
   }
-  Checkpoint c;
-  c.note = note;
-  c.metadata = st.metadata;
-  c.params.assign(size_t(spec.param_count), 0.0f);
-  // Momentum buffers are all there or all absent (a run with --momentum 0 has none).
-  if (any_momentum) c.momentum.assign(size_t(spec.param_count), 0.0f);
-  auto tensor = [&](const std::string& name, const std::string& dtype,
-                    const std::vector<int64_t>& shape) -> const Tensor& {
+  return any_momentum;
+}
+
+// The model's tensors out of a file, each held to the dtype and shape the model needs.
+struct TensorReader {
+  const SafeTensors& st;
+  const ModelSpec& spec;
+  const std::string& path;
+
+  const Tensor& tensor(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape) const {
     auto it = st.tensors.find(name);
     if (it == st.tensors.end())
       throw UsageError(path + ": tensor '" + name + "' is missing; a " + spec.name + " checkpoint has it");
@@ -254,33 +271,63 @@ Checkpoint checkpoint_from_safetensors(const SafeTensors& file, const ModelSpec&
       throw UsageError(path + ": tensor '" + name + "' has shape " + shape_str(t.shape) + ", " + spec.name + " needs " +
                        shape_str(shape));
     return t;  // parse_safetensors checked that its bytes match its shape
-  };
-  auto take = [&](const std::string& name, const std::vector<int64_t>& shape, int64_t offset, int64_t size,
-                  std::vector<float>& flat) {
+  }
+  // A float tensor into flat[offset, offset + size), refused unless every value is finite.
+  void take(const std::string& name, const std::vector<int64_t>& shape, int64_t offset, int64_t size,
+            std::vector<float>& flat) const {
     const Tensor& t = tensor(name, "F32", shape);
     std::memcpy(flat.data() + offset, t.data.data(), size_t(size) * sizeof(float));
     check_finite(flat.data() + offset, size, path, name);
-  };
-  for (auto& p : spec.params) take(p.name, p.shape, p.offset, p.size, c.params);
-  if (any_momentum)
-    for (auto& p : spec.params) take(opt_prefix + p.name + opt_suffix, p.shape, p.offset, p.size, c.momentum);
-  c.buffers.assign(size_t(spec.buffer_count), 0.0f);
-  for (auto& b : spec.buffers) {
-    take(b.name, {b.channels}, b.offset, b.channels, c.buffers);
-    if (b.name.ends_with(".running_var"))
-      for (int64_t i = 0; i < b.channels; ++i)
-        if (c.buffers[size_t(b.offset + i)] < 0)
-          throw UsageError(path + ": tensor " + b.name + " holds a negative variance at index " + std::to_string(i) +
-                           "; the checkpoint is damaged");
+  }
+  // BatchNorm's running statistics: no variance may be negative.
+  std::vector<float> running_stats() const {
+    std::vector<float> out(size_t(spec.buffer_count), 0.0f);
+    for (auto& b : spec.buffers) {
+      take(b.name, {b.channels}, b.offset, b.channels, out);
+      if (b.name.ends_with(".running_var"))
+        for (int64_t i = 0; i < b.channels; ++i)
+          if (out[size_t(b.offset + i)] < 0)
+            throw UsageError(path + ": tensor " + b.name + " holds a negative variance at index " + std::to_string(i) +
+                             "; the checkpoint is damaged");
+    }
+    return out;
   }
   // Every layer's count is the same for a model trained as a whole: the first one's is kept.
-  if (!tracked.empty()) {
+  int64_t batches_tracked() const {
+    const auto tracked = spec.batches_tracked_names();
+    if (tracked.empty()) return 0;
     const Tensor& t = tensor(tracked[0], "I64", {});
     uint64_t v = 0;
     for (int i = 7; i >= 0; --i) v = v << 8 | t.data[size_t(i)];
     if (int64_t(v) < 0) throw UsageError(path + ": tensor " + tracked[0] + " is negative");
-    c.batches_tracked = int64_t(v);
+    return int64_t(v);
   }
+};
+
+}  // namespace
+
+Checkpoint checkpoint_from_safetensors(const SafeTensors& file, const ModelSpec& spec, const std::string& path) {
+  std::string note;
+  const SafeTensors st = strip_module_prefix(file, path, note);
+  auto m = st.metadata.find("model");
+  if (m != st.metadata.end() && m->second != spec.name)
+    throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " +
+                     m->second + ")");
+  const bool any_momentum = check_names(st, spec, path);
+  const TensorReader read{st, spec, path};
+  Checkpoint c;
+  c.note = note;
+  c.metadata = st.metadata;
+  c.params.assign(size_t(spec.param_count), 0.0f);
+  for (auto& p : spec.params) read.take(p.name, p.shape, p.offset, p.size, c.params);
+  // Momentum buffers are all there or all absent (a run with --momentum 0 has none).
+  if (any_momentum) {
+    c.momentum.assign(size_t(spec.param_count), 0.0f);
+    for (auto& p : spec.params)
+      read.take(kOptimizerPrefix + p.name + kMomentumSuffix, p.shape, p.offset, p.size, c.momentum);
+  }
+  c.buffers = read.running_stats();
+  c.batches_tracked = read.batches_tracked();
   return c;
 }
 
