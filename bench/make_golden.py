@@ -26,11 +26,10 @@ Header __metadata__ (all strings): model, lr, momentum, weight_decay, N, steps,
 seed_init, seed_x, params (comma-separated parameter names in PyTorch order),
 torch_version, generator.
 
-lenet-bn (LeNetBN below: conv1 1->20 k3, bn1 = BatchNorm2d(20), relu,
-avgpool 2, conv2 20->50 k5, bn2 = BatchNorm2d(50), relu, avgpool 2, flatten,
-fc1 800->128, bn3 = BatchNorm1d(128), relu, fc2 128->10; 129464 parameters)
-runs in training mode throughout: logits, loss and grad.* use the batch's
-statistics.  Its parameters, in module order: conv1.weight, conv1.bias,
+The models are bench/torch_models.py's LeNet, LeNet5 and LeNetBN.  lenet-bn
+(lenet with BatchNorm2d after conv1 and conv2, BatchNorm1d after fc1; 129464
+parameters) runs in training mode throughout: logits, loss and grad.* use the
+batch's statistics.  Its parameters, in module order: conv1.weight, conv1.bias,
 bn1.weight, bn1.bias, conv2.*, bn2.*, fc1.*, bn3.*, fc2.* (bn*.weight is gamma,
 initialised to 1, bn*.bias beta, to 0; the running statistics start at
 PyTorch's 0 and 1).  Besides the tensors above, its file holds the buffers
@@ -82,6 +81,7 @@ kernels/ops.h evaluated in float64).  It exits non-zero on any mismatch.
 
 import argparse
 import json
+import math
 import os
 import struct
 import sys
@@ -90,6 +90,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from torch_models import SAFETENSORS_DTYPES as DTYPES, LeNet, LeNet5, LeNetBN  # beside this script
 
 GENERATOR = "bench/make_golden.py"
 N = 8
@@ -103,37 +105,6 @@ STEPS = 3
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO_ROOT, "tests", "golden")
-
-DTYPES = {  # safetensors dtype -> (numpy dtype, torch dtype)
-    "F32": (np.dtype("<f4"), torch.float32),
-    "I64": (np.dtype("<i8"), torch.int64),
-}
-
-
-# dp's two models as PyTorch modules, defined once, in the worked example of loading a checkpoint.
-sys.path.insert(0, os.path.join(REPO_ROOT, "docs"))
-from load_into_pytorch import LeNet, LeNet5  # noqa: E402
-
-
-class LeNetBN(nn.Module):
-    """dp's lenet-bn: lenet with BatchNorm after conv1, conv2 (2d) and fc1 (1d)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 20, 3)
-        self.bn1 = nn.BatchNorm2d(20)
-        self.conv2 = nn.Conv2d(20, 50, 5)
-        self.bn2 = nn.BatchNorm2d(50)
-        self.fc1 = nn.Linear(800, 128)
-        self.bn3 = nn.BatchNorm1d(128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):  # (N, 1, 28, 28)
-        x = F.avg_pool2d(F.relu(self.bn1(self.conv1(x))), 2)  # (N, 20, 26, 26) -> (N, 20, 13, 13)
-        x = F.avg_pool2d(F.relu(self.bn2(self.conv2(x))), 2)  # (N, 50, 9, 9) -> (N, 50, 4, 4)
-        x = F.relu(self.bn3(self.fc1(torch.flatten(x, 1))))  # (N, 800) -> (N, 128)
-        return self.fc2(x)  # (N, 10)
-
 
 MODELS = {
     "lenet": (LeNet, 129068),
@@ -200,19 +171,10 @@ def compute(name):
         out.append(("step3." + n, b.detach().clone()))
     out.append(("loss3", torch.cat(losses)))
 
-    meta = {
-        "model": name,
-        "lr": repr(LR),
-        "momentum": repr(MOMENTUM),
-        "weight_decay": repr(WEIGHT_DECAY),
-        "N": str(N),
-        "steps": str(STEPS),
-        "seed_init": str(SEED_INIT),
-        "seed_x": str(SEED_X),
-        "params": ",".join(names),
-        "torch_version": torch.__version__,
-        "generator": GENERATOR,
-    }
+    meta = {"model": name, "lr": repr(LR), "momentum": repr(MOMENTUM),
+            "weight_decay": repr(WEIGHT_DECAY), "N": str(N), "steps": str(STEPS),
+            "seed_init": str(SEED_INIT), "seed_x": str(SEED_X), "params": ",".join(names),
+            "torch_version": torch.__version__, "generator": GENERATOR}
     if buffers:  # lenet-bn only: lenet and lenet5 keep their metadata byte for byte
         bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         assert all(m.eps == bns[0].eps and m.momentum == bns[0].momentum for m in bns)
@@ -265,15 +227,9 @@ def compute_batchnorm():
                      ("running_mean", layer.running_mean), ("running_var", layer.running_var),
                      ("y_eval", y_eval)]:
             out.append((prefix + "." + n, t.detach().clone()))
-    meta = {
-        "layer": "batchnorm",
-        "eps": repr(BN_EPS),
-        "momentum": repr(BN_MOMENTUM),
-        "seed": str(SEED_BN),
-        "cases": ",".join(p for p, _, _ in BN_CASES),
-        "torch_version": torch.__version__,
-        "generator": GENERATOR,
-    }
+    meta = {"layer": "batchnorm", "eps": repr(BN_EPS), "momentum": repr(BN_MOMENTUM),
+            "seed": str(SEED_BN), "cases": ",".join(p for p, _, _ in BN_CASES),
+            "torch_version": torch.__version__, "generator": GENERATOR}
     return out, meta
 
 
@@ -381,9 +337,7 @@ def read_safetensors(path):
         npdt, tdt = DTYPES[dt]
         if b != expect:
             raise ValueError(f"{path}: {n}: offset {b}, expected {expect} (not contiguous)")
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         if e - b != numel * npdt.itemsize:
             raise ValueError(f"{path}: {n}: {e - b} bytes for shape {shape} {dt}")
         if e > len(data):

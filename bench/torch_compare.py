@@ -90,20 +90,12 @@ def load_train(directory):
 
 
 def build(name):
-    """models/model.cpp's layer lists as torch.nn modules."""
-    import torch.nn as nn
+    """models/model.cpp's layers as a torch.nn module (bench/torch_models.py), for the models compared here."""
+    import torch_models  # beside this script; imported here, as torch is, so that --help needs neither
 
-    if name == "lenet":
-        return nn.Sequential(
-            nn.Conv2d(1, 20, 3), nn.ReLU(), nn.AvgPool2d(2),
-            nn.Conv2d(20, 50, 5), nn.ReLU(), nn.AvgPool2d(2),
-            nn.Flatten(), nn.Linear(800, 128), nn.ReLU(), nn.Linear(128, 10))
-    if name == "lenet5":
-        return nn.Sequential(
-            nn.Conv2d(1, 6, 5, padding=2), nn.Sigmoid(), nn.AvgPool2d(2),
-            nn.Conv2d(6, 16, 5), nn.Sigmoid(), nn.AvgPool2d(2),
-            nn.Flatten(), nn.Linear(400, 120), nn.Sigmoid(), nn.Linear(120, 84), nn.Sigmoid(), nn.Linear(84, 10))
-    raise SystemExit(f"unknown model {name}")
+    if name not in MODELS:
+        raise SystemExit(f"unknown model {name}")
+    return torch_models.MODELS[name]()
 
 
 def train_flops_per_sample(name):
@@ -123,7 +115,7 @@ def train_flops_per_sample(name):
             macs.append(module.in_features * module.out_features)
 
     net = build(name)
-    for m in net:
+    for m in net.children():  # the hooks fire in forward order: macs[0] is the first layer's
         m.register_forward_hook(hook)
     with torch.no_grad():
         net(torch.zeros(1, 1, 28, 28))
@@ -286,7 +278,7 @@ def run_dp(args, binary, model, devices, seconds, rate_guess):
 # ---- the comparison -------------------------------------------------------------------------------
 
 
-def main():
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp-train", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "build", "dp_train"),
                    help="the dp_train binary (default: build/dp_train)")
@@ -309,7 +301,94 @@ def main():
     p.add_argument("--worker", choices=["torch", "ddp"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def runs_for(args, model, binaries, configs):
+    """(label, cores, runner) per measurement; a runner takes a rate guess (dp needs a step count) and
+    returns (img/s, bg)."""
+    runs = []
+    if "1core" in configs:
+        runs.append(("PyTorch 1 thread", 1, lambda g: run_torch(args, model, "torch", 1, args.seconds)))
+        for name, b in binaries.items():
+            runs.append((f"{name} 1 device x 1 thread", 1, lambda g, b=b: run_dp(args, b, model, 1, args.seconds, g)))
+    if "2core" in configs:
+        runs.append(("PyTorch 2 threads", 2, lambda g: run_torch(args, model, "torch", 2, args.seconds)))
+        runs.append(("PyTorch DDP gloo 2 x 1 thread", 2, lambda g: run_torch(args, model, "ddp", 1, args.seconds)))
+        for name, b in binaries.items():
+            runs.append((f"{name} 2 devices x 1 thread allreduce", 2,
+                         lambda g, b=b: run_dp(args, b, model, 2, args.seconds, g)))
+    return runs
+
+
+def measure_rounds(args, runs):
+    """--repeats rounds, the engines alternating within each; {label: [(img/s, bg) per round]}."""
+    guess = {label: 5000.0 for label, _, _ in runs}
+    samples = {label: [] for label, _, _ in runs}
+    for rnd in range(args.repeats):
+        for label, cores, runner in runs:
+            if label.startswith("dp") and rnd == 0:  # a short run sets the step count for ~seconds
+                guess[label], _ = runner(guess[label] * 2 / args.seconds)
+            rate, bg = runner(guess[label])
+            guess[label] = max(guess[label], rate)
+            samples[label].append((rate, bg))
+            print(f"  round {rnd + 1}  {label:<40} {rate:10,.0f} img/s   (bg {bg:.2f} cores)", flush=True)
+    return samples
+
+
+def print_ratios(best, binaries, configs, flops, core_peak):
+    """The ratios against the targets (and dp against dp-before), printed; returns them by name."""
+    ratios = {}
+
+    def verdict(r, target):
+        return "met" if r >= target else f"NOT met ({100 * r / target:.0f}% of the target)"
+
+    def ratio(name, num, den, target):
+        r = best[num] / best[den]
+        ratios[name] = r
+        print(f"  {name:<58} {r:5.2f}x  (target {target}x: {verdict(r, target)})")
+
+    print()
+    for name in binaries:
+        if "1core" in configs:
+            share = best[f"{name} 1 device x 1 thread"] * flops / 1e9 / core_peak
+            print(f"  {'1 core : ' + name + ' 1 device, share of the peak':<58} {100 * share:5.1f}%  "
+                  f"(target 75%: {verdict(share, 0.75)})")
+            ratio(f"1 core : {name} / PyTorch", f"{name} 1 device x 1 thread", "PyTorch 1 thread", 3)
+        if "2core" in configs:
+            torch2 = max(("PyTorch 2 threads", "PyTorch DDP gloo 2 x 1 thread"), key=lambda k: best[k])
+            ratio(f"2 cores: {name} 2 devices / {torch2}", f"{name} 2 devices x 1 thread allreduce", torch2, 3)
+            if "1core" in configs:
+                ratio(f"2 cores: {name} 2 devices / {name} 1 device", f"{name} 2 devices x 1 thread allreduce",
+                      f"{name} 1 device x 1 thread", 1.9)
+    if "dp-before" in binaries:
+        for cfg in ("1 device x 1 thread", "2 devices x 1 thread allreduce"):
+            if f"dp {cfg}" in best:
+                ratios[f"dp / dp-before, {cfg}"] = best[f"dp {cfg}"] / best[f"dp-before {cfg}"]
+                print(f"  {'after / before, ' + cfg:<58} {ratios[f'dp / dp-before, {cfg}']:5.2f}x")
+    return ratios
+
+
+def compare_model(args, model, binaries, configs, core_peak):
+    """One model's measurements, table and ratios; returns its part of --json."""
+    flops = train_flops_per_sample(model)
+    print(f"\n{model}: {flops:,} training FLOPs per sample (2 per multiply-add: forward, weight gradient, "
+          f"data gradient except the first layer's; = models/model.cpp train_flops_per_sample)")
+    runs = runs_for(args, model, binaries, configs)
+    samples = measure_rounds(args, runs)
+    best = {label: max(r for r, _ in s) for label, s in samples.items()}
+    result = {"flops_per_sample": flops, "best": best,
+              "samples": {k: [{"images_per_second": r, "background_cores": b} for r, b in v] for k, v in samples.items()}}
+    print(f"\n  {model:<8} {'configuration':<40} {'images/s':>10} {'GFLOP/s':>8} {'% peak':>7}")
+    for label, cores, _ in runs:
+        gflops = best[label] * flops / 1e9
+        print(f"  {'':<8} {label:<40} {best[label]:10,.0f} {gflops:8.1f} {100 * gflops / (cores * core_peak):6.1f}%")
+    result["ratios"] = print_ratios(best, binaries, configs, flops, core_peak)
+    return result
+
+
+def main():
+    args = parse_args()
     if args.worker:
         return worker(args)
     QUIET["cores"], QUIET["wait"] = args.quiet_below, args.quiet_wait
@@ -340,67 +419,7 @@ def main():
     configs = args.configs.split(",")
     results = {}
     for model in args.models.split(","):
-        flops = train_flops_per_sample(model)
-        print(f"\n{model}: {flops:,} training FLOPs per sample (2 per multiply-add: forward, weight gradient, "
-              f"data gradient except the first layer's; = models/model.cpp train_flops_per_sample)")
-        # (label, cores, runner); the runners take a rate guess (dp needs a step count) and return (img/s, bg).
-        runs = []
-        if "1core" in configs:
-            runs.append(("PyTorch 1 thread", 1, lambda g: run_torch(args, model, "torch", 1, args.seconds)))
-            for name, b in binaries.items():
-                runs.append((f"{name} 1 device x 1 thread", 1, lambda g, b=b: run_dp(args, b, model, 1, args.seconds, g)))
-        if "2core" in configs:
-            runs.append(("PyTorch 2 threads", 2, lambda g: run_torch(args, model, "torch", 2, args.seconds)))
-            runs.append(("PyTorch DDP gloo 2 x 1 thread", 2, lambda g: run_torch(args, model, "ddp", 1, args.seconds)))
-            for name, b in binaries.items():
-                runs.append((f"{name} 2 devices x 1 thread allreduce", 2,
-                             lambda g, b=b: run_dp(args, b, model, 2, args.seconds, g)))
-        guess = {label: 5000.0 for label, _, _ in runs}
-        samples = {label: [] for label, _, _ in runs}
-        for rnd in range(args.repeats):
-            for label, cores, runner in runs:
-                if label.startswith("dp") and rnd == 0:  # a short run sets the step count for ~seconds
-                    guess[label], _ = runner(guess[label] * 2 / args.seconds)
-                rate, bg = runner(guess[label])
-                guess[label] = max(guess[label], rate)
-                samples[label].append((rate, bg))
-                print(f"  round {rnd + 1}  {label:<40} {rate:10,.0f} img/s   (bg {bg:.2f} cores)", flush=True)
-        best = {label: max(r for r, _ in s) for label, s in samples.items()}
-        results[model] = {"flops_per_sample": flops, "best": best,
-                          "samples": {k: [{"images_per_second": r, "background_cores": b} for r, b in v] for k, v in samples.items()}}
-        print(f"\n  {model:<8} {'configuration':<40} {'images/s':>10} {'GFLOP/s':>8} {'% peak':>7}")
-        for label, cores, _ in runs:
-            gflops = best[label] * flops / 1e9
-            print(f"  {'':<8} {label:<40} {best[label]:10,.0f} {gflops:8.1f} {100 * gflops / (cores * core_peak):6.1f}%")
-        ratios = {}
-
-        def verdict(r, target):
-            return "met" if r >= target else f"NOT met ({100 * r / target:.0f}% of the target)"
-
-        def ratio(name, num, den, target):
-            r = best[num] / best[den]
-            ratios[name] = r
-            print(f"  {name:<58} {r:5.2f}x  (target {target}x: {verdict(r, target)})")
-
-        print()
-        for name in binaries:
-            if "1core" in configs:
-                share = best[f"{name} 1 device x 1 thread"] * flops / 1e9 / core_peak
-                print(f"  {'1 core : ' + name + ' 1 device, share of the peak':<58} {100 * share:5.1f}%  "
-                      f"(target 75%: {verdict(share, 0.75)})")
-                ratio(f"1 core : {name} / PyTorch", f"{name} 1 device x 1 thread", "PyTorch 1 thread", 3)
-            if "2core" in configs:
-                torch2 = max(("PyTorch 2 threads", "PyTorch DDP gloo 2 x 1 thread"), key=lambda k: best[k])
-                ratio(f"2 cores: {name} 2 devices / {torch2}", f"{name} 2 devices x 1 thread allreduce", torch2, 3)
-                if "1core" in configs:
-                    ratio(f"2 cores: {name} 2 devices / {name} 1 device", f"{name} 2 devices x 1 thread allreduce",
-                          f"{name} 1 device x 1 thread", 1.9)
-        if "dp-before" in binaries:
-            for cfg in ("1 device x 1 thread", "2 devices x 1 thread allreduce"):
-                if f"dp {cfg}" in best:
-                    ratios[f"dp / dp-before, {cfg}"] = best[f"dp {cfg}"] / best[f"dp-before {cfg}"]
-                    print(f"  {'after / before, ' + cfg:<58} {ratios[f'dp / dp-before, {cfg}']:5.2f}x")
-        results[model]["ratios"] = ratios
+        results[model] = compare_model(args, model, binaries, configs, core_peak)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"peak_gflops_per_core": core_peak, "peak": peak_text, "data": data_name, "batch": args.batch,

@@ -2,7 +2,8 @@
 """Loads a dp checkpoint into PyTorch and measures it on the Fashion-MNIST test set.
 
 A worked example of README's "Checkpoints load straight into PyTorch": the three models as PyTorch
-modules with dp's parameter names (models/model.cpp), the checkpoint's optimizer.* tensors dropped,
+modules with dp's parameter names (bench/torch_models.py, the layers of models/model.cpp; LeNet, LeNet5,
+LeNetBN and MODELS are importable from here too), the checkpoint's optimizer.* tensors dropped,
 load_state_dict(strict=True), then the test images scaled as dp scales them (pixels / 255). The
 accuracy and mean cross-entropy it prints are dp_train's final "test acc" and test_loss for the same
 weights and images (tests/test_pytorch_load.cpp checks it), up to float summation order.
@@ -27,73 +28,13 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+# The models are defined once, in bench/torch_models.py, for bench/'s scripts too: found from this file's place.
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "bench"))
+from torch_models import MODELS, SAFETENSORS_DTYPES, LeNet, LeNet5, LeNetBN  # noqa: E402,F401 (exported)
+
 FASHION = "/usr/share/datasets/fashion-mnist"
-
-
-class LeNet(nn.Module):
-    """dp's lenet: conv 3x3, relu, avgpool 2, conv 5x5, relu, avgpool 2, fc 800-128, relu, fc 128-10."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 20, 3)
-        self.conv2 = nn.Conv2d(20, 50, 5)
-        self.fc1 = nn.Linear(800, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):  # (N, 1, 28, 28)
-        x = F.avg_pool2d(F.relu(self.conv1(x)), 2)  # (N, 20, 26, 26) -> (N, 20, 13, 13)
-        x = F.avg_pool2d(F.relu(self.conv2(x)), 2)  # (N, 50, 9, 9) -> (N, 50, 4, 4)
-        x = F.relu(self.fc1(torch.flatten(x, 1)))  # (N, 800) -> (N, 128)
-        return self.fc2(x)  # (N, 10)
-
-
-class LeNet5(nn.Module):
-    """dp's lenet5, the classic LeNet-5: sigmoids, average pooling, conv1 padded to keep 28x28."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(400, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
-
-    def forward(self, x):  # (N, 1, 28, 28)
-        x = F.avg_pool2d(torch.sigmoid(self.conv1(x)), 2)  # (N, 6, 28, 28) -> (N, 6, 14, 14)
-        x = F.avg_pool2d(torch.sigmoid(self.conv2(x)), 2)  # (N, 16, 10, 10) -> (N, 16, 5, 5)
-        x = torch.sigmoid(self.fc1(torch.flatten(x, 1)))  # (N, 400) -> (N, 120)
-        x = torch.sigmoid(self.fc2(x))  # (N, 84)
-        return self.fc3(x)  # (N, 10)
-
-
-class LeNetBN(nn.Module):
-    """dp's lenet-bn: lenet with BatchNorm after conv1, conv2 and fc1, each before its ReLU.
-
-    Its running statistics (bn*.running_mean, bn*.running_var, bn*.num_batches_tracked) are in the
-    checkpoint too, as PyTorch's state_dict holds them; model.eval() normalises with them, as dp
-    evaluates."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 20, 3)
-        self.bn1 = nn.BatchNorm2d(20)
-        self.conv2 = nn.Conv2d(20, 50, 5)
-        self.bn2 = nn.BatchNorm2d(50)
-        self.fc1 = nn.Linear(800, 128)
-        self.bn3 = nn.BatchNorm1d(128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):  # (N, 1, 28, 28)
-        x = F.avg_pool2d(F.relu(self.bn1(self.conv1(x))), 2)  # (N, 20, 26, 26) -> (N, 20, 13, 13)
-        x = F.avg_pool2d(F.relu(self.bn2(self.conv2(x))), 2)  # (N, 50, 9, 9) -> (N, 50, 4, 4)
-        x = F.relu(self.bn3(self.fc1(torch.flatten(x, 1))))  # (N, 800) -> (N, 128)
-        return self.fc2(x)  # (N, 10)
-
-
-MODELS = {"lenet": LeNet, "lenet5": LeNet5, "lenet-bn": LeNetBN}
 
 
 class Fail(Exception):
@@ -131,11 +72,10 @@ def read_safetensors(path):
         raise bad("header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     data = memoryview(raw)[8 + hlen :]
-    dtypes = {"F32": np.dtype("<f4"), "I64": np.dtype("<i8")}  # all that dp and its tests write
     tensors = {}
     for name, info in header.items():
         try:
-            dtype, shape, (begin, end) = dtypes[info["dtype"]], info["shape"], info["data_offsets"]
+            dtype, shape, (begin, end) = SAFETENSORS_DTYPES[info["dtype"]][0], info["shape"], info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise bad(f"tensor '{name}': dtype {info.get('dtype')!r} is not F32 or I64, or shape or data_offsets is malformed")
         if not 0 <= begin <= end <= len(data) or end - begin != int(np.prod(shape)) * dtype.itemsize:

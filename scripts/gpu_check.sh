@@ -14,7 +14,7 @@
 #   build     ninja, every target
 #   ctest     the test suite but the README check; fails if the "cuda: GPU cases" entry is Skipped or a
 #             test says "CUDA case skipped" (a fallback to simulated devices)
-#   readme    the README check (every build/dp_* line of README.md at small sizes)
+#   readme    the README check (every build/dp_* line of README.md and docs/*.md at small sizes)
 #   train     dp_train --backend cuda --gpus 0, N epochs on the kit's Fashion-MNIST
 #   prefetch  dp_train --gpus 0 --steps 2000 with and without --no-prefetch, 3 alternated rounds:
 #             images/s and the load phase (ms a step), the copy stream's gain

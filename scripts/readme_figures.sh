@@ -1,31 +1,54 @@
 #!/usr/bin/env bash
-# The README's figures, made by the code they describe. Every figure in README.md sits between
+# The figures of README.md and docs/*.md, made by the code they describe. Every figure sits between
 #   <!-- figure NAME: COMMAND -->  and  <!-- /figure -->
-# and is the output of COMMAND (a shell line, pipes allowed, run from a scratch directory in which
-# build/ is the build directory and docs/ the repository's docs/), followed by a line saying when,
-# on what CPU and on which instruction set it was measured. This script runs each COMMAND and
-# writes its output back, so a figure cannot drift from the code.
+# in whichever of those files shows it (NAME unique across them), and is the output of COMMAND (a
+# shell line, pipes allowed, run from a scratch directory in which build/ is the build directory,
+# bench/ the repository's bench/ and docs/ a copy of its docs/*.py, whose PNGs are copied back),
+# followed by a line saying when, on what CPU and on which instruction set it was measured. This
+# script runs each COMMAND and writes its output back into the file that holds it, so a figure
+# cannot drift from the code.
 #
-#   scripts/readme_figures.sh                 # build, run every figure (~15 min), rewrite README.md
-#   scripts/readme_figures.sh --only compare  # one figure (--only a,b: several)
-#   scripts/readme_figures.sh --check         # every dp_train/dp_bench line of the README's shell
-#                                             # blocks and figures, at small sizes; README untouched
+#   scripts/readme_figures.sh                 # build, run every figure (~15 min), rewrite the files
+#   scripts/readme_figures.sh --only compare  # one figure (--only a,b: several), in whichever file
+#   scripts/readme_figures.sh --check         # every dp_train/dp_bench line of the files' ```sh blocks
+#                                             # and every figure but those running PyTorch or
+#                                             # bench/cpu_speed.sh, at small sizes; files untouched
+#   scripts/readme_figures.sh [...] FILE.md   # those files only (paths from the repository root)
 #
 # BUILD=dir picks the build directory (default build/, configured and built here when missing).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD:-$here/build}
-readme=$here/README.md
-mode=write only=""
+mode=write only="" files=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --check) mode=check ;;
     --only) only=${2:?--only needs a figure name}; shift ;;
-    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
-    *) echo "readme_figures.sh: unknown argument '$1' (accepted: --check, --only NAME, --help)" >&2; exit 2 ;;
+    -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
+    -*) echo "readme_figures.sh: unknown argument '$1' (accepted: --check, --only NAME, --help, FILE.md ...)" >&2; exit 2 ;;
+    *) files+=("$1") ;;
   esac
   shift
 done
+if [ ${#files[@]} -eq 0 ]; then
+  files=(README.md)
+  for f in "$here"/docs/*.md; do [ -e "$f" ] && files+=("docs/${f##*/}"); done
+fi
+for f in "${files[@]}"; do
+  [ -f "$here/$f" ] || { echo "readme_figures.sh: no such file: $here/$f" >&2; exit 2; }
+done
+
+# Every figure as FILE<tab>NAME<tab>COMMAND; a name twice would make --only ambiguous.
+figures_of() { sed -n 's/^<!-- figure \([a-z0-9_-]*\): \(.*\) -->$/\1\t\2/p' "$here/$1" | sed "s|^|$1\t|"; }
+mapfile -t figures < <(for f in "${files[@]}"; do figures_of "$f"; done)
+dups=$(for fig in "${figures[@]}"; do cut -f2 <<< "$fig"; done | sort | uniq -d | tr '\n' ' ')
+[ -z "$dups" ] || { echo "readme_figures.sh: figure names used twice: $dups" >&2; exit 2; }
+if [ -n "$only" ]; then
+  for name in ${only//,/ }; do
+    printf '%s\n' "${figures[@]}" | cut -f2 | grep -qx -- "$name" ||
+      { echo "readme_figures.sh: --only $name: no such figure in ${files[*]}" >&2; exit 2; }
+  done
+fi
 
 if [ ! -x "$build/dp_train" ] || [ ! -x "$build/dp_bench" ]; then
   cmake -S "$here" -B "$build" -DCMAKE_BUILD_TYPE=Release > /dev/null
@@ -50,12 +73,12 @@ quick() {
   echo "$line"
 }
 
-# Runs one command line in the scratch directory; its output on stdout, failures named on stderr.
+# Runs one command line of file $2 in the scratch directory; its output on stdout, failures on stderr.
 run_line() {
   local line=$1
   [ "$mode" = check ] && line=$(quick "$line")
   if ! (cd "$scratch" && bash -o pipefail -c "$line" 2>&1); then
-    echo "readme_figures.sh: this README command failed: $line" >&2
+    echo "readme_figures.sh: this command of $2 failed: $line" >&2
     return 1
   fi
 }
@@ -68,46 +91,55 @@ machine() {
 }
 
 if [ "$mode" = check ]; then
-  # Every dp_train / dp_bench line of a ```sh block, and every figure's command.
+  # Every dp_train / dp_bench line of a ```sh block, and every figure's command, file by file
   # (figures that run PyTorch or the 10-minute CPU comparison are left to their own tests and runs).
-  mapfile -t lines < <(awk '/^```sh/ {on=1; next} /^```/ {on=0} on && /^build\/dp_/' "$readme" |
-    sed 's/[[:space:]]*#.*$//'
-    sed -n 's/^<!-- figure [a-z0-9_-]*: \(.*\) -->$/\1/p' "$readme" | grep -v 'python3\|cpu_speed')
-  [ ${#lines[@]} -gt 0 ] || { echo "readme_figures.sh: no commands found in $readme" >&2; exit 1; }
-  failed=0
-  for line in "${lines[@]}"; do
-    echo "== $line"
-    run_line "$line" > "$scratch/out.txt" || { cat "$scratch/out.txt"; failed=1; }
+  total=0 failed=0
+  for f in "${files[@]}"; do
+    mapfile -t lines < <(awk '/^```sh/ {on=1; next} /^```/ {on=0} on && /^build\/dp_/' "$here/$f" |
+      sed 's/[[:space:]]*#.*$//'
+      figures_of "$f" | cut -f3- | grep -v 'python3\|cpu_speed')
+    [ ${#lines[@]} -gt 0 ] || continue
+    echo "# $f: ${#lines[@]} command(s)"
+    for line in "${lines[@]}"; do
+      echo "== $line"
+      run_line "$line" "$f" > "$scratch/out.txt" || { cat "$scratch/out.txt"; failed=1; }
+    done
+    total=$((total + ${#lines[@]}))
   done
-  echo "${#lines[@]} README commands run, $([ $failed = 0 ] && echo "all exited 0" || echo "some FAILED")"
+  [ $total -gt 0 ] || { echo "readme_figures.sh: no commands found in ${files[*]}" >&2; exit 1; }
+  # scripts/gpu_check.sh reads this line: keep "N README commands run, " at its start.
+  echo "$total README commands run, $([ $failed = 0 ] && echo "all exited 0" || echo "some FAILED") (${files[*]})"
   exit $failed
 fi
 
 stamp="measured $(machine); simulated devices"
-failed=()
-tmp=$scratch/README.new
-cp "$readme" "$tmp"
-mapfile -t figures < <(sed -n 's/^<!-- figure \([a-z0-9_-]*\): \(.*\) -->$/\1\t\2/p' "$readme")
-for fig in "${figures[@]}"; do
-  name=${fig%%$'\t'*} cmd=${fig#*$'\t'}
-  [ -n "$only" ] && [[ ",$only," != *",$name,"* ]] && continue
-  echo "figure $name: $cmd" >&2
-  if ! run_line "$cmd" > "$scratch/$name.out"; then  # the others are still written; the exit says it
-    cat "$scratch/$name.out" >&2
-    failed+=("$name")
-    continue
-  fi
-  load=$(cut -d' ' -f1 /proc/loadavg)  # other work on the machine makes the times loose: say how much
-  { echo '```text'; cat "$scratch/$name.out"; echo '```'; echo "<sub>\$ $cmd — $stamp; load average $load at the end</sub>"; } > "$scratch/$name.block"
-  awk -v name="$name" -v block="$scratch/$name.block" '
-    $0 ~ "^<!-- figure " name ": " { print; while ((getline l < block) > 0) print l; skip = 1; next }
-    skip && /^<!-- \/figure -->$/ { skip = 0 }
-    !skip' "$tmp" > "$tmp.1"
-  mv "$tmp.1" "$tmp"
+failed=() written=()
+for f in "${files[@]}"; do
+  tmp=$scratch/page.new ran=0
+  cp "$here/$f" "$tmp"
+  mapfile -t mine < <(figures_of "$f")
+  for fig in "${mine[@]}"; do
+    IFS=$'\t' read -r _ name cmd <<< "$fig"
+    [ -n "$only" ] && [[ ",$only," != *",$name,"* ]] && continue
+    echo "figure $name ($f): $cmd" >&2
+    if ! run_line "$cmd" "$f" > "$scratch/$name.out"; then  # the others are still written; the exit says it
+      cat "$scratch/$name.out" >&2
+      failed+=("$name")
+      continue
+    fi
+    load=$(cut -d' ' -f1 /proc/loadavg)  # other work on the machine makes the times loose: say how much
+    { echo '```text'; cat "$scratch/$name.out"; echo '```'; echo "<sub>\$ $cmd — $stamp; load average $load at the end</sub>"; } > "$scratch/$name.block"
+    awk -v name="$name" -v block="$scratch/$name.block" '
+      $0 ~ "^<!-- figure " name ": " { print; while ((getline l < block) > 0) print l; skip = 1; next }
+      skip && /^<!-- \/figure -->$/ { skip = 0 }
+      !skip' "$tmp" > "$tmp.1"
+    mv "$tmp.1" "$tmp"
+    ran=$((ran + 1))
+  done
+  [ $ran -gt 0 ] && { cp "$tmp" "$here/$f"; written+=("$f ($ran)"); }
 done
 cp "$scratch"/docs/*.png "$here/docs/" 2> /dev/null || true
-cp "$tmp" "$readme"
-echo "README.md rewritten: ${#figures[@]} figure(s)$([ -n "$only" ] && echo " (only $only)")" >&2
+echo "rewritten: ${written[*]:-nothing}; ${#figures[@]} figure(s) in all$([ -n "$only" ] && echo ", only $only")" >&2
 if [ ${#failed[@]} -gt 0 ]; then
   echo "readme_figures.sh: these figures failed and were left as they were: ${failed[*]}" >&2
   exit 1

@@ -296,6 +296,20 @@ inline std::vector<std::string> all_strategies() {
 // Whether the strategy takes gradient buckets (--bucket-kb).
 inline bool takes_buckets(const std::string& sync) { return find_strategy(sync).takes_buckets(); }
 
+// Every strategy, with and without buckets where they apply: scatter, allreduce, allreduce with
+// 8 KiB buckets.
+template <class F>
+void for_each_strategy(F&& f) {
+  for (const std::string& sync : all_strategies()) {
+    for (int64_t bucket_kb : {int64_t(0), int64_t(8)}) {
+      if (!takes_buckets(sync) && bucket_kb) continue;
+      CAPTURE(sync);
+      CAPTURE(bucket_kb);
+      f(sync, bucket_kb);
+    }
+  }
+}
+
 inline double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
   REQUIRE(a.size() == b.size());
   double m = 0;
