@@ -335,7 +335,6 @@ std::vector<std::string> run_plot(const std::string& kind, const std::string& js
 
 // --- small helpers --------------------------------------------------------------------------------
 
-
 std::string fixed(double v, int decimals) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", decimals, v);

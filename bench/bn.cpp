@@ -7,16 +7,17 @@
 // statistics), how far the running statistics are from the reference's, time and bytes per step
 // (checked against the byte model), then what sync costs over local and a conclusion drawn from the
 // numbers.
+#include "bench/bn.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 
-#include "bench/bn.h"
 #include "engine/error.h"
 #include "train/options.h"
-#include "train/paths.h"
+#include "train/output_files.h"
 #include "train/report.h"
 
 namespace dp::bench {
@@ -46,7 +47,7 @@ DeviceSet make_replicas(bool cuda, int gpus, int n) {
 }
 
 BnRun train_run(const BnOptions& o, const ModelSpec& spec, const BnData& data, const std::vector<float>& init,
-              int per_device, const std::string& mode, bool cuda, int gpus) {
+                int per_device, const std::string& mode, bool cuda, int gpus) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   BnRun run;
@@ -86,9 +87,9 @@ BnRun train_run(const BnOptions& o, const ModelSpec& spec, const BnData& data, c
   for (size_t i = losses.size() - last; i < losses.size(); ++i) run.train_loss += losses[i] / double(last);
 
   for (int r = 0; r < n; ++r) run.measured.push_back(engine.recorder().step_traffic(r));
-  run.predicted = total_traffic(engine.strategy().step_collectives({spec, split_batch(o.batch, n, Split::even),
-                                                                    engine.buckets(), ec.sync_bn}),
-                                n);
+  run.predicted = total_traffic(
+      engine.strategy().step_collectives({spec, split_batch(o.batch, n, Split::even), engine.buckets(), ec.sync_bn}),
+      n);
   // BatchNorm's part alone: what it adds to the step.
   ByteModel bn(n, AllReduceAlgorithm::ring);
   if (n > 1) bn.batchnorm(spec, ec.sync_bn, false), bn.batchnorm(spec, ec.sync_bn, true);

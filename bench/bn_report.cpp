@@ -39,7 +39,6 @@ void print_runs(const BnRun& ref, const std::vector<BnRun>& runs) {
       "the peer is device 1)\n");
 }
 
-
 std::vector<BnExtra> extras(const std::vector<BnRun>& runs) {
   std::vector<BnExtra> out;
   for (const BnRun& s : runs) {
@@ -154,7 +153,6 @@ Conclusion conclude(const BnRun& ref, const std::vector<BnRun>& runs, int steps)
   return c;
 }
 
-
 namespace {
 
 nlohmann::json traffic_json(const Traffic& t) { return {{"sent", t.sent}, {"received", t.received}}; }
@@ -231,9 +229,8 @@ nlohmann::json bn_json(const BnOptions& o, const ModelSpec& spec, const BnData& 
   for (const BnRun& r : runs)
     if (r.devices > widest->devices) widest = &r;
   record_backend(config, o.backend, cuda ? DeviceKind::cuda : DeviceKind::simulated, widest->names);
-  return {
-      {"command", o.command},   {"config", config},     {"reference", run_json(ref, spec)}, {"runs", rows},
-      {"sync_vs_local", extra}, {"conclusion", c.text}, {"verdict", verdict_json(c)},       {"match", ok}};
+  return {{"command", o.command},   {"config", config},     {"reference", run_json(ref, spec)}, {"runs", rows},
+          {"sync_vs_local", extra}, {"conclusion", c.text}, {"verdict", verdict_json(c)},       {"match", ok}};
 }
 
 }  // namespace dp::bench

@@ -8,7 +8,7 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
-#include "train/paths.h"
+#include "train/output_files.h"
 #include "train/report.h"
 
 namespace dp::bench {

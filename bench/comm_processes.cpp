@@ -24,12 +24,12 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
-#include "train/job.h"
-#include "train/paths.h"
 #include "engine/process_communicator.h"
 #include "engine/process_group.h"
-#include "train/report.h"
 #include "models/model.h"
+#include "train/job.h"
+#include "train/output_files.h"
+#include "train/report.h"
 
 namespace dp::bench {
 

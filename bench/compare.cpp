@@ -10,7 +10,7 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
-#include "train/paths.h"
+#include "train/output_files.h"
 #include "train/report.h"
 #include "train/trace.h"
 

@@ -145,18 +145,18 @@ nlohmann::json phases_json(const StrategyRun& s) {
 nlohmann::json devices_json(const DeviceCountRun& run, const StrategyRun& s) {
   nlohmann::json devices = nlohmann::json::array();
   for (int r = 0; r < run.n; ++r) {
-      nlohmann::json cats = nlohmann::json::object();
-      for (int c = 0; c < kCategories; ++c) cats[category_name(Category(c))] = s.ledgers[r].at_peak[c];
-      devices.push_back(
-          {{"rank", r},
-           {"name", run.names[r]},
-           {"bytes_sent", s.measured[r].sent},
-           {"bytes_received", s.measured[r].received},
-           {"predicted_sent", s.predicted[r].sent},
-           {"predicted_received", s.predicted[r].received},
-           {"match", s.measured[r].sent == s.predicted[r].sent && s.measured[r].received == s.predicted[r].received},
-           {"peak_bytes", s.ledgers[r].total_peak},
-           {"peak_by_category", cats}});
+    nlohmann::json cats = nlohmann::json::object();
+    for (int c = 0; c < kCategories; ++c) cats[category_name(Category(c))] = s.ledgers[r].at_peak[c];
+    devices.push_back(
+        {{"rank", r},
+         {"name", run.names[r]},
+         {"bytes_sent", s.measured[r].sent},
+         {"bytes_received", s.measured[r].received},
+         {"predicted_sent", s.predicted[r].sent},
+         {"predicted_received", s.predicted[r].received},
+         {"match", s.measured[r].sent == s.predicted[r].sent && s.measured[r].received == s.predicted[r].received},
+         {"peak_bytes", s.ledgers[r].total_peak},
+         {"peak_by_category", cats}});
   }
   return devices;
 }

@@ -14,9 +14,9 @@
 #include "bench/commands.h"
 #include "bench/profiling_ops.h"
 #include "engine/error.h"
-#include "train/paths.h"
-#include "train/report.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "train/output_files.h"
+#include "train/report.h"
 
 namespace dp::bench {
 namespace {
@@ -216,16 +216,19 @@ int run_ops(const OpsOptions& o) {
       "data gradient but for the first layer)\n",
       step_us, o.batch / (step_seconds / steps));
   if (o.json.empty()) return 0;
-  nlohmann::json j = {
-      {"command", o.command},
-      {"config",
-       {{"model", spec.name}, {"batch", o.batch}, {"steps", o.steps}, {"warmup", o.warmup}, {"seed", o.seed},
-        {"cpu_kernels", variant}}},
-      {"step_us", step_us},
-      {"ops_us", op_seconds / steps * 1e6},
-      {"host_us", (step_seconds - op_seconds) / steps * 1e6},
-      {"images_per_second", o.batch / (step_seconds / steps)},
-      {"ops", jrows}};
+  nlohmann::json j = {{"command", o.command},
+                      {"config",
+                       {{"model", spec.name},
+                        {"batch", o.batch},
+                        {"steps", o.steps},
+                        {"warmup", o.warmup},
+                        {"seed", o.seed},
+                        {"cpu_kernels", variant}}},
+                      {"step_us", step_us},
+                      {"ops_us", op_seconds / steps * 1e6},
+                      {"host_us", (step_seconds - op_seconds) / steps * 1e6},
+                      {"images_per_second", o.batch / (step_seconds / steps)},
+                      {"ops", jrows}};
   record_backend(j["config"], o.backend, DeviceKind::simulated, {device->name()});
   write_json(o.json, j);
   return 0;

@@ -14,7 +14,7 @@
 #include "bench/commands.h"
 #include "engine/error.h"
 #include "train/options.h"
-#include "train/paths.h"
+#include "train/output_files.h"
 #include "train/report.h"
 
 namespace dp::bench {
@@ -57,8 +57,8 @@ void explain(StrategySkew& s, const ModelSpec& spec, const EngineConfig& ec, int
   }
 }
 
-StrategySkew measure(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec, const SkewOptions& o,
-                     const SyntheticData& data, const std::vector<float>& init) {
+StrategySkew measure(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec,
+                     const SkewOptions& o, const SyntheticData& data, const std::vector<float>& init) {
   StrategySkew s;
   s.strategy = strategy;
   // Peaks from the engine's construction on: its buffers are most of what a step holds.
@@ -96,8 +96,8 @@ struct Trial {
 // Builds an engine at global batch b and steps it. The search steps a single sample: every buffer
 // is sized for b when the engine is built, and the one allocated later (the communicator's
 // scratch, at the first reduce or all-reduce) depends on P only. `full` steps the whole batch.
-Trial try_batch(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec, int b, const SkewOptions& o,
-                const std::vector<float>& init, bool full) {
+Trial try_batch(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec, int b,
+                const SkewOptions& o, const std::vector<float>& init, bool full) {
   Trial t;
   for (Device* d : devices) d->ledger().reset_peak();
   try {
@@ -124,8 +124,8 @@ struct Search {
   Trial at_largest, past;  // a full step at the largest batch; the first batch that does not fit
 };
 
-Search search_batches(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec, const SkewOptions& o,
-                      const std::vector<float>& init) {
+Search search_batches(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec,
+                      const SkewOptions& o, const std::vector<float>& init) {
   Search s;
   s.strategy = strategy;
   constexpr int kLimit = 1 << 24;  // a cap this generous is not a demo
@@ -269,11 +269,11 @@ nlohmann::json search_json(const std::vector<Search>& found, int64_t cap) {
   nlohmann::json j = {{"cap_bytes", cap}};
   for (const auto& f : found)
     j[f.strategy->name()] = {{"largest_batch", f.largest},
-                            {"device0_peak_at_largest", f.at_largest.peak0},
-                            {"others_peak_at_largest", f.at_largest.peak_others},
-                            {"stops_at", f.largest + 1},
-                            {"out_of_memory_device", f.past.device},
-                            {"out_of_memory", f.past.message}};
+                             {"device0_peak_at_largest", f.at_largest.peak0},
+                             {"others_peak_at_largest", f.at_largest.peak_others},
+                             {"stops_at", f.largest + 1},
+                             {"out_of_memory_device", f.past.device},
+                             {"out_of_memory", f.past.message}};
   return j;
 }
 

@@ -25,9 +25,9 @@ struct CollectiveTraffic {
 // What a step's bytes depend on.
 struct StepShape {
   const ModelSpec& spec;
-  std::vector<int> sizes;        // each device's samples (split_batch of the global batch)
-  std::vector<Bucket> buckets;   // empty: the gradients in one piece
-  bool sync_bn = false;          // SyncBatchNorm (EngineConfig::sync_bn)
+  std::vector<int> sizes;       // each device's samples (split_batch of the global batch)
+  std::vector<Bucket> buckets;  // empty: the gradients in one piece
+  bool sync_bn = false;         // SyncBatchNorm (EngineConfig::sync_bn)
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;
   int devices() const { return int(sizes.size()); }
 };

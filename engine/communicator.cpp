@@ -142,7 +142,8 @@ Communicator::Communicator(std::vector<Device*> devices)
 }
 
 void Communicator::meet(int rank, Collective c) {
-  failpoint::collective(*this, rank, c, [this] { return barrier_.aborted(); }, timeout_);
+  failpoint::collective(
+      *this, rank, c, [this] { return barrier_.aborted(); }, timeout_);
   meet(rank, collective_text(c), Deadline::after(timeout_));
 }
 

@@ -183,9 +183,9 @@ class Communicator {
   }
   float* scratch(int rank, int64_t floats);  // comm buffer on the rank's device, grown on demand
   // Every rank's meeting point within collective c: the barrier, with the timeout (and a test
-  // build's stall, engine/failpoint.h). Past the deadline it throws TimedOut, naming the collective, this rank's device and the
-  // ranks that never came. The second form names what it waits in (`what`, e.g. "the start of
-  // NCCL") and takes its own deadline.
+  // build's stall, engine/failpoint.h). Past the deadline it throws TimedOut, naming the collective, this rank's device
+  // and the ranks that never came. The second form names what it waits in (`what`, e.g. "the start of NCCL") and takes
+  // its own deadline.
   void meet(int rank, Collective c);
   void meet(int rank, const std::string& what, const Deadline& deadline);
   void sync_and_wait(int rank, Collective c);  // finish the rank's queued copies, then meet

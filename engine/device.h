@@ -108,7 +108,6 @@ class Device {
   std::future<void> run(std::function<void()> fn) { return compute_->submit(std::move(fn)); }
   std::future<void> run_comm(std::function<void()> fn) { return comm_->submit(std::move(fn)); }
 
-
  protected:
   virtual void* raw_alloc(size_t bytes) = 0;
   virtual void raw_free(void* ptr) noexcept = 0;

@@ -45,7 +45,8 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   world_ = n;
   if (cfg_.group && cfg_.group->size() > 1) {
     if (const char* why = strategy_.one_process_only())
-      throw UsageError("--sync " + std::string(strategy_.name()) + ": " + why + "; across processes use --sync allreduce");
+      throw UsageError("--sync " + std::string(strategy_.name()) + ": " + why +
+                       "; across processes use --sync allreduce");
     world_ = cfg_.group->size() * n, first_ = cfg_.group->rank() * n;
     comm_ = make_process_communicator(devices_, *cfg_.group);  // NCCL on GPUs, MPI otherwise
   } else {

@@ -35,8 +35,7 @@ std::chrono::milliseconds upload_delay(const Device& dev);
 // enters collective c: where a stall is armed there the rank stops answering until a peer's timeout
 // aborts the collective (aborted() turns true) and throws Aborted, or past twice `timeout` TimedOut.
 void communicator_built(const Communicator& comm);
-void collective(const Communicator& comm, int rank, Collective c, const std::function<bool()>& aborted,
-                double timeout);
+void collective(const Communicator& comm, int rank, Collective c, const std::function<bool()>& aborted, double timeout);
 // A process's device `rank` is about to all-reduce its chunk across the processes.
 void across_processes(const Communicator& comm, int process, int rank, double timeout);
 // What --verify adds to its reference's first weight before comparing (0 in a release binary).

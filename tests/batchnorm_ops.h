@@ -13,16 +13,14 @@
 #include <tuple>
 #include <vector>
 
-#include "train/checkpoint.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/math.h"
 #include "tests/ops_matrix.h"
 #include "tests/tolerance.h"
 #include "tests/util.h"
-
+#include "train/checkpoint.h"
 
 namespace dp::test {
-
 
 using Vec = std::vector<float>;
 using DVec = std::vector<double>;
@@ -41,7 +39,7 @@ struct Shape {
 // and channels of 300 values, more than a CUDA block's threads; BatchNorm2d with n = 1, odd sizes and
 // C not a multiple of 8, and LeNet-BN's bn1 and bn2 (8 images).
 inline const Shape kShapes[] = {{2, 3, 1},  {5, 7, 1},   {64, 128, 1}, {300, 9, 1},  {1, 5, 7},
-                         {3, 13, 9}, {4, 11, 16}, {2, 50, 81},  {8, 20, 676}, {8, 50, 81}};
+                                {3, 13, 9}, {4, 11, 16}, {2, 50, 81},  {8, 20, 676}, {8, 50, 81}};
 
 // (N, C, HW) with a different mean and spread per channel (the statistics must not be those of the
 // whole tensor; a mean far from 0 makes the squared deviations, not x^2, matter).
@@ -75,19 +73,19 @@ inline Vec channel_sums(Backend& be, const Shape& s, const Vec& x, const Vec* me
   return be.get(out);
 }
 inline Vec normalize(Backend& be, const Shape& s, const Vec& x, const Vec& mean, const Vec& var, const Vec& gamma,
-              const Vec& beta, float eps) {
+                     const Vec& beta, float eps) {
   Mem gx = be.put(x), gm = be.put(mean), gv = be.put(var), gg = be.put(gamma), gb = be.put(beta), gy = be.out(x.size());
   be.run([&](Ops& ops) { ops.bn_normalize(s.n, s.c, s.hw, gx.f(), gm.f(), gv.f(), gg.f(), gb.f(), eps, gy.f()); });
   return be.get(gy);
 }
 inline Vec backward_sums(Backend& be, const Shape& s, const Vec& x, const Vec& mean, const Vec& var, float eps,
-                  const Vec& dy) {
+                         const Vec& dy) {
   Mem gx = be.put(x), gm = be.put(mean), gv = be.put(var), gdy = be.put(dy), out = be.out(2 * size_t(s.c));
   be.run([&](Ops& ops) { ops.bn_backward_sums(s.n, s.c, s.hw, gx.f(), gm.f(), gv.f(), eps, gdy.f(), out.f()); });
   return be.get(out);
 }
-inline Vec backward_dx(Backend& be, const Shape& s, const Vec& x, const Vec& mean, const Vec& var, float eps, const Vec& gamma,
-                const Vec& dy, const Vec& sums, int64_t count) {
+inline Vec backward_dx(Backend& be, const Shape& s, const Vec& x, const Vec& mean, const Vec& var, float eps,
+                       const Vec& gamma, const Vec& dy, const Vec& sums, int64_t count) {
   Mem gx = be.put(x), gm = be.put(mean), gv = be.put(var), gg = be.put(gamma), gdy = be.put(dy), gs = be.put(sums);
   Mem gdx = be.out(x.size());
   be.run([&](Ops& ops) {
@@ -99,7 +97,7 @@ struct Running {
   Vec mean, var;
 };
 inline Running update_running(Backend& be, int c, const Vec& mean, const Vec& var, int64_t count, float momentum,
-                       const Vec& running_mean, const Vec& running_var) {
+                              const Vec& running_mean, const Vec& running_var) {
   Mem gm = be.put(mean), gv = be.put(var), rm = be.put(running_mean), rv = be.put(running_var);
   be.run([&](Ops& ops) { ops.bn_update_running(c, gm.f(), gv.f(), count, momentum, rm.f(), rv.f()); });
   return {be.get(rm), be.get(rv)};

@@ -15,7 +15,6 @@
 
 namespace dp::test::bench_runner {
 
-
 namespace fs = std::filesystem;
 using nlohmann::json;
 

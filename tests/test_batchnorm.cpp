@@ -7,21 +7,21 @@
 #include <cmath>
 #include <cstring>
 
-#include "train/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/network.h"
-#include "train/verify.h"
 #include "tests/backends.h"
 #include "tests/util.h"
+#include "train/checkpoint.h"
+#include "train/verify.h"
 
 using namespace dp;
-using dp::test::Batches;
 using dp::test::all_strategies;
-using dp::test::takes_buckets;
+using dp::test::Batches;
 using dp::test::make_batches;
 using dp::test::max_diff;
 using dp::test::raw;
+using dp::test::takes_buckets;
 
 namespace {
 

@@ -21,7 +21,6 @@
 
 #ifdef DP_BENCH_BIN
 
-
 #include "tests/bench_runner.h"
 
 namespace {

@@ -9,9 +9,9 @@
 #include <fstream>
 #include <limits>
 
-#include "train/checkpoint.h"
 #include "engine/error.h"
 #include "tests/util.h"
+#include "train/checkpoint.h"
 
 using namespace dp;
 using namespace dp::test;

@@ -23,9 +23,9 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "models/model.h"
 #include "tests/backends.h"
+#include "tests/failpoint/failpoints.h"
 #include "tests/ops_matrix.h"
 #include "tests/tolerance.h"
-#include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
 #if DP_TESTS_CUDA
 #include "kernels/cuda/cuda_ops.h"  // conv_choices: CudaOps' own, not the Ops interface's
@@ -264,10 +264,9 @@ TEST_CASE("cuda: three LeNet steps on CUDA match the CPU from the same weights a
     std::string sync;
     int64_t bucket_kb;
   };
-  for (const Variant& v : {Variant{"one GPU", 1, "allreduce", 0},
-                           Variant{"two replicas, allreduce in buckets", 2, "allreduce", 16},
-                           Variant{"two replicas, allreduce", 2, "allreduce", 0},
-                           Variant{"two replicas, scatter", 2, "scatter", 0}}) {
+  for (const Variant& v :
+       {Variant{"one GPU", 1, "allreduce", 0}, Variant{"two replicas, allreduce in buckets", 2, "allreduce", 16},
+        Variant{"two replicas, allreduce", 2, "allreduce", 0}, Variant{"two replicas, scatter", 2, "scatter", 0}}) {
     CAPTURE(v.name);
     auto devs = make_test_devices("cuda", v.devices);
     const Trained got = train_three_steps(raw(devs), spec, v.sync, v.bucket_kb, init, x, y, batch);

@@ -3,9 +3,9 @@
 
 #include <set>
 
-#include "train/data.h"
 #include "engine/error.h"
 #include "tests/util.h"
+#include "train/data.h"
 
 using namespace dp;
 using namespace dp::test;

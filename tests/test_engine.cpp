@@ -9,19 +9,19 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
-#include "train/trainer.h"
 #include "tests/backends.h"
 #include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
+#include "train/trainer.h"
 
 using namespace dp;
-using dp::test::Batches;
 using dp::test::all_strategies;
-using dp::test::takes_buckets;
+using dp::test::Batches;
 using dp::test::for_each_strategy;
 using dp::test::make_batches;
 using dp::test::max_diff;
 using dp::test::raw;
+using dp::test::takes_buckets;
 
 TEST_CASE("split_batch: even and torch.chunk semantics") {
   CHECK(split_batch(256, 3, Split::even) == std::vector<int>{86, 85, 85});
@@ -135,7 +135,6 @@ TEST_CASE("bytes per step match the theory to the byte") {
     }
   }
 }
-
 
 TEST_CASE("a fault on one device ends the step on all devices and names the device") {
   ModelSpec spec = make_model("lenet5");

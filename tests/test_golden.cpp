@@ -8,12 +8,12 @@
 #include <cmath>
 #include <cstring>
 
-#include "train/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/network.h"
 #include "tests/backends.h"
 #include "tests/tolerance.h"
 #include "tests/util.h"
+#include "train/checkpoint.h"
 
 using namespace dp;
 using dp::test::kU;

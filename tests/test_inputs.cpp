@@ -8,11 +8,11 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
-#include "train/data.h"
 #include "engine/error.h"
+#include "tests/util.h"
+#include "train/data.h"
 #include "train/options.h"
 #include "train/verify.h"
-#include "tests/util.h"
 
 using namespace dp;
 using namespace dp::test;

@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "tests/util.h"
 #include "train/checkpoint.h"
 #include "train/loader.h"
-#include "tests/util.h"
 
 using namespace dp;
 using namespace dp::test;

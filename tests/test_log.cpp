@@ -9,8 +9,8 @@
 #include <sstream>
 
 #include "engine/error.h"
-#include "train/log.h"
 #include "tests/util.h"
+#include "train/log.h"
 
 using namespace dp::test;
 

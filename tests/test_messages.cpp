@@ -7,8 +7,8 @@
 #include <string>
 
 #include "engine/error.h"
-#include "train/options.h"
 #include "tests/util.h"
+#include "train/options.h"
 
 using namespace dp;
 using namespace dp::test;

@@ -19,17 +19,16 @@
 
 #include "engine/communicator.h"
 #include "engine/device.h"
-#include "train/verify.h"
 #include "models/model.h"
 #include "tests/backends.h"
 #include "tests/mpi_job.h"
 #include "tests/util.h"
+#include "train/verify.h"
 
 using namespace dp;
 using namespace dp::test;
 
 using namespace dp::test::mpi;
-
 
 TEST_CASE("mpi: P processes x K devices train as one process with P*K devices, replicas bitwise equal") {
   if (!have_mpi()) return;

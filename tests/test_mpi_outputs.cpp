@@ -15,11 +15,11 @@
 
 #include "engine/communicator.h"
 #include "engine/device.h"
-#include "train/verify.h"
 #include "models/model.h"
 #include "tests/backends.h"
 #include "tests/mpi_job.h"
 #include "tests/util.h"
+#include "train/verify.h"
 
 using namespace dp;
 using namespace dp::test;

@@ -9,9 +9,9 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
-#include "train/trainer.h"
 #include "tests/backends.h"
 #include "tests/util.h"
+#include "train/trainer.h"
 
 using namespace dp;
 using dp::test::Batches;

@@ -7,7 +7,6 @@
 namespace dp::test {
 namespace {
 
-
 Vec golden(const SafeTensors& g, const std::string& name) {
   const Tensor& t = g.tensors.at(name);
   REQUIRE(t.dtype == "F32");

@@ -13,11 +13,11 @@
 #include <cstring>
 #include <fstream>
 
-#include "train/checkpoint.h"
 #include "engine/error.h"
-#include "train/paths.h"
 #include "models/model.h"
 #include "tests/util.h"
+#include "train/checkpoint.h"
+#include "train/output_files.h"
 
 using namespace dp;
 using namespace dp::test;

@@ -9,19 +9,19 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
-#include "train/trainer.h"
 #include "tests/backends.h"
 #include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
+#include "train/trainer.h"
 
 using namespace dp;
-using dp::test::Batches;
 using dp::test::all_strategies;
-using dp::test::takes_buckets;
+using dp::test::Batches;
 using dp::test::for_each_strategy;
 using dp::test::make_batches;
 using dp::test::max_diff;
 using dp::test::raw;
+using dp::test::takes_buckets;
 namespace {
 
 // Prefetch (EngineConfig::prefetch): each batch staged, its upload started on the copy streams,

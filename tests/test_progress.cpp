@@ -5,8 +5,8 @@
 #include <string>
 #include <vector>
 
-#include "train/progress.h"
 #include "tests/util.h"
+#include "train/progress.h"
 
 using namespace dp;
 using namespace dp::test;

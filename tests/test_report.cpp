@@ -9,11 +9,11 @@
 #include <regex>
 #include <sstream>
 
-#include "train/checkpoint.h"
 #include "engine/ledger.h"
+#include "tests/util.h"
+#include "train/checkpoint.h"
 #include "train/options.h"
 #include "train/report.h"
-#include "tests/util.h"
 
 using namespace dp::test;
 

@@ -13,9 +13,9 @@
 #include <cstring>
 #include <thread>
 
-#include "train/checkpoint.h"
 #include "engine/error.h"
 #include "tests/util.h"
+#include "train/checkpoint.h"
 
 using namespace dp;
 using namespace dp::test;

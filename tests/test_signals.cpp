@@ -2,9 +2,9 @@
 // during the final save, between the outputs) exit 128 + signal saying what was written; a closed
 // stdout does not kill a run; the grace deadline ends a hung step or save without leaving a temporary
 // file or touching the previous checkpoint; a second signal leaves no temporary file either. The
-// moments are hit exactly with dp_train's test hook DP_TEST_AT (train/progress.h), which makes the
-// process raise the signal at itself, or hang, at a named point. Every run is bounded: timeout(1) or
-// a wait that kills it.
+// moments are hit exactly with dp_train's failpoint DP_TEST_AT (engine/failpoint.h; the test build's
+// dp_train_failpoints), which makes the process raise the signal at itself, or hang, at a named point. Every run is
+// bounded: timeout(1) or a wait that kills it.
 #include <doctest/doctest.h>
 #include <signal.h>
 #include <spawn.h>
@@ -15,9 +15,9 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "train/checkpoint.h"
 #include "models/model.h"
 #include "tests/util.h"
+#include "train/checkpoint.h"
 
 using namespace dp;
 using namespace dp::test;

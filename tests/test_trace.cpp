@@ -8,9 +8,9 @@
 #include <set>
 
 #include "engine/engine.h"
-#include "train/trace.h"
 #include "tests/backends.h"
 #include "tests/util.h"
+#include "train/trace.h"
 
 using namespace dp;
 using namespace dp::test;
@@ -183,7 +183,9 @@ TEST_CASE("trace: trace_json shifts every ts by the offset, and host spans get a
   e.evaluate(x.data(), y.data(), 10);
   e.recorder().host_span("epoch 1", t0, e.recorder().now_us(), {{"images", 32}});
   const double now = e.recorder().now_us();  // the engine's clock: since start_time()
-  CHECK(now <= std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - e.recorder().start_time()).count());
+  CHECK(
+      now <=
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - e.recorder().start_time()).count());
   for (int r = 0; r < 2; ++r) {
     CHECK(e.recorder().bucket_spans()[r].size() == 2 * e.buckets().size());
     REQUIRE(e.recorder().eval_spans()[r].size() == 1);

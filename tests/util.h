@@ -25,11 +25,11 @@
 #include <thread>
 #include <vector>
 
-#include "train/checkpoint.h"
 #include "engine/communicator.h"
 #include "engine/device.h"
 #include "engine/error.h"
 #include "engine/strategy.h"
+#include "train/checkpoint.h"
 
 extern char** environ;
 

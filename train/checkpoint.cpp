@@ -1,15 +1,15 @@
 #include "train/checkpoint.h"
 
 #include <algorithm>
-#include <functional>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "engine/error.h"
-#include "train/paths.h"
+#include "train/output_files.h"
 
 namespace dp {
 namespace {

@@ -15,6 +15,7 @@
 #include "train/job.h"
 #include "train/options.h"
 #include "train/progress.h"
+#include "train/signals.h"
 #include "train/trainer.h"
 
 namespace {

@@ -6,6 +6,7 @@
 #include "train/report.h"
 #include "train/run.h"
 #include "train/setup.h"
+#include "train/signals.h"
 #include "train/trainer.h"
 
 namespace dp {
@@ -68,6 +69,5 @@ EvalResult evaluate_checkpoint(const TrainOptions& opt) {
   if (!opt.report.empty()) write_json(opt.report, eval_report(opt, spec, engine, result));
   return result;
 }
-
 
 }  // namespace dp

@@ -10,10 +10,10 @@
 #include <utility>
 #include <vector>
 
-#include "train/checkpoint.h"
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/process_group.h"
+#include "train/checkpoint.h"
 #include "train/resume.h"
 #include "train/trainer.h"
 #include "train/verify.h"

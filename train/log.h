@@ -20,7 +20,6 @@
 
 namespace dp {
 
-
 class TrainLog {
  public:
   // Opens `path`, truncating it; the clock of elapsed_s starts here, and the phase times count from

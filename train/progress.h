@@ -1,6 +1,4 @@
-// What dp_train shows while it trains and how it stops: the progress line on a terminal; SIGINT,
-// SIGTERM and SIGHUP turned into a flag the loop reads between steps, with a grace deadline after
-// which the process leaves anyway.
+// What dp_train shows while it trains: the progress line on a terminal, tqdm's layout.
 #pragma once
 
 #include <chrono>
@@ -55,42 +53,9 @@ class Progress {
   bool drawn_ = false;  // this epoch
 };
 
-// What the run is doing, for the line the grace deadline prints (engine.h's Phase is a step's phase).
-enum class Stage { setup, step, evaluation, verify, save, report, trace };
-
-// While alive, SIGINT, SIGTERM and SIGHUP only set a flag that the run reads at its safe points
-// (between steps, between its outputs). A second one exits at once with 128 + signal, removing any
-// temporary file in flight (remove_temp_files). After the first, a watchdog thread gives the run
-// `grace_seconds` to stop on its own; past that it prints what is lost and kept, removes the
-// temporary file in flight and _exits with 128 + signal, so a step hung in a library cannot outlast
-// `timeout`. The previous handlers come back on destruction. One at a time: the flag is process-wide.
-class SignalGuard {
- public:
-  explicit SignalGuard(double grace_seconds);
-  ~SignalGuard();
-  SignalGuard(const SignalGuard&) = delete;
-  SignalGuard& operator=(const SignalGuard&) = delete;
-  int pending() const;  // the signal received, 0 for none
-  void stage(Stage s);
-  // What a forced exit leaves, for the deadline's line: "the last good checkpoint (step 40) in ck is kept".
-  void kept(const std::string& what);
-
- private:
-  struct Watchdog;
-  std::unique_ptr<Watchdog> watchdog_;
-  struct sigaction old_int_ {
-  }, old_term_{}, old_hup_{};
-};
-
-// The first signal a SignalGuard caught in this process, 0 for none; it stays set after the guard is
-// gone, for a front end to see one that landed as the run was returning.
-int signal_received();
-
-// "interrupted (SIGINT)", "terminated (SIGTERM)", "hung up (SIGHUP)".
-std::string describe_signal(int sig);
-
-// The grace period from DP_GRACE_SECONDS (default 10): a number of seconds in (0, 86400]; anything
-// else is a UsageError naming the variable.
-double grace_seconds();
+// For the signal handler and the watchdog (signals.cpp): a string to stderr, and the progress line
+// cleared before it, with write(2) alone (async-signal-safe).
+void say_signal_safe(const char* s) noexcept;
+void clear_line_signal_safe() noexcept;
 
 }  // namespace dp

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "engine/error.h"
-#include "train/paths.h"
+#include "train/output_files.h"
 
 namespace dp {
 namespace {
@@ -44,7 +44,7 @@ nlohmann::json device_notes() {
 // (which reduces to device 0 and runs no all-reduce).
 nlohmann::json all_reduce_json(const TrainOptions& o) {
   return find_strategy(o.sync).takes_all_reduce_algorithm() ? nlohmann::json(all_reduce_name(o.all_reduce))
-                                                        : nlohmann::json();
+                                                            : nlohmann::json();
 }
 
 }  // namespace

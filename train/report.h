@@ -7,8 +7,8 @@
 #include <string>
 
 #include "engine/engine.h"
-#include "train/trainer.h"
 #include "models/model.h"
+#include "train/trainer.h"
 
 namespace dp {
 

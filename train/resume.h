@@ -8,9 +8,9 @@
 #include <utility>
 #include <vector>
 
+#include "engine/engine.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
-#include "engine/engine.h"
 #include "train/trainer.h"
 
 namespace dp {

@@ -12,6 +12,7 @@
 
 #include "engine/failpoint.h"
 #include "train/job.h"
+#include "train/signals.h"
 
 namespace dp {
 namespace {
@@ -94,7 +95,7 @@ class Run::Staging {
  public:
   Staging(const Dataset& train, const LoaderPlan& plan, int workers, int ahead, int64_t first_step)
       : loader(train, plan, workers), ahead(ahead), next(first_step) {}
-  BatchLoader loader;  // its thread is joined when the run returns or throws, after at most one batch
+  BatchLoader loader;                   // its thread is joined when the run returns or throws, after at most one batch
   std::deque<const HostBatch*> staged;  // oldest first
   int ahead;
   int64_t next;  // the step whose batch is staged next
@@ -115,17 +116,17 @@ Run::Run(const TrainOptions& o, const Schedule& plan, Engine& engine, Checkpoint
 }
 
 void Run::save() {
-  signals_.stage(Stage::save);
+  signals_.doing(Activity::save);
   if (lead()) io([&] { saver_.save(engine_, step_); });
   if (group_) group_->barrier(Deadline::after(o_.timeout), "the barrier after rank 0's checkpoint");
   signals_.kept(kept());
 }
 
-void Run::output(Stage p, const std::function<void()>& write) {
-  signals_.stage(p);
-  failpoint::at(p == Stage::report ? "report" : "trace");
+void Run::output(Activity p, const std::function<void()>& write) {
+  signals_.doing(p);
+  failpoint::at(p == Activity::report ? "report" : "trace");
   io(write);
-  (p == Stage::report ? report_written_ : trace_written_) = true;
+  (p == Activity::report ? report_written_ : trace_written_) = true;
   stop_if_signalled();
 }
 
@@ -219,7 +220,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
 }
 
 void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier* verify, int64_t epoch, int64_t s) {
-  signals_.stage(Stage::step);
+  signals_.doing(Activity::step);
   failpoint::at("step", step_ + 1);
   for (; staging.next <= step_ + staging.ahead && staging.next < plan_.total_steps; ++staging.next) {
     const HostBatch& b = next_batch(staging.loader, staging.next);
@@ -245,13 +246,12 @@ void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier
   stop_if_signalled();
 }
 
-void Run::end_epoch(EpochMeter& meter, double start_us, const DataSets& data, Progress& progress,
-                    TrainResult& result) {
+void Run::end_epoch(EpochMeter& meter, double start_us, const DataSets& data, Progress& progress, TrainResult& result) {
   EpochRecord rec = meter.finish();
   // The trace's host lane: the epoch's steps (its evaluation is a span on each device's lane).
   engine_.recorder().host_span("epoch " + std::to_string(rec.epoch), start_us, engine_.recorder().now_us(),
                                {{"steps", double(rec.steps)}, {"images", double(rec.images)}});
-  signals_.stage(Stage::evaluation);
+  signals_.doing(Activity::evaluation);
   if (step_ >= plan_.total_steps) failpoint::at("final-eval");
   const auto eval_start = std::chrono::steady_clock::now();
   evaluate(engine_, data.test, rec, group_);

@@ -18,6 +18,7 @@
 #include "train/progress.h"
 #include "train/resume.h"
 #include "train/setup.h"
+#include "train/signals.h"
 #include "train/trainer.h"
 #include "train/verify.h"
 
@@ -46,7 +47,7 @@ class Run {
   // waits for it (a barrier), so none runs ahead of a checkpoint that may yet fail.
   void save();
   // The report or the trace: written, then a safe point.
-  void output(Stage p, const std::function<void()>& write);
+  void output(Activity p, const std::function<void()>& write);
   // Across processes only the signal the step's collective agreed on counts, so that every process
   // stops after the same step.
   void stop_if_signalled();

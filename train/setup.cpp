@@ -8,7 +8,7 @@
 
 #include "engine/error.h"
 #include "train/loader.h"
-#include "train/paths.h"
+#include "train/output_files.h"
 
 namespace dp {
 
@@ -133,8 +133,7 @@ void note_idle_devices(const TrainOptions& o, int batch, int devices) {
   int idle = int(std::count(sizes.begin(), sizes.end(), 0));
   if (idle > 0)
     std::printf("note: a batch of %d over %d devices (--split %s) leaves %d device(s) without samples; %s\n", batch,
-                devices, split_name(o.split), idle,
-                find_strategy(o.sync).idle_device());
+                devices, split_name(o.split), idle, find_strategy(o.sync).idle_device());
 }
 
 // Sizes past what the data holds are clamped, as a user asking for "at most N" expects, and said.
@@ -183,6 +182,5 @@ void print_resuming(const TrainOptions& o, const Schedule& s, int64_t global_ste
               (long long)(global_step % s.per_epoch), (long long)s.per_epoch,
               global_step >= s.total_steps ? "; that is already the last step, nothing to train" : "");
 }
-
 
 }  // namespace dp

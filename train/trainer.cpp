@@ -12,6 +12,7 @@
 #include "train/report.h"
 #include "train/run.h"
 #include "train/setup.h"
+#include "train/signals.h"
 #include "train/trace.h"
 
 namespace dp {
@@ -76,11 +77,11 @@ Checkpoint starting_state(const TrainOptions& opt, const Prepared& p, ProcessGro
 
 // After the last step: --verify's verdict, the device table, the final checkpoint, the report and the
 // trace, each behind a safe point.
-void finish(Run& run, SignalGuard& signals, const TrainOptions& opt, const Prepared& p, Engine& engine,
-            ProcessGroup* g, Verifier* verify, double trace_offset_us, TrainResult& result) {
+void finish(Run& run, SignalGuard& signals, const TrainOptions& opt, const Prepared& p, Engine& engine, ProcessGroup* g,
+            Verifier* verify, double trace_offset_us, TrainResult& result) {
   const bool trace = engine.config().trace;
   if (opt.verify) {
-    signals.stage(Stage::verify);
+    signals.doing(Activity::verify);
     VerifyResult v;
     if (verify) v = verify->compare(engine, engine.config().batch);  // the batch trained, not --batch
     if (g) broadcast_verify(*g, v, opt.timeout);
@@ -94,14 +95,14 @@ void finish(Run& run, SignalGuard& signals, const TrainOptions& opt, const Prepa
       g && trace ? job_trace_json(*g, engine, trace_offset_us, opt.timeout) : nlohmann::json();
   if (run.speak()) std::printf("%s", device_table(engine).c_str());
   if (!opt.save.empty()) {
-    signals.stage(Stage::save);
+    signals.doing(Activity::save);
     failpoint::at("final-save");
     run.save();  // a signal from here on still lets it finish: the trained weights are worth keeping
     if (run.speak()) std::printf("saved %s\n", opt.save.c_str());
   }
   run.stop_if_signalled();
   if (!opt.report.empty() && run.lead())
-    run.output(Stage::report, [&] {
+    run.output(Activity::report, [&] {
       nlohmann::json j = train_report(opt, p.spec, p.plan.epochs, p.plan.total_steps, result, engine);
       if (g) {
         j["devices"] = job_devices_json;
@@ -110,7 +111,7 @@ void finish(Run& run, SignalGuard& signals, const TrainOptions& opt, const Prepa
       write_json(opt.report, j);
     });
   if (!opt.trace.empty() && run.lead())
-    run.output(Stage::trace, [&] { write_json(opt.trace, g ? job_trace : trace_json(engine)); });
+    run.output(Activity::trace, [&] { write_json(opt.trace, g ? job_trace : trace_json(engine)); });
   run.stop_if_signalled();
 }
 

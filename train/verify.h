@@ -7,9 +7,9 @@
 #include <memory>
 #include <vector>
 
-#include "train/checkpoint.h"
 #include "engine/device.h"
 #include "engine/engine.h"
+#include "train/checkpoint.h"
 
 namespace dp {
 

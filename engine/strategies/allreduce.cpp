@@ -22,8 +22,7 @@ class AllReduce final : public Strategy {
   bool steps_optimizer(int) const override { return true; }
 
   // Each device: its own shard, (b, D) and (b), and its shard's logit gradients, (b, C).
-  void allocate(Device& dev, Replica& rep, const ModelSpec& spec, const EngineConfig& c, int,
-                int b) const override {
+  void allocate(Device& dev, Replica& rep, const ModelSpec& spec, const EngineConfig& c, int, int b) const override {
     const int64_t D = spec.input_size(), C = spec.classes;
     for (int s = 0; s < (c.prefetch ? Device::kUploadSlots : 1); ++s) {
       rep.batch[size_t(s)].x = dev.alloc_floats(int64_t(b) * D, Category::inputs);
@@ -144,8 +143,8 @@ class AllReduce final : public Strategy {
          "its shard's logit gradient, " + sb + " x " + sC + " floats + 12 B loss/correct/finite"},
         {Category::comm, even_chunks(P, n)[0] * F, "one ring chunk, ceil(P / " + std::to_string(n) + ") floats"}};
     if (c.momentum != 0)
-      h.push_back({Category::optimizer, P * F,
-                   "its own momentum buffer, P floats: every device runs the same optimizer step"});
+      h.push_back(
+          {Category::optimizer, P * F, "its own momentum buffer, P floats: every device runs the same optimizer step"});
     return h;
   }
   std::string memory_note(const EngineConfig& c) const override {

@@ -168,9 +168,8 @@ void collective(const Communicator& comm, int rank, Collective c, const std::fun
   }
   // Bounded too, at twice the timeout: the peers' own deadline passes first and they abort.
   const Device& dev = comm.device(rank);
-  poll_until([] { return false; }, aborted, Deadline::after(2 * timeout + 1), dev.id(), [&] {
-    return std::string("the test stall in ") + collective_name(c) + " on " + dev.name();
-  });
+  poll_until([] { return false; }, aborted, Deadline::after(2 * timeout + 1), dev.id(),
+             [&] { return std::string("the test stall in ") + collective_name(c) + " on " + dev.name(); });
 }
 
 // DP_TEST_STALL_RANK=<process rank>: that process stops answering at its first all-reduce across

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "train/data.h"
 #include "engine/error.h"
+#include "train/data.h"
 
 namespace {
 

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <string>
 
-#include "train/checkpoint.h"
 #include "engine/error.h"
+#include "train/checkpoint.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "train/paths.h"
+#include "train/output_files.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -11,10 +11,9 @@
 #include <random>
 #include <utility>
 
-#include "train/data.h"
 #include "engine/error.h"
 #include "engine/failpoint.h"
-#include "train/progress.h"
+#include "train/data.h"
 #include "train/trainer.h"
 
 namespace dp {

@@ -1,4 +1,4 @@
-// Where dp writes: the up-front check of dp_train's output paths, and the one atomic file writer
+// dp's output files: the up-front check of their paths, and the one atomic file writer
 // that checkpoints, reports and traces share. Outputs are regular files only: a device, FIFO,
 // socket or directory at an output path is refused, a symlink is followed to its target (the link
 // stays a link), and an existing file keeps its mode.
