@@ -89,7 +89,8 @@ struct CommSweep {
   int max_iters = 20;
   double budget_seconds = 0.1;  // per collective and size: fewer iterations when one op is slow
   std::vector<Collective> collectives{Collective::all_reduce, Collective::broadcast, Collective::reduce,
-                                      Collective::scatter, Collective::gather};
+                                      Collective::scatter,    Collective::gather,    Collective::reduce_scatter,
+                                      Collective::all_gather};
 };
 
 // Sizes from min to max doubling (max included), rounded down to whole floats.

@@ -1,6 +1,7 @@
 // dp_bench comm: the collectives alone through dp::Communicator, over message sizes doubling from
 // --min-bytes to --max-bytes, reported with nccl-tests' definitions (algbw = S/t, busbw = algbw
-// times 2(n-1)/n for all_reduce, (n-1)/n for scatter and gather, 1 for broadcast and reduce), and
+// times 2(n-1)/n for all_reduce, (n-1)/n for scatter, gather, reduce_scatter and all_gather, 1 for
+// broadcast and reduce), and
 // the alpha-beta fit of the all-reduce times.
 #include <cstdio>
 #include <filesystem>
@@ -26,7 +27,8 @@ void print_comm(const std::vector<CommPoint>& points, const AlphaBeta& ab, const
       "warm-up (fewer when an op takes over %.0f ms / %d)\n",
       n, list.c_str(), o.iters, o.budget_seconds * 1e3, o.iters);
   std::printf(
-      "S = message size; algbw = S / time; busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (scatter, gather), "
+      "S = message size; algbw = S / time; busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (scatter, gather, "
+      "reduce_scatter, all_gather), "
       "1 (broadcast, reduce); GB/s = 1e9 B/s\n\n");
   Table t;
   std::vector<std::string> head{"S"};

@@ -119,6 +119,10 @@ struct Job {
   // One all-reduce of LeNet's gradient on every device, its bytes against the hierarchical model;
   // every process's records, in rank order (every process judges and prints alike).
   nlohmann::json check_bytes(int64_t lenet_bytes, bool& any_off);
+  // ZeRO's collectives on LeNet's gradient padded to n chunks: device g of the job fills its buffer with
+  // g + 1, so every element is n(n+1)/2 after a reduce-scatter (the owned chunk) and an all-gather (all
+  // of it); their bytes against the hierarchical model. This device's record.
+  nlohmann::json check_sharded(int k, int64_t chunk);
 };
 
 nlohmann::json Job::sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes) {
@@ -164,14 +168,42 @@ nlohmann::json Job::sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes
   return pts;
 }
 
+nlohmann::json Job::check_sharded(int k, int64_t chunk) {
+  Device& dev = *devices[size_t(k)];
+  const int job_rank = group.rank() * K + k;
+  std::vector<float> host(size_t(n * chunk), float(job_rank + 1));
+  dev.upload(buf[size_t(k)].f(), host.data(), host.size() * sizeof(float));
+  dev.synchronize();
+  const Traffic before_inter = comm.inter_process(k);
+  comm.reduce_scatter(k, buf[size_t(k)].f(), chunk);
+  const float want = float(n * (n + 1) / 2);
+  const int64_t mine = comm.shard(k) * chunk;
+  dev.download(host.data() + mine, buf[size_t(k)].f() + mine, size_t(chunk) * sizeof(float));
+  bool right = std::all_of(host.begin() + mine, host.begin() + mine + chunk, [&](float v) { return v == want; });
+  comm.all_gather(k, buf[size_t(k)].f(), chunk);
+  dev.download(host.data(), buf[size_t(k)].f(), host.size() * sizeof(float));
+  right = right && std::all_of(host.begin(), host.end(), [&](float v) { return v == want; });
+  const Traffic rs = comm.traffic(k, Collective::reduce_scatter), ag = comm.traffic(k, Collective::all_gather);
+  const Traffic inter = comm.inter_process(k);
+  // Inside: the ring over the K devices of K blocks of P chunks; across: a ring over P of one chunk.
+  const int64_t local = (K - 1) * P * chunk * 4, across = 2 * (P - 1) * chunk * 4;
+  const bool on_model = rs.sent == local && rs.received == local && ag.sent == local && ag.received == local &&
+                        inter.sent - before_inter.sent == across && inter.received - before_inter.received == across;
+  return {{"chunk", chunk}, {"values_right", right}, {"matches_model", on_model}};
+}
+
 nlohmann::json Job::check_bytes(int64_t lenet_bytes, bool& any_off) {
-  const int64_t count = lenet_bytes / 4;
+  const int64_t count = lenet_bytes / 4, chunk = (count + n - 1) / n;
   comm.reset_traffic();
   spmd(comm, devices, [&](int k) { comm.all_reduce(k, buf[size_t(k)].f(), count); });
+  std::vector<Traffic> all_reduce_inter(static_cast<size_t>(K));
+  for (int k = 0; k < K; ++k) all_reduce_inter[size_t(k)] = comm.inter_process(k);
+  std::vector<nlohmann::json> sharded(static_cast<size_t>(K));
+  spmd(comm, devices, [&](int k) { sharded[size_t(k)] = check_sharded(k, chunk); });
   nlohmann::json mine = nlohmann::json::array();
   for (int k = 0; k < K; ++k) {
     const HierarchicalTraffic model = hierarchical_all_reduce_traffic(count, K, P, k, group.rank());
-    const Traffic local = comm.traffic(k, Collective::all_reduce), inter = comm.inter_process(k);
+    const Traffic local = comm.traffic(k, Collective::all_reduce), inter = all_reduce_inter[size_t(k)];
     mine.push_back({{"process", group.rank()},
                     {"device", devices[size_t(k)]->name()},
                     {"job_rank", group.rank() * K + k},
@@ -184,7 +216,8 @@ nlohmann::json Job::check_bytes(int64_t lenet_bytes, bool& any_off) {
                     {"model_inter_sent", model.inter.sent},
                     {"model_inter_received", model.inter.received},
                     {"matches_model", local.sent == model.local.sent && local.received == model.local.received &&
-                                          inter.sent == model.inter.sent && inter.received == model.inter.received}});
+                                          inter.sent == model.inter.sent && inter.received == model.inter.received},
+                    {"sharded", sharded[size_t(k)]}});
   }
   nlohmann::json records = nlohmann::json::array();
   for (const std::string& s : group.all_gather(mine.dump(), Deadline::after(timeout), "dp_bench comm's byte records"))
@@ -192,7 +225,9 @@ nlohmann::json Job::check_bytes(int64_t lenet_bytes, bool& any_off) {
   std::printf("\nbytes of one all-reduce of lenet's gradient (%s), sent / received, against the hierarchical model:\n",
               format_bytes(lenet_bytes).c_str());
   any_off = false;
+  bool sharded_off = false;
   for (const nlohmann::json& d : records) {
+    sharded_off |= !d["sharded"]["values_right"].get<bool>() || !d["sharded"]["matches_model"].get<bool>();
     auto b = [&](const char* key) { return commas(d[key].get<int64_t>()); };
     const bool ok = d["matches_model"];
     any_off |= !ok;
@@ -203,6 +238,11 @@ nlohmann::json Job::check_bytes(int64_t lenet_bytes, bool& any_off) {
                 b("model_inter_sent").c_str(), b("model_inter_received").c_str(), ok ? "" : "  OFF THE MODEL");
   }
   std::printf("%s\n", any_off ? "bytes: OFF the model (see the lines marked)" : "bytes: every device equals the model");
+  std::printf("reduce-scatter and all-gather of lenet's gradient in %d chunks of %s floats: %s\n", n,
+              commas(records[0]["sharded"]["chunk"].get<int64_t>()).c_str(),
+              sharded_off ? "a device's sums or bytes are OFF (see --json's \"sharded\")"
+                          : "every device's sums right, its bytes on the hierarchical model");
+  any_off |= sharded_off;
   return records;
 }
 
@@ -239,7 +279,9 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
   std::vector<int64_t> sizes = sweep_sizes(sw.min_bytes, sw.max_bytes);
   if (std::find(sizes.begin(), sizes.end(), lenet_bytes) == sizes.end()) sizes.push_back(lenet_bytes);
   std::sort(sizes.begin(), sizes.end());
-  Job job(group, o, devices, sizes.back() / 4);
+  // The buffers hold the largest size, and LeNet's gradient padded to a chunk per device of the job.
+  const int64_t n = int64_t(group.size()) * int64_t(devices.size()), lenet = lenet_bytes / 4;
+  Job job(group, o, devices, std::max(sizes.back() / 4, (lenet + n - 1) / n * n));
   const nlohmann::json pts = job.sweep(sizes, lenet_bytes);
   bool any_off = false;
   const nlohmann::json bytes_check = job.check_bytes(lenet_bytes, any_off);

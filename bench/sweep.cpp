@@ -18,6 +18,8 @@ double busbw_factor(Collective c, int n) {
       return 2.0 * (n - 1) / n;
     case Collective::scatter:
     case Collective::gather:
+    case Collective::reduce_scatter:
+    case Collective::all_gather:
       return double(n - 1) / n;
     case Collective::broadcast:
     case Collective::reduce:
@@ -42,6 +44,9 @@ int64_t busiest_bytes(Collective c, int64_t count, int n) {
     case Collective::scatter:
     case Collective::gather:
       return (count - even_chunks(count, n)[0]) * F;  // everything but its own chunk
+    case Collective::reduce_scatter:
+    case Collective::all_gather:
+      return (n - 1) * (count / n) * F;  // the ring: every chunk but its own, each way
   }
   return 0;
 }
@@ -120,6 +125,10 @@ void run_collective(Communicator& comm, Collective c, int r, int64_t count, floa
       return comm.scatter(r, r == 0 ? buf : nullptr, part, counts, 0);
     case Collective::gather:
       return comm.gather(r, part, r == 0 ? buf : nullptr, counts, 0);
+    case Collective::reduce_scatter:  // n chunks of count / n floats: the sweep's size, rounded down
+      return comm.reduce_scatter(r, buf, count / comm.size());
+    case Collective::all_gather:
+      return comm.all_gather(r, buf, count / comm.size());
   }
 }
 

@@ -12,15 +12,16 @@ namespace {
 
 // A collective as messages name it: "the all-reduce", "the broadcast".
 const char* collective_text(Collective c) {
-  static const char* names[kCollectives] = {"the scatter", "the gather", "the broadcast", "the reduce",
-                                            "the all-reduce"};
+  static const char* names[kCollectives] = {"the scatter",    "the gather",         "the broadcast", "the reduce",
+                                            "the all-reduce", "the reduce-scatter", "the all-gather"};
   return names[int(c)];
 }
 
 }  // namespace
 
 const char* collective_name(Collective c) {
-  static const char* names[kCollectives] = {"scatter", "gather", "broadcast", "reduce", "all_reduce"};
+  static const char* names[kCollectives] = {"scatter",    "gather",         "broadcast", "reduce",
+                                            "all_reduce", "reduce_scatter", "all_gather"};
   return names[int(c)];
 }
 
@@ -305,52 +306,66 @@ void Communicator::all_reduce(int rank, float* buf, int64_t count) {
 
 void Communicator::ring_all_reduce(int rank, float* buf, int64_t count) {
   if (size() == 1 || count == 0) return;
-  ring_reduce_scatter(rank, buf, count);
-  ring_all_gather(rank, buf, count);
+  const std::vector<int64_t> chunks = even_chunks(count, size());
+  ring_reduce_scatter(rank, buf, chunks, 1, Collective::all_reduce);
+  ring_all_gather(rank, buf, chunks, 1, Collective::all_reduce, /*publish=*/false);
 }
 
-// The ring's two halves over n even chunks. After reduce_scatter rank r holds the sum of chunk
-// (r + 1) % n (ring_owned_chunk) and every rank has met; all_gather passes the finished chunks around.
-// It reads the buffers reduce_scatter published: whatever a caller does to its chunk between the two
+void Communicator::reduce_scatter(int rank, float* buf, int64_t chunk) {
+  if (size() == 1 || chunk == 0) return;
+  ring_reduce_scatter(rank, buf, std::vector<int64_t>(size_t(size()), chunk), 0, Collective::reduce_scatter);
+}
+
+void Communicator::all_gather(int rank, float* buf, int64_t chunk) {
+  if (size() == 1 || chunk == 0) return;
+  ring_all_gather(rank, buf, std::vector<int64_t>(size_t(size()), chunk), 0, Collective::all_gather, true);
+}
+
+// The ring's two halves. After reduce_scatter rank r holds the sum of chunk (r + lead) % n and every
+// rank has met; all_gather passes the finished chunks around. Within an all-reduce it reads the
+// buffers reduce_scatter published: whatever a caller does to its chunk between the two
 // (ProcessCommunicator: the all-reduce across processes) it must finish and meet before all_gather.
-void Communicator::ring_reduce_scatter(int rank, float* buf, int64_t count) {
+void Communicator::ring_reduce_scatter(int rank, float* buf, const std::vector<int64_t>& chunk, int lead,
+                                       Collective as) {
   const int n = size();
-  const std::vector<int64_t> chunk = even_chunks(count, n);
   const std::vector<int64_t> offset = chunk_offsets(chunk);
-  float* recv = scratch(rank, chunk[0]);  // (largest chunk)
+  float* recv = scratch(rank, *std::max_element(chunk.begin(), chunk.end()));  // (largest chunk)
   const int prev = (rank + n - 1) % n;
   slots_[rank] = buf;
-  meet(rank, Collective::all_reduce);
+  meet(rank, as);
   Device& dev = *devices_[rank];
-  const Traffic t = ring_reduce_scatter_traffic(rank, n, count);
-  tally(rank, Collective::all_reduce, t.sent, t.received);
-  // At step s rank r sends chunk (r - s) to r + 1 and receives chunk (r - 1 - s) from r - 1, adding it
-  // into its own. Nobody writes a chunk while its neighbour reads it.
+  // At step s rank r sends chunk (r + lead - 1 - s) to r + 1 and receives chunk (r + lead - 2 - s) from
+  // r - 1, adding it into its own. Nobody writes a chunk while its neighbour reads it.
   for (int s = 0; s < n - 1; ++s) {
-    const int recv_c = (rank - 1 - s + 2 * n) % n;  // sends chunk (rank - s)
+    const int send_c = (rank + lead - 1 - s + 2 * n) % n, recv_c = (rank + lead - 2 - s + 2 * n) % n;
+    tally(rank, as, chunk[size_t(send_c)] * int64_t(sizeof(float)), chunk[size_t(recv_c)] * int64_t(sizeof(float)));
     if (chunk[recv_c] > 0)
       dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(chunk[recv_c]) * sizeof(float));
-    sync_and_wait(rank, Collective::all_reduce);
+    sync_and_wait(rank, as);
     dev.ops().add(chunk[recv_c], recv, buf + offset[recv_c]);
-    sync_and_wait(rank, Collective::all_reduce);
+    sync_and_wait(rank, as);
   }
 }
 
-void Communicator::ring_all_gather(int rank, float* buf, int64_t count) {
+void Communicator::ring_all_gather(int rank, float* buf, const std::vector<int64_t>& chunk, int lead, Collective as,
+                                   bool publish) {
   const int n = size();
-  const std::vector<int64_t> chunk = even_chunks(count, n);
   const std::vector<int64_t> offset = chunk_offsets(chunk);
   const int prev = (rank + n - 1) % n;
   Device& dev = *devices_[rank];
-  const Traffic t = ring_all_gather_traffic(rank, n, count);
-  tally(rank, Collective::all_reduce, t.sent, t.received);
-  // Rank r owns the sum of chunk (r + 1); at step s it receives chunk (r - s) from r - 1.
+  if (publish) {
+    slots_[rank] = buf;
+    sync_and_wait(rank, as);  // the owned chunk is written before a neighbour reads it
+  }
+  // Rank r owns chunk (r + lead); at step s it sends chunk (r + lead - s) to r + 1 and receives chunk
+  // (r + lead - 1 - s) from r - 1.
   for (int s = 0; s < n - 1; ++s) {
-    const int recv_c = (rank - s + n) % n;  // sends chunk (rank + 1 - s)
+    const int send_c = (rank + lead - s + 2 * n) % n, recv_c = (rank + lead - 1 - s + 2 * n) % n;
+    tally(rank, as, chunk[size_t(send_c)] * int64_t(sizeof(float)), chunk[size_t(recv_c)] * int64_t(sizeof(float)));
     if (chunk[recv_c] > 0)
       dev.copy_from_peer(buf + offset[recv_c], *devices_[prev], slots_[prev] + offset[recv_c],
                          size_t(chunk[recv_c]) * sizeof(float));
-    sync_and_wait(rank, Collective::all_reduce);
+    sync_and_wait(rank, as);
   }
 }
 

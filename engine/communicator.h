@@ -33,8 +33,8 @@
 
 namespace dp {
 
-enum class Collective { scatter, gather, broadcast, reduce, all_reduce };
-inline constexpr int kCollectives = 5;
+enum class Collective { scatter, gather, broadcast, reduce, all_reduce, reduce_scatter, all_gather };
+inline constexpr int kCollectives = 7;
 const char* collective_name(Collective c);
 
 enum class AllReduceAlgorithm { ring, naive };
@@ -134,6 +134,19 @@ class Communicator {
   virtual void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr);
   virtual void wait(int rank);
 
+  // The sharded collectives (ZeRO, FSDP), in place, as NCCL's in-place forms: buf holds world()
+  // chunks of `chunk` floats back to back, one per device of the job, and device `rank` owns chunk
+  // shard(rank). reduce_scatter: afterwards the owned chunk holds the sum over every device of that
+  // chunk; the device's other chunks are left holding partial sums. all_gather: every device's owned
+  // chunk goes to the same place in every device's buf. Each rank sends and receives (world - 1)
+  // chunks in either (the ring; counted so on every communicator, as nccl-tests counts them).
+  virtual void reduce_scatter(int rank, float* buf, int64_t chunk);
+  virtual void all_gather(int rank, float* buf, int64_t chunk);
+  // The devices of the job (this communicator's in one process) and the chunk a device owns: its rank
+  // in the job, unless the communicator lays the chunks out otherwise (ProcessCommunicator).
+  virtual int world() const { return size(); }
+  virtual int shard(int rank) const { return rank; }
+
   // Called when a rank fails: every rank waiting in, or later entering, a collective throws Aborted.
   void abort();
   // After a failed step, once every rank has returned (no rank thread uses the communicator): drop
@@ -194,8 +207,13 @@ class Communicator {
   void broadcast_as(Collective as, int rank, float* buf, int64_t count, int root);
   void reduce_as(Collective as, int rank, float* buf, int64_t count, int root);
   void ring_all_reduce(int rank, float* buf, int64_t count);
-  void ring_reduce_scatter(int rank, float* buf, int64_t count);  // the ring's halves (communicator.cpp)
-  void ring_all_gather(int rank, float* buf, int64_t count);
+  // The ring's halves (communicator.cpp) over chunks of the given sizes back to back: afterwards (in
+  // reduce-scatter) or before (in all-gather) rank r holds chunk (r + lead) % n; the bytes are counted
+  // under `as`. The all-reduce's ring leads with 1 (ring_owned_chunk), the sharded collectives with 0.
+  // reduce-scatter publishes buf and meets first; all-gather does when `publish` (else it reads what
+  // the reduce-scatter before it published).
+  void ring_reduce_scatter(int rank, float* buf, const std::vector<int64_t>& chunks, int lead, Collective as);
+  void ring_all_gather(int rank, float* buf, const std::vector<int64_t>& chunks, int lead, Collective as, bool publish);
 
   std::vector<Device*> devices_;
   Barrier barrier_;

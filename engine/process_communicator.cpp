@@ -22,7 +22,7 @@ void ProcessCommunicator::all_reduce(int rank, float* buf, int64_t count) {
   const std::vector<int64_t> chunk = even_chunks(count, n);
   const int mine = n > 1 ? ring_owned_chunk(rank, n) : 0;
   const int64_t offset = chunk_offsets(chunk)[size_t(mine)];
-  if (n > 1) ring_reduce_scatter(rank, buf, count);
+  if (n > 1) ring_reduce_scatter(rank, buf, chunk, 1, Collective::all_reduce);
   failpoint::across_processes(*this, group_.rank(), rank, timeout());
   if (chunk[size_t(mine)] > 0) {
     devices_[rank]->synchronize();  // the chunk's adds are done before MPI reads it
@@ -36,8 +36,36 @@ void ProcessCommunicator::all_reduce(int rank, float* buf, int64_t count) {
     // its own wait across processes, so this meeting waits twice that: where another process stopped
     // answering, the error names that wait, not a local peer still inside it.
     meet(rank, "the all-reduce", Deadline::after(2 * timeout()));
-    ring_all_gather(rank, buf, count);
+    ring_all_gather(rank, buf, chunk, 1, Collective::all_reduce, /*publish=*/false);
   }
+}
+
+void ProcessCommunicator::reduce_scatter(int rank, float* buf, int64_t chunk) {
+  if (chunk == 0) return;
+  const int K = size(), P = group_.size();
+  if (K > 1) ring_reduce_scatter(rank, buf, std::vector<int64_t>(size_t(K), P * chunk), 0, Collective::reduce_scatter);
+  devices_[rank]->synchronize();  // the block's adds are done before MPI reads it
+  group_.reduce_scatter(rank, buf + int64_t(rank) * P * chunk, chunk, Deadline::after(timeout()),
+                        "the reduce-scatter of " + devices_[rank]->name() + "'s block across processes",
+                        [this] { return barrier_.aborted(); });
+  const int64_t bytes = (P - 1) * chunk * int64_t(sizeof(float));
+  tally_inter(rank, {bytes, bytes});
+}
+
+void ProcessCommunicator::all_gather(int rank, float* buf, int64_t chunk) {
+  if (chunk == 0) return;
+  const int K = size(), P = group_.size();
+  devices_[rank]->synchronize();  // the owned chunk is written before MPI reads it
+  group_.all_gather(rank, buf + int64_t(rank) * P * chunk, chunk, Deadline::after(timeout()),
+                    "the all-gather of " + devices_[rank]->name() + "'s block across processes",
+                    [this] { return barrier_.aborted(); });
+  const int64_t bytes = (P - 1) * chunk * int64_t(sizeof(float));
+  tally_inter(rank, {bytes, bytes});
+  if (K == 1) return;
+  // Every block gathered across processes before a local peer reads it; a peer may spend up to the
+  // timeout in its own wait across processes (as in all_reduce).
+  meet(rank, "the all-gather", Deadline::after(2 * timeout()));
+  ring_all_gather(rank, buf, std::vector<int64_t>(size_t(K), P * chunk), 0, Collective::all_gather, true);
 }
 
 void ProcessCommunicator::broadcast(int rank, float* buf, int64_t count, int root) {

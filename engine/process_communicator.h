@@ -25,6 +25,16 @@ class ProcessCommunicator : public Communicator {
   ProcessCommunicator(std::vector<Device*> devices, ProcessGroup& group);
 
   void all_reduce(int rank, float* buf, int64_t count) override;
+  // Hierarchical too. The job's P·K chunks are laid out so that the bytes across processes are the
+  // fewest: device k of process p owns chunk k·P + p. reduce_scatter: a ring reduce-scatter among the
+  // process's K devices over K blocks of P chunks (device k ends with block k's sum over the process),
+  // then device k reduce-scatters its block across the processes on its channel (process p ends with
+  // chunk p of it). all_gather: the reverse, across processes first, then the ring among the K.
+  // Bytes: (K-1)·P chunks each way inside the process, (P-1) across.
+  void reduce_scatter(int rank, float* buf, int64_t chunk) override;
+  void all_gather(int rank, float* buf, int64_t chunk) override;
+  int world() const override { return size() * group_.size(); }
+  int shard(int rank) const override { return rank * group_.size() + group_.rank(); }
   // From the job's device 0 (root 0: device 0 of process 0) to every device of every process: across
   // processes on device 0's channel (MPI_Bcast; counted as process 0 sending the buffer to each other
   // process), then within each process.

@@ -50,6 +50,14 @@ class ProcessGroup {
   // `aborted` that turns true (a local device failed) ends the wait with Aborted.
   virtual void all_reduce(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
                           const std::function<bool()>& aborted) = 0;
+  // The sharded collectives across processes: buf holds size() blocks of `count` floats. reduce_scatter:
+  // afterwards this process's block rank() holds the sum over every process of that block (the other
+  // blocks are left as they were); all_gather: every process's block rank() goes to the same place in
+  // every process's buf.
+  virtual void reduce_scatter(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
+                              const std::function<bool()>& aborted) = 0;
+  virtual void all_gather(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
+                          const std::function<bool()>& aborted) = 0;
   // Host channel: element-wise sum and max of small vectors of doubles (the step's statistics and
   // its stop flag).
   virtual void all_reduce_sum(double* buf, int count, const Deadline& deadline, const std::string& what) = 0;

@@ -4,7 +4,7 @@
 set -euo pipefail
 pkgs=(cmake g++ make pkg-config libblis-serial-dev zlib1g-dev doctest-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
       libopenmpi-dev openmpi-bin
-      clang libclang-rt-dev clang-format)
+      clang libclang-rt-dev clang-format clang-tidy)
 if [ "${1:-}" = "--bench" ]; then pkgs+=(python3-torch python3-matplotlib); fi
 missing=()
 for p in "${pkgs[@]}"; do

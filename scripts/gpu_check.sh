@@ -103,43 +103,9 @@ for p in ${PYTHON:-} python3 /usr/bin/python3; do
 done
 [ -n "$py" ] || py=$(command -v python3 || echo python3)
 
-# cuDNN and NCCL: where the toolkit has them, else PyTorch's wheels (nvidia-cudnn-cu*, nvidia-nccl-cu*:
-# site-packages/nvidia/{cudnn,nccl}/{include,lib}, whose libraries carry only the versioned name
-# libcudnn.so.9, so CMake's find_library would miss them: the full paths go in as cache variables).
-wheel_dirs() {  # module (cudnn|nccl): the wheel's folders, then every nvidia/* folder
-  "$py" - "$1" 2> /dev/null << 'EOF'
-import importlib, sys
-for name in ("nvidia." + sys.argv[1], "nvidia"):
-    try:
-        for p in importlib.import_module(name).__path__:
-            print(p)
-    except Exception:
-        pass
-EOF
-}
-find_dep() {  # name (cudnn|nccl) -> "LIBRARY<TAB>INCLUDE_DIR", empty when not found
-  local name=$1 root lib="" inc="" f
-  local fixed=(${CUDA_HOME:+"$CUDA_HOME"} /usr/local/cuda /usr/local/cuda/targets/x86_64-linux /usr) wheels=()
-  mapfile -t wheels < <(wheel_dirs "$name")
-  for root in "${fixed[@]}" "${wheels[@]}"; do
-    [ -d "$root" ] || continue
-    if [ -z "$lib" ]; then
-      for f in "$root"/lib64/lib$name.so "$root"/lib/lib$name.so "$root"/lib/x86_64-linux-gnu/lib$name.so \
-               "$root"/lib64/lib$name.so.[0-9]* "$root"/lib/lib$name.so.[0-9]* "$root"/lib/x86_64-linux-gnu/lib$name.so.[0-9]*; do
-        [ -e "$f" ] && { lib=$f; break; }
-      done
-    fi
-    [ -z "$inc" ] && [ -f "$root/include/$name.h" ] && inc=$root/include
-    [ -z "$inc" ] && [ -f "$root/include/x86_64-linux-gnu/$name.h" ] && inc=$root/include/x86_64-linux-gnu
-  done
-  if [ -z "$lib" ] || [ -z "$inc" ]; then  # a wheel of another layout (nvidia/cu13/...): look deeper
-    for root in "${wheels[@]}"; do
-      [ -z "$lib" ] && lib=$(find "$root" -maxdepth 4 -name "lib$name.so*" 2> /dev/null | sort | head -1)
-      [ -z "$inc" ] && inc=$(find "$root" -maxdepth 4 -name "$name.h" -printf '%h\n' 2> /dev/null | head -1)
-    done
-  fi
-  [ -n "$lib" ] && [ -n "$inc" ] && printf '%s\t%s\n' "$lib" "$inc"
-}
+# cuDNN and NCCL: find_dep (scripts/gpu_libs.sh).
+# shellcheck source=scripts/gpu_libs.sh
+. "$here/scripts/gpu_libs.sh"
 cuda_hints=() lib_dirs=()
 if [ $dry = 0 ]; then
   for dep in cudnn nccl; do
@@ -427,84 +393,12 @@ s_comm() {
   return $rc
 }
 
-# bench/torch_compare.py measures CPU threads only (no device argument), so this loop borrows its model
-# (build) and data readers, and times on the GPU.
+# bench/torch_compare.py measures CPU threads only (no device argument): bench/torch_gpu.py borrows its
+# model (build) and data readers, and times on the GPU.
 s_torch() {
   local dev=cuda args=(--epochs "$epochs")
   [ $dry = 1 ] && dev=cpu args=(--epochs 1 --max-steps 16)
-  run "$py" - --bench "$here/bench" --data "$data" --device $dev --batch 256 "${args[@]}" --json "$out/torch.json" << 'EOF'
-"""PyTorch eager training bench/torch_compare.py's LeNet (the same layers as models/model.cpp) on the
-same data, batch, optimizer and epochs as dp_train; images/s over the training steps only (evaluation
-left out, as dp_train's), after 20 warm-up steps on a throwaway copy."""
-import argparse, json, sys, time
-p = argparse.ArgumentParser()
-for a, d in (("--bench", None), ("--data", None), ("--device", "cuda"), ("--json", None)):
-    p.add_argument(a, default=d)
-for a, d in (("--batch", 256), ("--epochs", 10), ("--max-steps", 0)):
-    p.add_argument(a, type=int, default=d)
-args = p.parse_args()
-sys.path.insert(0, args.bench)
-import numpy as np
-import torch
-from torch_compare import build, find_idx, load_train, read_idx
-
-dev = torch.device(args.device)
-if dev.type == "cuda" and not torch.cuda.is_available():
-    raise SystemExit("torch.cuda.is_available() is False: PyTorch sees no GPU")
-sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-x, y = (t.to(dev) for t in load_train(args.data))
-dims, pixels = read_idx(find_idx(args.data, "t10k-images-idx3-ubyte"))
-_, labels = read_idx(find_idx(args.data, "t10k-labels-idx1-ubyte"))
-tx = torch.from_numpy(np.frombuffer(pixels, np.uint8).astype(np.float32) / 255.0).reshape(dims[0], 1, 28, 28).to(dev)
-ty = torch.from_numpy(np.frombuffer(labels, np.uint8).astype(np.int64)).to(dev)
-name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-print(f"torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}, device {name}; lenet, batch {args.batch}, "
-      f"SGD lr 0.1 momentum 0.9, {args.epochs} epochs of {x.shape[0]} images, eager")
-loss_fn = torch.nn.CrossEntropyLoss()
-
-def make():
-    torch.manual_seed(0)
-    net = build("lenet").to(dev)
-    return net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-
-def step(net, opt, idx):
-    opt.zero_grad(set_to_none=True)
-    loss = loss_fn(net(x.index_select(0, idx)), y.index_select(0, idx))
-    loss.backward()
-    opt.step()
-    return loss
-
-net, opt = make()  # warm-up: cuDNN's and cuBLAS's handles and plans, the allocator
-for i in range(20):
-    step(net, opt, torch.arange(i * args.batch, (i + 1) * args.batch, device=dev) % x.shape[0])
-sync()
-net, opt = make()
-gen = torch.Generator().manual_seed(1)
-images, train_s, steps, acc = 0, 0.0, 0, 0.0
-for epoch in range(args.epochs):
-    perm = torch.randperm(x.shape[0], generator=gen).to(dev)
-    total = torch.zeros((), device=dev)
-    sync(); t0 = time.perf_counter()
-    nb = 0
-    for s in range(0, x.shape[0], args.batch):
-        if args.max_steps and steps >= args.max_steps:
-            break
-        idx = perm[s : s + args.batch]
-        total += step(net, opt, idx).detach()
-        images, steps, nb = images + idx.numel(), steps + 1, nb + 1
-    sync(); dt = time.perf_counter() - t0
-    train_s += dt
-    with torch.no_grad():
-        correct = sum(int((net(tx[i : i + 1000]).argmax(1) == ty[i : i + 1000]).sum()) for i in range(0, tx.shape[0], 1000))
-    acc = correct / tx.shape[0]
-    print(f"epoch {epoch + 1}/{args.epochs}  train loss {float(total) / max(nb, 1):.4f}  test acc {acc:.4f}  "
-          f"{nb * args.batch / dt:.0f} img/s  {dt:.1f} s", flush=True)
-result = {"images_per_second": images / train_s, "test_accuracy": acc, "steps": steps, "device": name,
-          "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "batch": args.batch}
-print(json.dumps(result))
-if args.json:
-    json.dump(result, open(args.json, "w"), indent=2)
-EOF
+  run "$py" "$here/bench/torch_gpu.py" --data "$data" --device $dev --batch 256 "${args[@]}" --json "$out/torch.json"
   local rc=$?
   KEY=$(json "$out/torch.json" '"test acc %.4f, %.0f img/s (%s)" % (j["test_accuracy"], j["images_per_second"], j["device"])')
   return $rc

@@ -205,8 +205,9 @@ TEST_CASE("dp_bench comm - nccl-tests bandwidths and an alpha-beta fit") {
   INFO(slurp(log));
   REQUIRE(rc == 0);
   json j = load(dir / "m.json");
-  std::map<std::string, double> factor{
-      {"all_reduce", 1.0}, {"scatter", 0.5}, {"gather", 0.5}, {"broadcast", 1.0}, {"reduce", 1.0}};
+  std::map<std::string, double> factor{{"all_reduce", 1.0}, {"scatter", 0.5}, {"gather", 0.5},
+                                       {"broadcast", 1.0},  {"reduce", 1.0},  {"reduce_scatter", 0.5},
+                                       {"all_gather", 0.5}};
   std::set<std::string> seen;
   for (const json& p : j["points"]) {
     seen.insert(p["collective"]);
@@ -214,8 +215,8 @@ TEST_CASE("dp_bench comm - nccl-tests bandwidths and an alpha-beta fit") {
     CHECK(algbw == doctest::Approx(p["bytes"].get<double>() / (p["time_us"].get<double>() * 1e3)));
     CHECK(busbw == doctest::Approx(algbw * factor.at(p["collective"])));
   }
-  CHECK(seen.size() == 5);
-  CHECK(j["points"].size() == 5 * 11);  // 4K .. 4M
+  CHECK(seen.size() == 7);
+  CHECK(j["points"].size() == 7 * 11);  // 4K .. 4M
   // The fit exists unless the times did not grow with size (possible only on a badly overloaded
   // machine, so not asserted); when it exists it is physical.
   if (!j["alpha_beta"].is_null()) {

@@ -3,6 +3,7 @@
 // all-reduce (d2l's) against the ring and against the rank-order sum.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <numeric>
@@ -78,6 +79,68 @@ TEST_CASE("all_reduce sums rank contributions on every rank, for awkward sizes")
           sent += t.sent, received += t.received;
         }
         CHECK(sent == received);  // every byte sent is received by someone
+      }
+    }
+  }
+}
+
+// The sharded collectives (ZeRO's): rank r's chunk j starts as 1000 (r + 1) + j, so after the
+// reduce-scatter the owned chunk j = shard(r) holds 1000 n(n+1)/2 + n j, exactly (integers in float);
+// the all-gather, from buffers whose other chunks hold NaN, leaves every rank every owned chunk.
+TEST_CASE("reduce_scatter and all_gather: each rank's own chunk summed, then every chunk everywhere") {
+  for (const std::string& kind : dp::test::backends()) {
+    for (int n : {1, 2, 3, 4}) {
+      for (int64_t chunk : {int64_t(0), int64_t(1), int64_t(5), int64_t(257)}) {
+        CAPTURE(kind);
+        CAPTURE(n);
+        CAPTURE(chunk);
+        auto devs = dp::test::make_test_devices(kind, n);
+        auto comm = make_communicator(raw(devs));
+        REQUIRE(comm->world() == n);
+        const int64_t count = n * chunk;
+        std::vector<Buffer> bufs(n);
+        std::vector<std::vector<float>> scattered(n, std::vector<float>(size_t(count))), gathered = scattered;
+        spmd(
+            raw(devs),
+            [&](int r) {
+              Device& d = *devs[r];
+              bufs[r] = d.alloc_floats(std::max<int64_t>(count, 1), Category::gradients);
+              std::vector<float> host(static_cast<size_t>(count));
+              for (int64_t i = 0; i < count; ++i)
+                host[size_t(i)] = float(1000 * (r + 1) + i / std::max<int64_t>(chunk, 1));
+              d.upload(bufs[r].f(), host.data(), host.size() * 4);
+              comm->reduce_scatter(r, bufs[r].f(), chunk);
+              d.download(scattered[r].data(), bufs[r].f(), scattered[r].size() * 4);
+              // Only the owned chunk is kept: the all-gather must fill in every other one.
+              for (int64_t i = 0; i < count; ++i)
+                if (i / chunk != comm->shard(r))
+                  host[size_t(i)] = std::nanf("");
+                else
+                  host[size_t(i)] = scattered[r][size_t(i)];
+              d.upload(bufs[r].f(), host.data(), host.size() * 4);
+              comm->all_gather(r, bufs[r].f(), chunk);
+              d.download(gathered[r].data(), bufs[r].f(), gathered[r].size() * 4);
+            },
+            comm.get());
+        const float sum = float(1000 * n * (n + 1) / 2);
+        std::vector<float> want(static_cast<size_t>(count));
+        for (int64_t i = 0; i < count; ++i) want[size_t(i)] = sum + float(n * (i / chunk));
+        for (int r = 0; r < n; ++r) {
+          CAPTURE(r);
+          const int j = comm->shard(r);
+          for (int64_t i = 0; i < chunk; ++i)
+            REQUIRE(scattered[r][size_t(j * chunk + i)] == want[size_t(j * chunk + i)]);
+          CHECK(gathered[r] == want);
+          const int64_t bytes = n == 1 ? 0 : (n - 1) * chunk * 4;
+          for (Collective c : {Collective::reduce_scatter, Collective::all_gather}) {
+            CHECK(comm->traffic(r, c).sent == bytes);
+            CHECK(comm->traffic(r, c).received == bytes);
+          }
+        }
+        std::vector<int> shards;
+        for (int r = 0; r < n; ++r) shards.push_back(comm->shard(r));
+        std::sort(shards.begin(), shards.end());
+        for (int r = 0; r < n; ++r) CHECK(shards[size_t(r)] == r);  // every chunk owned once
       }
     }
   }

@@ -39,7 +39,12 @@ TEST_CASE("mpi: dp_bench comm measures the all-reduce across processes beside MP
     INFO(r.output);
     REQUIRE(r.exit_code == 0);
     CHECK(r.output.find("bytes: every device equals the model") != std::string::npos);
+    CHECK(r.output.find("every device's sums right, its bytes on the hierarchical model") != std::string::npos);
     const nlohmann::json j = read_json(json);
+    for (const nlohmann::json& d : j["bytes_check"]) {  // reduce-scatter and all-gather, device by device
+      CHECK(d["sharded"]["values_right"] == true);
+      CHECK(d["sharded"]["matches_model"] == true);
+    }
     CHECK(j["processes"] == 2);
     CHECK(j["devices_per_process"] == K);
     // 4K..64K doubling, and LeNet's gradient, ascending.

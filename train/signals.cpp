@@ -49,7 +49,8 @@ extern "C" void on_signal(int sig) {
     clear_line_signal_safe();
     say_signal_safe("dp_train: ");
     say_signal_safe(signal_name(sig));
-    say_signal_safe(" again: exiting at once; nothing more is saved (a file being written is removed, its previous "
+    say_signal_safe(
+        " again: exiting at once; nothing more is saved (a file being written is removed, its previous "
         "version kept)\n");
     _exit(128 + sig);
   }

@@ -247,6 +247,27 @@ void NcclCommunicator::enqueue_all_reduce(int rank, float* buf, int64_t count, c
   DP_NCCL_CHECK(enqueued(rank, ncclBroadcast(buf, buf, size_t(count), ncclFloat, 0, comms_[rank], stream)));
 }
 
+void NcclCommunicator::reduce_scatter(int rank, float* buf, int64_t chunk) {
+  if (world_ == 1 || chunk == 0) return;
+  if (!use_nccl(rank)) return Communicator::reduce_scatter(rank, buf, chunk);
+  const int64_t bytes = (world_ - 1) * chunk * int64_t(sizeof(float));
+  tally_ring(rank, Collective::reduce_scatter, {bytes, bytes});
+  meet(rank, Collective::reduce_scatter);
+  float* mine = buf + int64_t(shard(rank)) * chunk;  // NCCL's in-place form: recvbuff = sendbuff + rank·recvcount
+  DP_NCCL_CHECK(enqueued(
+      rank, ncclReduceScatter(buf, mine, size_t(chunk), ncclFloat, ncclSum, comms_[rank], gpu(rank).stream())));
+}
+
+void NcclCommunicator::all_gather(int rank, float* buf, int64_t chunk) {
+  if (world_ == 1 || chunk == 0) return;
+  if (!use_nccl(rank)) return Communicator::all_gather(rank, buf, chunk);
+  const int64_t bytes = (world_ - 1) * chunk * int64_t(sizeof(float));
+  tally_ring(rank, Collective::all_gather, {bytes, bytes});
+  meet(rank, Collective::all_gather);
+  const float* mine = buf + int64_t(shard(rank)) * chunk;  // in place: sendbuff = recvbuff + rank·sendcount
+  DP_NCCL_CHECK(enqueued(rank, ncclAllGather(mine, buf, size_t(chunk), ncclFloat, comms_[rank], gpu(rank).stream())));
+}
+
 void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
   if (world_ == 1 || count == 0) return;
   if (!use_nccl(rank)) return Communicator::all_reduce(rank, buf, count);

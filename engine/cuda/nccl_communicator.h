@@ -24,6 +24,10 @@ class NcclCommunicator : public Communicator {
   void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr) override;
   void wait(int rank) override;
   void recover() override;
+  // ncclReduceScatter and ncclAllGather in place, on the compute stream: NCCL rank r owns chunk r.
+  void reduce_scatter(int rank, float* buf, int64_t chunk) override;
+  void all_gather(int rank, float* buf, int64_t chunk) override;
+  int world() const override { return world_; }
 
  protected:
   enum class Clique { none, ready, unavailable };
@@ -32,6 +36,8 @@ class NcclCommunicator : public Communicator {
   // Counts one all-reduce of count floats on local rank `rank` (the ring's or naive's model over the
   // clique; the job's form splits it into bytes inside and across processes).
   virtual void tally_all_reduce(int rank, int64_t count);
+  // Counts a ring collective's bytes `t` on local rank `rank` under c (the job's form splits them).
+  virtual void tally_ring(int rank, Collective c, Traffic t) { tally(rank, c, t.sent, t.received); }
   // The all-reduce of all_reduce_algorithm(), enqueued on `stream`.
   void enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream);
   // Whether this all-reduce goes through NCCL; the first call on every rank starts the clique.

@@ -75,13 +75,14 @@ class NcclProcessCommunicator final : public NcclCommunicator {
   void scatter(int, const float*, float*, const std::vector<int64_t>&, int) override { refuse("scatter"); }
   void gather(int, const float*, float*, const std::vector<int64_t>&, int) override { refuse("gather"); }
   void reduce(int, float*, int64_t, int) override { refuse("reduce"); }
+  int shard(int rank) const override { return first_ + rank; }  // the NCCL rank
 
  private:
   void start_clique(int rank) override;
   void tally_all_reduce(int rank, int64_t count) override;
   // Rank `rank`'s traffic t in a collective over the ring: sent to the next job rank, received from the
   // previous one, each booked inside or across processes (the header says which).
-  void tally_ring(int rank, Collective c, Traffic t);
+  void tally_ring(int rank, Collective c, Traffic t) override;
   // Local rank 0, step 1: the id from process 0, and every process's verdict on its GPUs.
   std::string exchange_id(const Deadline& deadline);
   // Step 2, on the rank's thread: its communicator; the error, or empty.

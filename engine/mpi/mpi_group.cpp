@@ -5,6 +5,7 @@
 // with the call, file and line.
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -78,6 +79,26 @@ class MpiGroup final : public ProcessGroup {
                   const std::function<bool()>& aborted) override {
     MPI_Request req;
     DP_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, mpi_count(count, what), MPI_FLOAT, MPI_SUM, comm(channel), &req));
+    wait(req, deadline, what, aborted);
+  }
+
+  // MPI_IN_PLACE would leave the sum at the start of buf, not at this rank's block: a separate
+  // receive buffer, copied into place.
+  void reduce_scatter(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
+                      const std::function<bool()>& aborted) override {
+    std::vector<float> mine(static_cast<size_t>(count));
+    MPI_Request req;
+    DP_MPI(
+        MPI_Ireduce_scatter_block(buf, mine.data(), mpi_count(count, what), MPI_FLOAT, MPI_SUM, comm(channel), &req));
+    wait(req, deadline, what, aborted);
+    std::copy(mine.begin(), mine.end(), buf + int64_t(rank_) * count);
+  }
+
+  void all_gather(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
+                  const std::function<bool()>& aborted) override {
+    MPI_Request req;
+    DP_MPI(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, mpi_count(count, what), MPI_FLOAT, comm(channel),
+                          &req));
     wait(req, deadline, what, aborted);
   }
 

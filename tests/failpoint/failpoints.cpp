@@ -154,7 +154,7 @@ void communicator_built(const Communicator& comm) {
   if (c == kCollectives || rank < 0)
     throw UsageError("DP_TEST_STALL=" + spec +
                      ": give <collective>:<rank>, e.g. all_reduce:1 (collectives: scatter, gather, broadcast, "
-                     "reduce, all_reduce)");
+                     "reduce, all_reduce, reduce_scatter, all_gather)");
   if (rank < comm.size()) stall_once(comm, rank, Collective(c));
 }
 

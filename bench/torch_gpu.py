@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""PyTorch eager training bench/torch_compare.py's LeNet (the same layers as models/model.cpp) on the
+same data, batch, optimizer and epochs as dp_train; images/s over the training steps only (evaluation
+left out, as dp_train's), after 20 warm-up steps on a throwaway copy."""
+import argparse, json, time
+p = argparse.ArgumentParser()
+for a, d in (("--data", None), ("--device", "cuda"), ("--json", None)):
+    p.add_argument(a, default=d)
+for a, d in (("--batch", 256), ("--epochs", 10), ("--max-steps", 0)):
+    p.add_argument(a, type=int, default=d)
+args = p.parse_args()
+import numpy as np
+import torch
+from torch_compare import build, find_idx, load_train, read_idx
+
+dev = torch.device(args.device)
+if dev.type == "cuda" and not torch.cuda.is_available():
+    raise SystemExit("torch.cuda.is_available() is False: PyTorch sees no GPU")
+sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+x, y = (t.to(dev) for t in load_train(args.data))
+dims, pixels = read_idx(find_idx(args.data, "t10k-images-idx3-ubyte"))
+_, labels = read_idx(find_idx(args.data, "t10k-labels-idx1-ubyte"))
+tx = torch.from_numpy(np.frombuffer(pixels, np.uint8).astype(np.float32) / 255.0).reshape(dims[0], 1, 28, 28).to(dev)
+ty = torch.from_numpy(np.frombuffer(labels, np.uint8).astype(np.int64)).to(dev)
+name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+print(f"torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}, device {name}; lenet, batch {args.batch}, "
+      f"SGD lr 0.1 momentum 0.9, {args.epochs} epochs of {x.shape[0]} images, eager")
+loss_fn = torch.nn.CrossEntropyLoss()
+
+def make():
+    torch.manual_seed(0)
+    net = build("lenet").to(dev)
+    return net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+def step(net, opt, idx):
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(net(x.index_select(0, idx)), y.index_select(0, idx))
+    loss.backward()
+    opt.step()
+    return loss
+
+net, opt = make()  # warm-up: cuDNN's and cuBLAS's handles and plans, the allocator
+for i in range(20):
+    step(net, opt, torch.arange(i * args.batch, (i + 1) * args.batch, device=dev) % x.shape[0])
+sync()
+net, opt = make()
+gen = torch.Generator().manual_seed(1)
+images, train_s, steps, acc = 0, 0.0, 0, 0.0
+for epoch in range(args.epochs):
+    perm = torch.randperm(x.shape[0], generator=gen).to(dev)
+    total = torch.zeros((), device=dev)
+    sync(); t0 = time.perf_counter()
+    nb = 0
+    for s in range(0, x.shape[0], args.batch):
+        if args.max_steps and steps >= args.max_steps:
+            break
+        idx = perm[s : s + args.batch]
+        total += step(net, opt, idx).detach()
+        images, steps, nb = images + idx.numel(), steps + 1, nb + 1
+    sync(); dt = time.perf_counter() - t0
+    train_s += dt
+    with torch.no_grad():
+        correct = sum(int((net(tx[i : i + 1000]).argmax(1) == ty[i : i + 1000]).sum()) for i in range(0, tx.shape[0], 1000))
+    acc = correct / tx.shape[0]
+    print(f"epoch {epoch + 1}/{args.epochs}  train loss {float(total) / max(nb, 1):.4f}  test acc {acc:.4f}  "
+          f"{nb * args.batch / dt:.0f} img/s  {dt:.1f} s", flush=True)
+result = {"images_per_second": images / train_s, "test_accuracy": acc, "steps": steps, "device": name,
+          "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "batch": args.batch}
+print(json.dumps(result))
+if args.json:
+    json.dump(result, open(args.json, "w"), indent=2)
