@@ -22,6 +22,7 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
+#include "train/cli.h"
 #include "train/options.h"
 #include "train/report.h"
 

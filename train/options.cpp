@@ -15,6 +15,7 @@
 
 #include "engine/error.h"
 #include "engine/strategy.h"
+#include "train/cli.h"
 #include "train/report.h"
 
 namespace dp {

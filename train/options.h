@@ -1,8 +1,9 @@
-// Command-line parsing shared by the front ends (dp_train, dp_bench): CLI11 underneath, every bad
-// argument turned into a UsageError that says what is wrong and what is accepted.
+// Command-line parsing shared by the front ends (dp_train, dp_bench): the values of flags read
+// exactly, every bad argument turned into a UsageError that says what is wrong and what is accepted.
+// What needs CLI11 itself is cli.h, included by the two front ends alone: CLI11's header costs seconds
+// of compile time in every file that includes it.
 #pragma once
 
-#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -33,21 +34,6 @@ std::vector<int> parse_int_list(const std::string& text, const std::string& flag
                                 const std::string& example);
 // "0,1,2" -> {0, 1, 2}: device ids. Throws UsageError naming the flag.
 std::vector<int> parse_ids(const std::string& text, const std::string& flag);
-// A CLI11 transform that reads an integer flag as a decimal T exactly, refusing what does not fit
-// (CLI11 alone saturates at the type's limit and reads "010" as octal). T: int or int64_t.
-template <typename T>
-CLI::Validator exact_integer();
-
-// The device flags every front end shares: --gpus, --devices, --backend,
-// --device-memory, --allow-shared-device. finish() turns their text into a DeviceConfig.
-struct DeviceFlags {
-  std::string gpus = "all", backend = "auto", memory;
-  int devices = 0;
-  bool allow_shared = false;
-  void add(CLI::App& app);
-  DeviceConfig finish(const CLI::App& app) const;
-};
-
 // argv as one line a POSIX shell would run again: arguments joined by spaces, each with a character
 // outside [A-Za-z0-9_@%+=:,./-] in single quotes ('it'\''s'), an empty one as ''.
 std::string shell_command_line(int argc, const char* const* argv);
@@ -56,9 +42,5 @@ std::string shell_quote(const std::string& arg);
 // Parses dp_train's arguments into `out`, with the command line and the start time. Returns false
 // when --help or --version was printed.
 bool parse_train_args(int argc, const char* const* argv, TrainOptions& out);
-
-// Runs a CLI11 parse and rethrows its errors as UsageError. --help and --version (set_version_flag)
-// print to stdout and return false.
-bool run_parser(CLI::App& app, int argc, const char* const* argv);
 
 }  // namespace dp
