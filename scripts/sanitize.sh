@@ -18,6 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 jobs=2  # the CI machine has 2 cores; the sanitizer builds are memory-hungry too
+cxx=${SANITIZE_CXX:-clang++}
+command -v "$cxx" > /dev/null || scripts/deps.sh
 
 # A sanitizer report in a dp_train started by a test exits 86, which no test expects.
 export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:abort_on_error=0:exitcode=86:detect_leaks=1:strict_string_checks=1}
@@ -28,7 +30,10 @@ build() {  # build dir, sanitizer list, more cmake arguments
   # -O1: the sanitizers' own recommendation, and half the compile time of -O2 with their instrumentation.
   # DP_MPI=OFF: OpenMPI is not built with the sanitizers (ASan needs dlclose off and LSan suppressions for
   # it, TSan sees its uninstrumented threads race); the mpi: tests then say they are skipped. Not done.
-  cmake -S . -B "$1" -DDP_CUDA=OFF -DDP_MPI=OFF -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DDP_SANITIZE="$2" "${@:3}" > /dev/null
+  # clang: its sanitizers are the reference ones, and here it built the ASan configuration in half
+  # gcc's time and its instrumented suite ran in half the time too (85 s against 167 s, 2 cores).
+  cmake -S . -B "$1" -DCMAKE_CXX_COMPILER="$cxx" -DDP_CUDA=OFF -DDP_MPI=OFF -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DDP_SANITIZE="$2" "${@:3}" > /dev/null
   cmake --build "$1" -j "$jobs" --target dp_train dp_tests
 }
 

@@ -124,7 +124,9 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
   const std::set<std::string> scatter_phases{"load",        "scatter",  "broadcast", "forward",
                                              "gather+loss", "backward", "reduce",    "optimizer"};
   const std::set<std::string> allreduce_phases{"load", "forward", "loss", "backward", "all-reduce", "optimizer"};
-  for (auto& [pid, name] : process) {
+  for (auto& entry : process) {  // no structured binding: doctest's CAPTURE captures it, which clang 14 refuses
+    const int pid = entry.first;
+    const std::string& name = entry.second;
     bool scatter = name.rfind("scatter", 0) == 0;
     CAPTURE(name);
     for (int tid = 0; tid < 3; ++tid) {

@@ -89,7 +89,9 @@ TEST_CASE("dp_bench bn - a local and a sync row per per-device batch and the ref
   std::map<std::pair<int, std::string>, json> rows;
   for (const json& row : j["runs"]) rows[{row["per_device"].get<int>(), row["mode"].get<std::string>()}] = row;
   REQUIRE(rows.size() == 4);
-  for (const auto& [key, row] : rows) {
+  for (const auto& entry : rows) {  // no structured bindings under CAPTURE: clang 14 refuses the capture
+    const auto& key = entry.first;
+    const json& row = entry.second;
     CAPTURE(key.first);
     CAPTURE(key.second);
     CHECK(row["devices"] == 16 / key.first);
@@ -111,9 +113,10 @@ TEST_CASE("dp_bench bn - a local and a sync row per per-device batch and the ref
   for (int p : {2, 8}) {
     CAPTURE(p);
     CHECK(rows[{p, "sync"}]["running_distance"].get<double>() < 1e-4);
-    for (auto& [name, d] : rows[{p, "sync"}]["running_distance_by_buffer"].items()) {
+    for (auto& item : rows[{p, "sync"}]["running_distance_by_buffer"].items()) {
+      const std::string name = item.key();
       CAPTURE(name);
-      CHECK(d.get<double>() < 1e-4);
+      CHECK(item.value().get<double>() < 1e-4);
     }
   }
   // Local BatchNorm at 2 images per device keeps device 0's statistics of its 2 images: far off.

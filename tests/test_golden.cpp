@@ -128,8 +128,10 @@ TEST_CASE("loss, logits and every gradient match PyTorch, and 3 SGD steps follow
     // Three SGD steps with momentum and weight decay, on 1 device and data-parallel on 3.
     const std::vector<float> want3 = flat(g, spec, "step3.");
     const std::vector<float> loss3 = floats(g.tensors.at("loss3"));
-    for (auto [n, sync] :
+    for (auto [n_, sync_] :
          std::vector<std::pair<int, std::string>>{{1, "allreduce"}, {3, "scatter"}, {3, "allreduce"}}) {
+      const auto n = n_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
+      const auto sync = sync_;
       CAPTURE(n);
       CAPTURE(sync);
       auto ds = dp::test::make_test_devices("cpu", n);

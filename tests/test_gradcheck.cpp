@@ -53,7 +53,10 @@ TEST_CASE("gradcheck: conv2d dx, dw, db") {
 }
 
 TEST_CASE("gradcheck: linear dx, dw, db") {
-  for (auto [n, in, out] : {std::array{3, 7, 4}, std::array{1, 5, 1}, std::array{4, 12, 9}}) {
+  for (auto [n_, in_, out_] : {std::array{3, 7, 4}, std::array{1, 5, 1}, std::array{4, 12, 9}}) {
+    const auto n = n_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
+    const auto in = in_;
+    const auto out = out_;
     CAPTURE(n);
     CAPTURE(in);
     CAPTURE(out);

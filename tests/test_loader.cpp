@@ -98,7 +98,9 @@ TEST_CASE("loader: each staging buffer is page-locked whole (LoaderPlan::pin), a
     locked.push_back({uintptr_t(p), bytes});
     return std::shared_ptr<void>(p, [&](void*) { ++unlocked; });
   };
-  for (auto [workers, held] : {std::pair{0, 1}, {1, 1}, {1, 2}}) {
+  for (auto [workers_, held_] : {std::pair{0, 1}, {1, 1}, {1, 2}}) {
+    const auto workers = workers_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
+    const auto held = held_;
     CAPTURE(workers);
     CAPTURE(held);
     plan.held = held;

@@ -181,8 +181,10 @@ TEST_CASE("mpi: --resume and --load are read by rank 0 alone and broadcast, a re
   std::string bytes = slurp(ck);
   bytes.resize(bytes.size() / 2);
   write_file(corrupt, bytes, false);
-  for (const auto& [file, says] : {std::pair{job.dir / "absent.st", std::string(": no such checkpoint file")},
-                                   std::pair{corrupt, std::string(": not a valid safetensors file: ")}}) {
+  for (const auto& refused : {std::pair{job.dir / "absent.st", std::string(": no such checkpoint file")},
+                              std::pair{corrupt, std::string(": not a valid safetensors file: ")}}) {
+    const std::string& file = refused.first;
+    const std::string& says = refused.second;
     CAPTURE(file);
     const auto start = std::chrono::steady_clock::now();
     r = run_command(kMpirun + " -np 1 " + kTrain + args + " --resume " + file + " : -np 1 " + kTrain + args +

@@ -112,8 +112,12 @@ DP_OPS_TEST("batchnorm: normalize in training and evaluation against the double 
     const Vec beta = random_floats(size_t(s.c), seed++, -1, 1);
     const Stats batch = batch_stats(s, x);
     const Stats running = {random_floats(size_t(s.c), seed++, -3, 3), random_floats(size_t(s.c), seed++, 0.1f, 3)};
-    for (const auto& [what, st, eps] : {std::tuple{"training (batch statistics)", batch, 1e-5f},
-                                        std::tuple{"evaluation (running statistics)", running, 1e-3f}}) {
+    for (const auto& pass : {std::tuple{"training (batch statistics)", batch, 1e-5f},
+                             std::tuple{"evaluation (running statistics)", running, 1e-3f}}) {
+      // Copies, not structured bindings: clang 14 cannot capture a binding (CAPTURE, the lambdas below).
+      const char* what = std::get<0>(pass);
+      const Stats& st = std::get<1>(pass);
+      const float eps = std::get<2>(pass);
       CAPTURE(what);
       DVec want(s.size());
       cpu::bn_normalize<double>(s.n, s.c, s.hw, dbl(x).data(), dbl(st.mean).data(), dbl(st.var).data(),
@@ -229,8 +233,10 @@ DP_OPS_TEST("batchnorm: running statistics against the double reference") {
   const int c = 37;
   const Vec mean = random_floats(c, 700, -3, 3), var = random_floats(c, 701, 0, 4);
   const Vec rm = random_floats(c, 702, -3, 3), rv = random_floats(c, 703, 0.1f, 4);
-  for (auto [count, momentum] : {std::pair{int64_t(2), 0.1f}, std::pair{int64_t(5408), 0.01f},
-                                 std::pair{int64_t(6), 0.9f}, std::pair{int64_t(3), 0.0f}}) {
+  for (auto [count_, momentum_] : {std::pair{int64_t(2), 0.1f}, std::pair{int64_t(5408), 0.01f},
+                                   std::pair{int64_t(6), 0.9f}, std::pair{int64_t(3), 0.0f}}) {
+    const auto count = count_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
+    const auto momentum = momentum_;
     CAPTURE(count);
     CAPTURE(momentum);
     DVec want_m = dbl(rm), want_v = dbl(rv), tol_m(c), tol_v(c);

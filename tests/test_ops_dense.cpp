@@ -214,7 +214,9 @@ DP_OPS_TEST("softmax_xent: random rows against the reference in double, adding t
   // scaled and added to stats in some order, at most n + 1 roundings on any path: gamma(n + 2) with
   // one to spare. The count is exact.
   std::mt19937 rng(6);
-  for (auto [n, classes] : std::vector<std::pair<int, int>>{{37, 10}, {1, 3}, {300, 70}, {0, 10}, {9, 32}}) {
+  for (auto [n_, classes_] : std::vector<std::pair<int, int>>{{37, 10}, {1, 3}, {300, 70}, {0, 10}, {9, 32}}) {
+    const auto n = n_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
+    const auto classes = classes_;
     CAPTURE(n);
     CAPTURE(classes);
     const float scale = n > 0 ? 1.0f / float(n + 5) : 1.0f;  // as the engine's 1/B with B > n

@@ -183,9 +183,14 @@ DP_OPS_TEST("pool: average and max on odd shapes equal the float reference") {
   // The same additions in the same order and the same multiplication by 1/k^2; max is a comparison:
   // equal values (== also equates the reference's +0 with a -0 a vector loop may keep from a -0
   // input). The gradients include the zeroed rows and columns past the last window.
-  for (auto [n, c, h, w, k] : {std::array{3, 2, 26, 26, 2}, std::array{2, 3, 9, 9, 2}, std::array{1, 1, 5, 4, 2},
-                               std::array{4, 5, 1, 7, 2}, std::array{3, 2, 9, 7, 2}, std::array{2, 20, 26, 26, 2},
-                               std::array{1, 3, 8, 11, 3}, std::array{0, 2, 4, 4, 2}}) {
+  for (auto [n_, c_, h_, w_, k_] : {std::array{3, 2, 26, 26, 2}, std::array{2, 3, 9, 9, 2}, std::array{1, 1, 5, 4, 2},
+                                    std::array{4, 5, 1, 7, 2}, std::array{3, 2, 9, 7, 2}, std::array{2, 20, 26, 26, 2},
+                                    std::array{1, 3, 8, 11, 3}, std::array{0, 2, 4, 4, 2}}) {
+    const auto n = n_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
+    const auto c = c_;
+    const auto h = h_;
+    const auto w = w_;
+    const auto k = k_;
     const PoolShape s{.n = n, .c = c, .h = h, .w = w, .k = k};
     CAPTURE(n);
     CAPTURE(c);
