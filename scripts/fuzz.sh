@@ -30,20 +30,27 @@ mkdir -p build-fuzz/artifacts
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+# The two fuzzers side by side (one core each, as the machine has two), then each one's verdict.
+fuzz() {  # name
+  mkdir -p "build-fuzz/corpus-$1"
+  # -max_len: the seeds are tiny and every check is reachable well within 4 KiB.
+  build-fuzz/fuzz_$1 -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
+    "${parallel[@]}" -print_final_stats=1 -artifact_prefix="build-fuzz/artifacts/$1-" \
+    "build-fuzz/corpus-$1" "tests/fuzz/corpus/$1" > "build-fuzz/fuzz_$1.log" 2>&1
+}
+echo "fuzz_idx, fuzz_safetensors: ${seconds} s each, at once"
+fuzz idx &
+idx=$!
+fuzz safetensors &
+safetensors=$!
 status=0
 for name in idx safetensors; do
-  mkdir -p "build-fuzz/corpus-$name"
-  echo "fuzz_$name: ${seconds} s"
-  # -max_len: the seeds are tiny and every check is reachable well within 4 KiB.
-  if ! build-fuzz/fuzz_$name -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
-      "${parallel[@]}" -print_final_stats=1 -artifact_prefix="build-fuzz/artifacts/$name-" \
-      "build-fuzz/corpus-$name" "tests/fuzz/corpus/$name" > "build-fuzz/fuzz_$name.log" 2>&1; then
+  if ! wait "${!name}"; then
     echo "fuzz_$name FAILED: see build-fuzz/fuzz_$name.log and build-fuzz/artifacts/" >&2
     tail -40 "build-fuzz/fuzz_$name.log" >&2
     status=1
   else
-    grep -E "stat::number_of_executed_units|stat::new_units_added" "build-fuzz/fuzz_$name.log" | tr '\n' ' '
-    echo
+    echo "fuzz_$name: $(grep -E "stat::number_of_executed_units|stat::new_units_added" "build-fuzz/fuzz_$name.log" | tr '\n' ' ')"
   fi
 done
 exit $status

@@ -46,48 +46,60 @@ bool wait_for_file(const std::string& path, Spawned& proc) {
 
 }  // namespace
 
-TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 1 device, scatter, allreduce") {
+namespace {
+
+// Resume is bit-exact at every later step, across epoch boundaries, for one configuration (flags).
+void check_resume_chain(const std::string& flags) {
   TempDir dir;
   // 120 samples in batches of 32: 4 steps per epoch, the last one 24 samples. K = 9 steps cross
   // two epoch boundaries; the interrupted run stops at k = 3, in the middle of the first epoch.
   write_synthetic_dataset(dir.path.string(), 120, 32);
   const int K = 9, k = 3;
-  struct Config {
-    std::string name, flags;
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --lr 0.05 --quiet " + flags;
+  auto run = [&](const std::string& args) {
+    CommandResult r = run_command(base + " " + args);
+    INFO(args << "\n" << r.output);
+    REQUIRE(r.exit_code == 0);
   };
-  // lenet-bn: BatchNorm's running statistics and num_batches_tracked resume too.
-  for (const Config& c :
-       {Config{"1 device", "--devices 1"}, Config{"2-device scatter", "--devices 2 --sync scatter"},
-        Config{"2-device allreduce", "--devices 2 --sync allreduce"},
-        Config{"lenet-bn, 2-device allreduce", "--model lenet-bn --devices 2 --sync allreduce"},
-        Config{"lenet-bn, 2-device scatter, --sync-bn", "--model lenet-bn --devices 2 --sync scatter --sync-bn"}}) {
-    CAPTURE(c.name);
-    const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --lr 0.05 --quiet " + c.flags;
-    auto run = [&](const std::string& args) {
-      CommandResult r = run_command(base + " " + args);
-      INFO(args << "\n" << r.output);
-      REQUIRE(r.exit_code == 0);
-    };
-    auto ref = [&](int j) { return dir / ("ref" + std::to_string(j)); };
-    // The uninterrupted run's state after every step j: --steps only decides where a run stops.
-    for (int j = 1; j <= K; ++j) run("--steps " + std::to_string(j) + " --save " + ref(j));
+  auto ref = [&](int j) { return dir / ("ref" + std::to_string(j)); };
+  // The uninterrupted run's state after every step j: --steps only decides where a run stops.
+  for (int j = 1; j <= K; ++j) run("--steps " + std::to_string(j) + " --save " + ref(j));
 
-    // Stopped after k steps, then resumed to K in one go (saving every 2 steps on the way).
-    run("--steps " + std::to_string(k) + " --save " + dir / "A");
-    check_same_checkpoint(dir / "A", ref(k));
-    CHECK(global_step(dir / "A") == k);
-    run("--resume " + dir / "A" + " --steps " + std::to_string(K) + " --save " + dir / "B" + " --save-every 2");
-    check_same_checkpoint(dir / "B", ref(K));
+  // Stopped after k steps, then resumed to K in one go (saving every 2 steps on the way).
+  run("--steps " + std::to_string(k) + " --save " + dir / "A");
+  check_same_checkpoint(dir / "A", ref(k));
+  CHECK(global_step(dir / "A") == k);
+  run("--resume " + dir / "A" + " --steps " + std::to_string(K) + " --save " + dir / "B" + " --save-every 2");
+  check_same_checkpoint(dir / "B", ref(K));
 
-    // Resumed one step at a time from its own checkpoint: every later step, including a resume
-    // exactly at an epoch boundary (steps 4 and 8) and the first step of a new epoch.
-    std::filesystem::copy_file(dir / "A", dir / "chain", std::filesystem::copy_options::overwrite_existing);
-    for (int j = k + 1; j <= K; ++j) {
-      CAPTURE(j);
-      run("--resume " + dir / "chain" + " --steps " + std::to_string(j) + " --save " + dir / "chain");
-      check_same_checkpoint(dir / "chain", ref(j));
-    }
+  // Resumed one step at a time from its own checkpoint: every later step, including a resume
+  // exactly at an epoch boundary (steps 4 and 8) and the first step of a new epoch.
+  std::filesystem::copy_file(dir / "A", dir / "chain", std::filesystem::copy_options::overwrite_existing);
+  for (int j = k + 1; j <= K; ++j) {
+    CAPTURE(j);
+    run("--resume " + dir / "chain" + " --steps " + std::to_string(j) + " --save " + dir / "chain");
+    check_same_checkpoint(dir / "chain", ref(j));
   }
+}
+
+}  // namespace
+
+// One case per configuration, so that ctest runs them side by side. lenet-bn: BatchNorm's running
+// statistics and num_batches_tracked resume too.
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 1 device") {
+  check_resume_chain("--devices 1");
+}
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 2-device scatter") {
+  check_resume_chain("--devices 2 --sync scatter");
+}
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 2-device allreduce") {
+  check_resume_chain("--devices 2 --sync allreduce");
+}
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: lenet-bn, 2-device allreduce") {
+  check_resume_chain("--model lenet-bn --devices 2 --sync allreduce");
+}
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: lenet-bn, 2-device scatter, --sync-bn") {
+  check_resume_chain("--model lenet-bn --devices 2 --sync scatter --sync-bn");
 }
 
 TEST_CASE("resume on another strategy or device count runs, with a one-line warning") {
