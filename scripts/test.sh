@@ -7,7 +7,8 @@
 #
 # Without a GPU the CUDA code is compiled for one architecture only (sm_90): it has to compile and
 # link, not run, and a second architecture would double the device code's build for nothing. With a
-# GPU, for that GPU (CMake's `native`).
+# GPU, for that GPU (CMake's `native`). The tests' own code at -O1 (DP_TESTS_OPTIONS): what they test
+# keeps the release build's -O2, their drivers compile faster.
 # Usage: scripts/test.sh [cpu|cuda]   (default: cuda where nvcc exists, else cpu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ what=${1:-$(nvcc_found && echo cuda || echo cpu)}
 
 case "$what" in
   cpu)
-    cmake -S . -B build-cpu -DDP_CUDA=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
+    cmake -S . -B build-cpu -DDP_CUDA=OFF -DCMAKE_BUILD_TYPE=Release -DDP_TESTS_OPTIONS=-O1 > /dev/null
     cmake --build build-cpu -j "$jobs"
     (cd build-cpu && ctest --output-on-failure -j "$jobs")
     ;;
@@ -26,7 +27,8 @@ case "$what" in
     archs=90
     if nvidia-smi -L 2> /dev/null | grep -q '^GPU'; then archs=native; fi
     echo "CUDA architectures: $archs"
-    cmake -S . -B build-cuda -DDP_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$archs" > /dev/null
+    cmake -S . -B build-cuda -DDP_CUDA=ON -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$archs" \
+      -DDP_TESTS_OPTIONS=-O1 > /dev/null
     cmake --build build-cuda -j "$jobs"
     (cd build-cuda && ctest --output-on-failure -j "$jobs")
     ;;
