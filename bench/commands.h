@@ -42,7 +42,9 @@ struct SkewOptions {
   DeviceConfig devices;
   std::string model = "lenet";
   int batch = 256, steps = 2;
-  float momentum = 0.9f;  // --optimizer momentum; sgd sets 0 (no momentum buffer at all)
+  // --optimizer: momentum (SGD, momentum 0.9: one buffer of P), sgd (momentum 0: none), adam (two of P)
+  Optimizer optimizer = Optimizer::sgd;
+  float momentum = 0.9f;
   Split split = Split::even;
   uint64_t seed = 0;
   std::string json, plot;

@@ -153,7 +153,8 @@ Subcommand add_skew(CLI::App& app) {
   dev->add(*c);
   c->add_option("--model", so->model, "lenet | lenet5")->capture_default_str();
   c->add_option("--batch", so->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
-  c->add_option("--optimizer", *optimizer, "sgd | momentum (momentum 0.9: a momentum buffer per optimizer)")
+  c->add_option("--optimizer", *optimizer,
+                "sgd | momentum | adam (the optimizer state: none, one buffer of P floats, Adam's two moments)")
       ->capture_default_str();
   c->add_option("--split", *split, "even | chunk (torch.chunk)")->capture_default_str();
   add_seed(*c, *seed);
@@ -167,8 +168,10 @@ Subcommand add_skew(CLI::App& app) {
               so->momentum = 0.0f;
             else if (*optimizer == "momentum")
               so->momentum = 0.9f;
+            else if (*optimizer == "adam")
+              so->optimizer = Optimizer::adam;
             else
-              throw UsageError("--optimizer: '" + *optimizer + "' is not an optimizer; use sgd or momentum");
+              throw UsageError("--optimizer: '" + *optimizer + "' is not an optimizer; use sgd, momentum or adam");
             so->command = command;
             return run_skew(*so);
           }};

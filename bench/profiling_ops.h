@@ -141,6 +141,9 @@ class ProfilingOps final : public Ops {
   void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd) override {
     timed({"sgd_step", {n}}, 0, [&] { inner_->sgd_step(n, w, g, v, lr, momentum, wd); });
   }
+  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) override {
+    timed({"adam_step", {n}}, 0, [&] { inner_->adam_step(n, w, g, m, v, s); });
+  }
   void add(int64_t n, const float* x, float* y) override {
     timed({"add", {n}}, 0, [&] { inner_->add(n, x, y); });
   }

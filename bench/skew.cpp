@@ -32,7 +32,7 @@ struct StrategySkew {
 
 EngineConfig engine_config(const Strategy* s, int batch, const SkewOptions& o) {
   EngineConfig ec;
-  ec.sync = s->name(), ec.split = o.split, ec.batch = batch, ec.momentum = o.momentum;
+  ec.sync = s->name(), ec.split = o.split, ec.batch = batch, ec.momentum = o.momentum, ec.optimizer = o.optimizer;
   return ec;
 }
 
@@ -161,7 +161,7 @@ Search search_batches(const std::vector<Device*>& devices, const Strategy* strat
 // rate and buckets are the engine's defaults, as the demo's engines use them).
 TrainOptions as_training(const SkewOptions& o) {
   TrainOptions t;
-  t.model = o.model, t.batch = o.batch, t.momentum = o.momentum, t.seed = o.seed;
+  t.model = o.model, t.batch = o.batch, t.momentum = o.momentum, t.seed = o.seed, t.optimizer = o.optimizer;
   t.devices = o.devices, t.split = o.split;
   return t;
 }
@@ -180,8 +180,10 @@ void print_header(const ModelSpec& spec, const SkewOptions& o, int n) {
       "\nmemory per device at its peak, by category (%s, P = %s parameters, global batch %d = %s over %d devices, "
       "%s, %d steps%s)\n",
       spec.name.c_str(), commas(spec.param_count).c_str(), o.batch, sizes.c_str(), n,
-      o.momentum != 0 ? "SGD with momentum" : "plain SGD", o.steps,
-      cap > 0 ? (", --device-memory " + format_bytes(cap)).c_str() : "");
+      o.optimizer == Optimizer::adam ? "Adam"
+      : o.momentum != 0              ? "SGD with momentum"
+                                     : "plain SGD",
+      o.steps, cap > 0 ? (", --device-memory " + format_bytes(cap)).c_str() : "");
 }
 
 // One strategy's ledgers, its skew and what makes it up; false when the categories do not add up.

@@ -35,11 +35,16 @@ struct Bucket {
   int layers = 0;  // parameterised layers in it
 };
 
+// The optimizer (engine/optimizer.h): PyTorch's SGD (with momentum), Adam, AdamW.
+enum class Optimizer { sgd, adam, adamw };
+
 struct EngineConfig {
   std::string sync = "scatter";  // the strategy (strategy.h): a name the registry knows
   Split split = Split::even;
   int batch = 256;  // the largest global batch a step will see; buffers are sized for it
-  float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;
+  Optimizer optimizer = Optimizer::sgd;
+  float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;  // momentum: SGD's
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;        // Adam's and AdamW's
   int64_t bucket_kb = 0;  // where the strategy takes buckets: 0 = one collective after backward
   // BatchNorm across replicas. Off: each replica normalises its own samples, and device 0's running
   // statistics are broadcast to every replica before each step (nn.DataParallel's replicas copy

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "engine/error.h"
+#include "engine/optimizer.h"
 #include "engine/process_communicator.h"
 
 namespace dp {
@@ -65,10 +66,11 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     rep->params = dev.alloc_floats(P, Category::parameters);
     dev.ops().fill(P, 0.0f, rep->params.f());
     rep->grads = dev.alloc_floats(P, Category::gradients);
-    if (cfg_.momentum != 0.0f && strategy_.steps_optimizer(r)) {
-      rep->momentum = dev.alloc_floats(P, Category::optimizer);
-      dev.ops().fill(P, 0.0f, rep->momentum.f());
-    }
+    if (strategy_.steps_optimizer(r))
+      for (size_t i = 0; i < optimizer_state_names(cfg_).size(); ++i) {
+        rep->state.push_back(dev.alloc_floats(P, Category::optimizer));
+        dev.ops().fill(P, 0.0f, rep->state.back().f());
+      }
     if (spec_.has_batchnorm()) {
       rep->running = dev.alloc_floats(spec_.buffer_count, Category::parameters);
       std::vector<float> init(size_t(spec_.buffer_count));
@@ -246,6 +248,7 @@ StepResult Engine::step() {
   }
   res.finite_gradients = stats[0][kNonfinite] == 0.0f;
   if (spec_.has_batchnorm()) ++batches_tracked_;
+  ++optimizer_steps_;
   recorder_.after(*comm_, traffic_before, b.n == cfg_.batch);
   ++step_;
   return res;
@@ -354,21 +357,26 @@ void Engine::set_params(const std::vector<float>& host) {
   });
 }
 
-std::vector<float> Engine::momentum() {
-  if (!replicas_[0]->momentum) return {};
-  std::vector<float> host(size_t(spec_.param_count));
+std::vector<std::vector<float>> Engine::optimizer_state() {
+  std::vector<std::vector<float>> host(replicas_[0]->state.size(), std::vector<float>(size_t(spec_.param_count)));
   devices_[0]
-      ->run([&] { devices_[0]->download(host.data(), replicas_[0]->momentum.f(), host.size() * sizeof(float)); })
+      ->run([&] {
+        for (size_t i = 0; i < host.size(); ++i)
+          devices_[0]->download(host[i].data(), replicas_[0]->state[i].f(), host[i].size() * sizeof(float));
+      })
       .get();
   return host;
 }
 
-void Engine::set_momentum(const std::vector<float>& host) {
-  if (!replicas_[0]->momentum) return;
-  if (int64_t(host.size()) != spec_.param_count) throw std::invalid_argument("set_momentum: wrong size");
+void Engine::set_optimizer_state(const std::vector<std::vector<float>>& host) {
+  if (host.size() != replicas_[0]->state.size())
+    throw std::invalid_argument("set_optimizer_state: " + std::to_string(host.size()) +
+                                " buffers for an optimizer of " + std::to_string(replicas_[0]->state.size()));
+  for (const auto& h : host)
+    if (int64_t(h.size()) != spec_.param_count) throw std::invalid_argument("set_optimizer_state: wrong size");
   run_all([&](int r) {
-    if (!replicas_[r]->momentum) return;
-    devices_[r]->upload(replicas_[r]->momentum.f(), host.data(), host.size() * sizeof(float));
+    for (size_t i = 0; i < replicas_[r]->state.size(); ++i)
+      devices_[r]->upload(replicas_[r]->state[i].f(), host[i].data(), host[i].size() * sizeof(float));
     devices_[r]->synchronize();
   });
 }

@@ -36,12 +36,18 @@ class Engine {
   Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig config);
   ~Engine();
 
-  // Host copies of device 0's parameters / momentum; setting them places them on device 0 and
-  // broadcasts to every replica (momentum: to every device that steps the optimizer).
+  // Host copies of device 0's parameters; setting them places them on device 0 and broadcasts them
+  // to every replica.
   std::vector<float> params(int rank = 0);
   void set_params(const std::vector<float>& host);
-  std::vector<float> momentum();  // empty when momentum is 0
-  void set_momentum(const std::vector<float>& host);
+  // The optimizer's state (optimizer_state_names: SGD's momentum buffer, Adam's two moments; none
+  // for SGD at momentum 0), device 0's, each (P); setting it places it on every device that steps the
+  // optimizer. optimizer_steps: the steps the optimizer has taken (Adam's bias correction counts them),
+  // counted on from what set_optimizer_steps gave.
+  std::vector<std::vector<float>> optimizer_state();
+  void set_optimizer_state(const std::vector<std::vector<float>>& host);
+  int64_t optimizer_steps() const { return optimizer_steps_; }
+  void set_optimizer_steps(int64_t n) { optimizer_steps_ = n; }
   // BatchNorm's running statistics (ModelSpec::buffers; empty without BatchNorm): device 0's, which
   // a checkpoint keeps; setting them places them on every replica. batches_tracked is PyTorch's
   // num_batches_tracked: training steps taken, counted on from what set_batches_tracked gave.
@@ -118,6 +124,7 @@ class Engine {
   int world_ = 0, first_ = 0;  // the job's devices, and this engine's device 0 among them
   int64_t step_ = 0;
   int64_t batches_tracked_ = 0;
+  int64_t optimizer_steps_ = 0;
   std::deque<StagedBatch> staged_;  // oldest first
   int next_slot_ = 0;               // where the next batch staged with prefetch uploads
 };

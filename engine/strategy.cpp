@@ -47,6 +47,14 @@ StepContext::StepContext(Engine& engine, int rank, const StagedBatch& batch, con
   for (int s : sizes) batch_ += s;
 }
 
+std::vector<float*> Replica::state_pointers() const {
+  std::vector<float*> p;
+  for (const Buffer& b : state) p.push_back(b.f());
+  return p;
+}
+
+int64_t StepContext::optimizer_step() const { return engine_.optimizer_steps() + 1; }
+
 Device& StepContext::device() const { return engine_.device(rank_); }
 Replica& StepContext::replica() const { return *engine_.replicas_[size_t(rank_)]; }
 Communicator& StepContext::comm() const { return engine_.comm(); }

@@ -33,10 +33,13 @@ inline constexpr int kStats = 3, kNonfinite = 2;
 // strategy's choice (Strategy::allocate). Shapes use B (global batch), b (largest local batch),
 // P (parameters), R (running statistics), D (input size), C (classes).
 struct Replica {
-  Buffer params;    // (P)
-  Buffer grads;     // (P)
-  Buffer momentum;  // (P) on a device that steps the optimizer; none at momentum 0
-  Buffer running;   // (R) BatchNorm's running statistics; none without BatchNorm
+  Buffer params;  // (P)
+  Buffer grads;   // (P)
+  // (P) each, on a device that steps the optimizer: its state (optimizer_state_names: SGD's momentum
+  // buffer, Adam's two moments; none for SGD at momentum 0).
+  std::vector<Buffer> state;
+  std::vector<float*> state_pointers() const;
+  Buffer running;  // (R) BatchNorm's running statistics; none without BatchNorm
   std::unique_ptr<Network> net;
   Buffer stats;  // (kStats)
   // The rows the device uploads (Strategy::upload_rows); with prefetch two: the one a step trains on
@@ -84,6 +87,8 @@ class StepContext {
   // Without SyncBatchNorm, on a model with BatchNorm and more than one device: device 0's running
   // statistics go to every replica before the forward (counted as a broadcast).
   bool broadcasts_buffers() const;
+  // The optimizer's step count for this step's update (1 on the first; Adam's bias correction).
+  int64_t optimizer_step() const;
   // The gradient buckets, and the bucket of parameterised layer `layer` (-1: none).
   const std::vector<Bucket>& buckets() const;
   int layer_bucket(int layer) const;

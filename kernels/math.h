@@ -57,6 +57,44 @@ DP_HD void sgd_update(T& w, T& v, T g, T lr, T momentum, T weight_decay) {
   w = w - lr * d;
 }
 
+// PyTorch's Adam and AdamW (torch.optim.Adam / AdamW, amsgrad off, its single-tensor path), with the
+// operations in its order so that float results follow it step by step:
+//   Adam:   g <- g + wd * w                 AdamW: w <- w * (1 - lr * wd)
+//   m <- m + (1 - beta1) * (g - m)          (torch.lerp, whose weight is under 0.5)
+//   v <- v * beta2 + (1 - beta2) * g * g    (mul_, then addcmul_)
+//   w <- w + (-step_size) * (m / (sqrt(v) / bc2_sqrt + eps))
+// with step t counted from 1, step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t). PyTorch
+// forms those scalars, and 1 - beta1, 1 - beta2 and 1 - lr * wd, in Python's double and hands them to
+// float kernels: adam_coefficients (host) does the same, and the kernels see only floats.
+struct AdamStep {
+  float one_minus_beta1 = 0.1f, beta2 = 0.999f, one_minus_beta2 = 0.001f, eps = 1e-8f;
+  float weight_decay = 0.0f;  // Adam: added to the gradient (0: none)
+  float decay = 1.0f;         // AdamW: the weights' factor 1 - lr * wd (1: none)
+  float step_size = 0.0f, bc2_sqrt = 1.0f;
+};
+inline AdamStep adam_coefficients(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                  bool decoupled, int64_t step) {
+  AdamStep s;
+  s.one_minus_beta1 = float(1.0 - beta1), s.beta2 = float(beta2), s.one_minus_beta2 = float(1.0 - beta2);
+  s.eps = float(eps);
+  if (decoupled)
+    s.decay = float(1.0 - lr * weight_decay);
+  else
+    s.weight_decay = float(weight_decay);
+  s.step_size = float(lr / (1.0 - std::pow(beta1, double(step))));
+  s.bc2_sqrt = float(std::sqrt(1.0 - std::pow(beta2, double(step))));
+  return s;
+}
+template <class T>
+DP_HD void adam_update(T& w, T& m, T& v, T g, const AdamStep& s) {
+  if (s.weight_decay != 0.0f) g = g + T(s.weight_decay) * w;
+  if (s.decay != 1.0f) w = w * T(s.decay);
+  m = m + T(s.one_minus_beta1) * (g - m);
+  v = v * T(s.beta2) + T(s.one_minus_beta2) * g * g;
+  const T denom = sqrt_(v) / T(s.bc2_sqrt) + T(s.eps);
+  w = w + (-T(s.step_size)) * (m / denom);
+}
+
 // Cross-entropy of one row from its maximum m and log_sum = log(sum_j exp(z_j - m)):
 //   loss = log_sum - (z_label - m)
 template <class T>

@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/math.h"  // math::AdamStep
+
 namespace dp {
 
 enum class Activation { relu, sigmoid };
@@ -135,6 +137,9 @@ class Ops {
   // One SGD step over a flat buffer (PyTorch's rule, see math::sgd_update).
   virtual void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum,
                         float weight_decay) = 0;
+  // One Adam or AdamW step over a flat buffer (PyTorch's rule, see math::adam_update): m and v are the
+  // first and second moments (exp_avg, exp_avg_sq), s the step's coefficients (math::adam_coefficients).
+  virtual void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) = 0;
 
   virtual void add(int64_t n, const float* x, float* y) = 0;  // y += x (the reduction kernel)
   virtual void fill(int64_t n, float value, float* x) = 0;

@@ -233,7 +233,7 @@ TEST_CASE("dp_bench - bad arguments exit 2 with a message and --plot without mat
   for (const char* args :
        {"", "frobnicate", "compare --batch 0", "compare --steps 0", "compare --split weird", "compare --gpus 0,x",
         "compare --sweep-devices 1,0", "compare --alpha-us 5", "compare --json /nonexistent-dir/x.json",
-        "comm --max-bytes 12Q", "comm --gpus 0", "comm --min-bytes 1M --max-bytes 1K", "skew --optimizer adam",
+        "comm --max-bytes 12Q", "comm --gpus 0", "comm --min-bytes 1M --max-bytes 1K", "skew --optimizer rmsprop",
         "skew --gpus 0", "skew --model resnet", "skew --device-memory lots"}) {
     CAPTURE(args);
     CHECK(bench(args, log) == 2);

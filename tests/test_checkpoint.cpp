@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -31,17 +32,39 @@ void expect_load_error(const std::string& path, const ModelSpec& spec, const std
 
 }  // namespace
 
+TEST_CASE("checkpoint round trip keeps Adam's moments and step count under PyTorch's names") {
+  TempDir dir;
+  ModelSpec spec = make_model("lenet5");
+  Checkpoint c;
+  c.params = random_floats(size_t(spec.param_count), 11, -1, 1);
+  c.optimizer_state["exp_avg"] = random_floats(size_t(spec.param_count), 12, -1, 1);
+  c.optimizer_state["exp_avg_sq"] = random_floats(size_t(spec.param_count), 13, 0, 1);
+  c.optimizer_steps = (int64_t(1) << 40) + 3;  // past 32 bits: the I64 scalar is read whole
+  save_checkpoint(dir / "a.st", spec, c);
+  Checkpoint back = load_checkpoint(dir / "a.st", spec);
+  CHECK(back.optimizer_state == c.optimizer_state);
+  CHECK(back.optimizer_steps == c.optimizer_steps);
+  SafeTensors st = read_safetensors(dir / "a.st");
+  CHECK(st.tensors.at("optimizer.fc3.weight.exp_avg_sq").shape == std::vector<int64_t>{10, 84});
+  CHECK(st.tensors.at("optimizer.step").dtype == "I64");
+  CHECK(st.tensors.count("optimizer.fc3.weight.momentum_buffer") == 0);
+  // One moment without the other is no Adam state; a negative step count no count.
+  st.tensors.erase("optimizer.conv1.bias.exp_avg_sq");
+  st.order.erase(std::find(st.order.begin(), st.order.end(), "optimizer.conv1.bias.exp_avg_sq"));
+  CHECK_THROWS_WITH_AS(checkpoint_from_safetensors(st, spec, "x"), doctest::Contains("exp_avg_sq"), UsageError);
+}
+
 TEST_CASE("checkpoint round trip keeps every bit, with PyTorch names and shapes") {
   TempDir dir;
   ModelSpec spec = make_model("lenet");
   Checkpoint c;
   c.params = random_floats(size_t(spec.param_count), 1, -1, 1);
-  c.momentum = random_floats(size_t(spec.param_count), 2, -1, 1);
+  c.optimizer_state["momentum_buffer"] = random_floats(size_t(spec.param_count), 2, -1, 1);
   c.metadata["epoch"] = "3";
   save_checkpoint(dir / "a.safetensors", spec, c);
   Checkpoint back = load_checkpoint(dir / "a.safetensors", spec);
   CHECK(back.params == c.params);
-  CHECK(back.momentum == c.momentum);
+  CHECK(back.optimizer_state == c.optimizer_state);
   CHECK(back.metadata.at("epoch") == "3");
   CHECK(back.metadata.at("model") == "lenet");
   SafeTensors st = read_safetensors(dir / "a.safetensors");
@@ -138,12 +161,12 @@ TEST_CASE("the model-level checks run on a parsed file: foreign tensors, partial
   ModelSpec spec = make_model("lenet");
   Checkpoint c;
   c.params = random_floats(size_t(spec.param_count), 5);
-  c.momentum = random_floats(size_t(spec.param_count), 6);
+  c.optimizer_state["momentum_buffer"] = random_floats(size_t(spec.param_count), 6);
   save_checkpoint(dir / "ck", spec, c);
   const SafeTensors good = read_safetensors(dir / "ck");
   Checkpoint back = checkpoint_from_safetensors(good, spec, "in-memory");
   CHECK(back.params == c.params);
-  CHECK(back.momentum == c.momentum);
+  CHECK(back.optimizer_state == c.optimizer_state);
 
   auto expect = [&](const SafeTensors& st, const std::string& words) {
     try {
@@ -180,7 +203,7 @@ TEST_CASE("the model-level checks run on a parsed file: foreign tensors, partial
   // weights only (a --momentum 0 run, or a PyTorch state_dict): fine, no momentum
   SafeTensors plain = good;
   for (auto& p : spec.params) erase(plain, "optimizer." + p.name + ".momentum_buffer");
-  CHECK(checkpoint_from_safetensors(plain, spec, "in-memory").momentum.empty());
+  CHECK(checkpoint_from_safetensors(plain, spec, "in-memory").optimizer_state.empty());
 }
 
 TEST_CASE("a save leaves no temporary file behind") {
@@ -239,7 +262,7 @@ TEST_CASE("inputs: a checkpoint holding NaN or Inf is refused at load, naming th
   ModelSpec spec = make_model("lenet");
   Checkpoint c;
   c.params = random_floats(size_t(spec.param_count), 8, -1, 1);
-  c.momentum = random_floats(size_t(spec.param_count), 9, -1, 1);
+  c.optimizer_state["momentum_buffer"] = random_floats(size_t(spec.param_count), 9, -1, 1);
   save_checkpoint(dir / "c.st", spec, c);
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
   struct Case {

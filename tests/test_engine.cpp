@@ -9,6 +9,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/optimizer.h"
 #include "tests/backends.h"
 #include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
@@ -93,6 +94,107 @@ TEST_CASE("every strategy equals one device on the full batch, within the summat
 }
 TEST_CASE("every strategy equals one device on the full batch, within the summation-order bound: lenet5") {
   check_every_strategy("lenet5");
+}
+
+namespace {
+
+// How far two Adam runs that differ only in the order their gradients were summed can end apart,
+// element by element, from the reference run's own moments after each step. A gradient element
+// differs by at most delta = 2 B u between two orders (summation_tolerance's argument), so the first
+// moment by dm <- beta1 dm + (1 - beta1) delta and the second by dv <- beta2 dv + (1 - beta2) (2 |g| delta
+// + delta^2), with |g| <= sqrt(v / (1 - beta2)) from the reference's own v (v >= (1 - beta2) g^2). The update s m / D,
+// D = sqrt(v) / b + eps, then moves by at most s (dm / D + |m| dD / (D (D - dD))) with dD <= min(dv / (b sqrt(v)),
+// sqrt(dv) / b); where dD reaches half of D (a moment about as small as its own uncertainty) no bound is claimed.
+// Summed over the steps and doubled for the dynamics, as summation_tolerance does.
+struct AdamBound {
+  std::vector<double> dm, dv, dw;
+  AdamBound(size_t n) : dm(n, 0.0), dv(n, 0.0), dw(n, 0.0) {}
+  void step(const EngineConfig& c, int t, double delta, const std::vector<float>& m, const std::vector<float>& v) {
+    const double s = c.lr / (1 - std::pow(c.beta1, t)), b = std::sqrt(1 - std::pow(c.beta2, t));
+    for (size_t i = 0; i < dw.size(); ++i) {
+      dm[i] = c.beta1 * dm[i] + (1 - c.beta1) * delta;
+      const double root = std::sqrt(double(v[i])), g = root / std::sqrt(1 - c.beta2), D = root / b + c.eps;
+      dv[i] = c.beta2 * dv[i] + (1 - c.beta2) * (2 * g * delta + delta * delta);
+      const double dD = std::min(root > 0 ? dv[i] / (b * root) : INFINITY, std::sqrt(dv[i]) / b);
+      dw[i] += dD >= D / 2 ? INFINITY : s * (dm[i] / D + std::fabs(m[i]) * dD / (D * (D - dD)));
+    }
+  }
+  double tolerance(size_t i) const { return 2 * dw[i]; }
+};
+
+// The elements of got outside the bound, of those it bounds.
+size_t outside(const std::vector<float>& got, const std::vector<float>& want, const AdamBound& bound) {
+  size_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) bad += std::fabs(double(got[i]) - double(want[i])) > bound.tolerance(i);
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("every strategy with Adam equals one device on the full batch, within the summation-order bound") {
+  const int K = 3, B = 25;  // 25: uneven shards on 3 and 4 devices
+  ModelSpec spec = make_model("lenet");
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 43, init.data());
+  Batches data = make_batches(K, B, 101);
+  EngineConfig rc;
+  rc.batch = B, rc.sync = "allreduce", rc.optimizer = Optimizer::adam, rc.lr = 1e-3f;
+  auto ref_devs = dp::test::make_test_devices("cpu", 1);
+  Engine ref(raw(ref_devs), spec, rc);
+  ref.set_params(init);
+  AdamBound bound(size_t(spec.param_count));
+  for (int s = 0; s < K; ++s) {
+    ref.step(data.x[s].data(), data.y[s].data(), B);
+    const auto state = ref.optimizer_state();  // exp_avg, exp_avg_sq
+    bound.step(rc, s + 1, 2.0 * B * 0x1p-24, state[0], state[1]);
+  }
+  const std::vector<float> want = ref.params();
+  size_t bounded = 0;
+  for (size_t i = 0; i < want.size(); ++i) bounded += std::isfinite(bound.tolerance(i));
+  // Adam normalises each gradient element by its own size: where an element is about as small as its
+  // summation noise (its sign may differ between orders), no bound holds, and there are many such in
+  // LeNet after 3 steps (a fifth to a third of the weights are bounded here). The bounded ones carry
+  // the test: a wrongly wired optimizer (its step count, its state on the wrong device) moves them far
+  // past it, as the changed learning rate below shows.
+  MESSAGE(bounded << " of " << want.size() << " elements bounded");
+  REQUIRE(bounded > want.size() / 5);
+  auto train = [&](EngineConfig c, int n) {
+    auto devs = dp::test::make_test_devices("cpu", n);
+    Engine e(raw(devs), spec, c);
+    e.set_params(init);
+    for (int s = 0; s < K; ++s) e.step(data.x[s].data(), data.y[s].data(), B);
+    for (int r = 1; r < n && c.sync != "scatter"; ++r) CHECK(e.params(r) == e.params(0));  // bitwise
+    CHECK(e.optimizer_steps() == K);
+    return e.params();
+  };
+  for (int n : {3, 4})
+    for (const std::string& sync : all_strategies())
+      for (int64_t bucket_kb : {int64_t(0), int64_t(16)}) {
+        if (!takes_buckets(sync) && bucket_kb > 0) continue;
+        CAPTURE(n);
+        CAPTURE(sync);
+        CAPTURE(bucket_kb);
+        EngineConfig c = rc;
+        c.sync = sync, c.bucket_kb = bucket_kb;
+        CHECK(outside(train(c, n), want, bound) == 0);
+      }
+  // And the bound catches real differences: a learning rate 1% larger, and the bug it most guards
+  // against, a step count that does not advance (Adam's bias correction stuck at its first step).
+  EngineConfig other = rc;
+  other.lr = rc.lr * 1.01f;
+  const size_t lr_outside = outside(train(other, 1), want, bound);
+  MESSAGE("a 1% larger learning rate: " << lr_outside << " bounded elements outside");
+  CHECK(lr_outside > bounded / 50);  // thousands of elements, where every strategy run above has none
+  auto devs = dp::test::make_test_devices("cpu", 1);
+  Engine stuck(raw(devs), spec, rc);
+  stuck.set_params(init);
+  for (int s = 0; s < K; ++s) {
+    stuck.set_optimizer_steps(0);
+    stuck.step(data.x[s].data(), data.y[s].data(), B);
+  }
+  const size_t stuck_outside = outside(stuck.params(), want, bound);
+  MESSAGE("a step count stuck at 1: " << stuck_outside << " bounded elements outside");
+  CHECK(stuck_outside > bounded / 50);
 }
 
 TEST_CASE("the tolerance is meaningful: a changed learning rate is caught") {

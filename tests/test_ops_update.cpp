@@ -1,5 +1,5 @@
-// The optimizer step and the flat-buffer ops over the op matrix (tests/ops_matrix.h): SGD against
-// PyTorch's rule worked out by hand and against the reference in double on a large buffer; add, fill,
+// The optimizer steps and the flat-buffer ops over the op matrix (tests/ops_matrix.h): SGD, Adam and
+// AdamW against PyTorch's rules worked out by hand and against them in double on a large buffer; add, fill,
 // all_finite and flag_nonfinite; and every op's empty edge (n = 0, null pointers) touching nothing.
 #include <doctest/doctest.h>
 
@@ -87,6 +87,89 @@ DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
     be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), nullptr, 0.1f, 0.0f, 0.0f); });
     check_close("sgd w (no momentum)", be.get(gw), wd_ref, tw);
   }
+}
+
+// PyTorch's Adam / AdamW step written out in double, as torch/optim/adam.py's single-tensor path
+// orders it: the oracle of the adam tests (independent of math::adam_update).
+struct AdamRef {
+  double lr, beta1, beta2, eps, wd;
+  bool decoupled;
+  void step(double& w, double& m, double& v, double g, int t) const {
+    if (decoupled)
+      w *= 1 - lr * wd;
+    else
+      g += wd * w;
+    m += (1 - beta1) * (g - m);
+    v = v * beta2 + (1 - beta2) * g * g;
+    const double step_size = lr / (1 - std::pow(beta1, t)), bc2_sqrt = std::sqrt(1 - std::pow(beta2, t));
+    w -= step_size * (m / (std::sqrt(v) / bc2_sqrt + eps));
+  }
+};
+
+DP_OPS_TEST("adam and adamw: PyTorch's rule over three steps") {
+  // torch.optim.Adam(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01), w0 = 1, grads 0.5, -0.2,
+  // 0.3. By hand for step 1: g = 0.51, m = 0.051, v = 0.001 * 0.51^2, step_size = 0.1 / 0.1 = 1,
+  // denom = 0.51 / sqrt(0.001) * sqrt(0.001) + 1e-8 = 0.51: w = 1 - 0.051 / 0.51 = 0.9. AdamW instead
+  // scales w by 1 - 0.1 * 0.01 first and leaves g alone: m = 0.05, denom 0.5, w = 0.999 - 0.1 = 0.899.
+  for (bool decoupled : {false, true}) {
+    CAPTURE(decoupled);
+    const AdamRef ref{0.1, 0.9, 0.999, 1e-8, 0.01, decoupled};
+    Mem w = be.put(Vec{1.0f, -0.5f}), m = be.put(Vec{0.0f, 0.0f}), v = be.put(Vec{0.0f, 0.0f});
+    double rw[2] = {1.0, -0.5}, rm[2] = {0, 0}, rv[2] = {0, 0};
+    const float grads[3][2] = {{0.5f, 1.0f}, {-0.2f, 1.0f}, {0.3f, -2.0f}};
+    for (int t = 1; t <= 3; ++t) {
+      CAPTURE(t);
+      Mem g = be.put(Vec{grads[t - 1][0], grads[t - 1][1]});
+      const math::AdamStep s = math::adam_coefficients(0.1, 0.9, 0.999, 1e-8, 0.01, decoupled, t);
+      be.run([&](Ops& ops) { ops.adam_step(2, w.f(), g.f(), m.f(), v.f(), s); });
+      for (int i = 0; i < 2; ++i) ref.step(rw[i], rm[i], rv[i], grads[t - 1][i], t);
+      const Vec gw = be.get(w), gm = be.get(m), gv = be.get(v);
+      for (int i = 0; i < 2; ++i) {
+        CHECK(gw[size_t(i)] == doctest::Approx(rw[i]).epsilon(1e-6));
+        CHECK(gm[size_t(i)] == doctest::Approx(rm[i]).epsilon(1e-6));
+        CHECK(gv[size_t(i)] == doctest::Approx(rv[i]).epsilon(1e-5));
+      }
+      if (t == 1) CHECK(gw[0] == doctest::Approx(decoupled ? 0.899 : 0.9).epsilon(1e-6));
+    }
+  }
+}
+
+DP_OPS_TEST("adam and adamw: against PyTorch's rule in double on a large buffer, at step 1 and step 50") {
+  // Every operation rounds once (twice where a backend splits it): m = m + a (g - m) is within 3u
+  // (|m| + a |g|) of exact and v = v b + c g g within 4u (|v| b + c g^2). The update m / (sqrt(v) / k +
+  // eps) times step_size carries m's error, half v's (the square root) and five roundings of its own:
+  // within (5u + m's relative error + v's / 2) of |update|; w + update adds u |w| (u |w| more for AdamW's
+  // scaling). The coefficients are floats in both, the oracle's arithmetic is double: the bounds below
+  // hold them with a unit to spare.
+  const int64_t n = 100'003;
+  const Vec w = random_floats(size_t(n), 81, -1, 1), g = random_floats(size_t(n), 82, -1, 1),
+            m = random_floats(size_t(n), 83, -0.1f, 0.1f), v = random_floats(size_t(n), 84, 1e-6f, 1e-2f);
+  for (bool decoupled : {false, true})
+    for (int t : {1, 50}) {
+      CAPTURE(decoupled);
+      CAPTURE(t);
+      const math::AdamStep s = math::adam_coefficients(1e-3, 0.9, 0.999, 1e-8, 1e-2, decoupled, t);
+      std::vector<double> rw = dbl(w), rm = dbl(m), rv = dbl(v), tw(w.size()), tm(w.size()), tv(w.size());
+      for (size_t i = 0; i < w.size(); ++i) {
+        // The oracle with the kernels' float coefficients, in double.
+        double gi = g[i], wi = rw[i];
+        if (s.weight_decay != 0) gi += double(s.weight_decay) * wi;
+        if (s.decay != 1) wi *= double(s.decay);
+        rm[i] += double(s.one_minus_beta1) * (gi - rm[i]);
+        rv[i] = rv[i] * double(s.beta2) + double(s.one_minus_beta2) * gi * gi;
+        const double update = double(s.step_size) * (rm[i] / (std::sqrt(rv[i]) / double(s.bc2_sqrt) + double(s.eps)));
+        tm[i] = 4 * kU * (std::fabs(m[i]) + 0.1 * std::fabs(gi)) + 1e-300;
+        tv[i] = 5 * kU * (std::fabs(v[i]) + 0.001 * gi * gi);
+        const double rel = 6 * kU + tm[i] / std::fabs(rm[i]) + tv[i] / (2 * rv[i]);
+        tw[i] = 3 * kU * std::fabs(rw[i]) + rel * std::fabs(update);
+        rw[i] = wi - update;
+      }
+      Mem gw = be.put(w), gg = be.put(g), gm = be.put(m), gv = be.put(v);
+      be.run([&](Ops& ops) { ops.adam_step(n, gw.f(), gg.f(), gm.f(), gv.f(), s); });
+      check_close("adam m", be.get(gm), rm, tm);
+      check_close("adam v", be.get(gv), rv, tv);
+      check_close("adam w", be.get(gw), rw, tw);
+    }
 }
 
 DP_OPS_TEST("add, fill, all_finite and flag_nonfinite") {

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "engine/error.h"
 #include "train/output_files.h"
@@ -157,6 +158,13 @@ void write_safetensors(const std::string& path, const SafeTensors& st) {
   write_file_atomically(path, parts);
 }
 
+namespace {
+// Every per-parameter optimizer state a checkpoint may hold, in the order it is written, and Adam's
+// step count (PyTorch's names: torch.optim's state_dict()["state"][i] keys).
+const std::vector<std::string> kOptimizerStates = {"momentum_buffer", "exp_avg", "exp_avg_sq"};
+const std::string kOptimizerStep = "optimizer.step";
+}  // namespace
+
 void save_checkpoint(const std::string& path, const ModelSpec& spec, const Checkpoint& ckpt) {
   SafeTensors st;
   st.metadata = ckpt.metadata;
@@ -183,8 +191,17 @@ void save_checkpoint(const std::string& path, const ModelSpec& spec, const Check
     st.order.push_back(name);
     st.tensors[name] = std::move(t);
   }
-  if (!ckpt.momentum.empty())
-    for (auto& p : spec.params) add("optimizer." + p.name + ".momentum_buffer", p, ckpt.momentum);
+  for (const std::string& state : kOptimizerStates) {
+    auto it = ckpt.optimizer_state.find(state);
+    if (it != ckpt.optimizer_state.end())
+      for (auto& p : spec.params) add("optimizer." + p.name + "." + state, p, it->second);
+  }
+  if (ckpt.optimizer_state.count("exp_avg")) {  // Adam's step count, as PyTorch keeps it (SGD has none)
+    Tensor t{"I64", {}, std::vector<unsigned char>(8)};
+    for (int i = 0; i < 8; ++i) t.data[i] = (uint64_t(ckpt.optimizer_steps) >> (8 * i)) & 0xff;
+    st.order.push_back(kOptimizerStep);
+    st.tensors[kOptimizerStep] = std::move(t);
+  }
   write_safetensors(path, st);
 }
 
@@ -228,31 +245,37 @@ SafeTensors strip_module_prefix(const SafeTensors& st, const std::string& path, 
 
 namespace {
 
-const std::string kOptimizerPrefix = "optimizer.", kMomentumSuffix = ".momentum_buffer";
+const std::string kOptimizerPrefix = "optimizer.";
 
-// The parameter whose momentum "optimizer.<param>.momentum_buffer" names, or null.
-const Param* momentum_of(const ModelSpec& spec, const std::string& name) {
-  const size_t affixes = kOptimizerPrefix.size() + kMomentumSuffix.size();
-  if (name.size() <= affixes || name.rfind(kOptimizerPrefix, 0) != 0 ||
-      name.compare(name.size() - kMomentumSuffix.size(), kMomentumSuffix.size(), kMomentumSuffix) != 0)
-    return nullptr;
-  return spec.find(name.substr(kOptimizerPrefix.size(), name.size() - affixes));
+// The state of the optimizer's per-parameter tensor "optimizer.<param>.<state>" ("" if the name is
+// not one).
+std::string optimizer_state_of(const ModelSpec& spec, const std::string& name) {
+  if (name.rfind(kOptimizerPrefix, 0) != 0) return "";
+  for (const std::string& state : kOptimizerStates) {
+    const std::string suffix = "." + state;
+    if (name.size() > kOptimizerPrefix.size() + suffix.size() &&
+        name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+        spec.find(name.substr(kOptimizerPrefix.size(), name.size() - kOptimizerPrefix.size() - suffix.size())))
+      return state;
+  }
+  return "";
 }
 
-// Refuses a tensor the model does not have; whether the file holds momentum buffers.
-bool check_names(const SafeTensors& st, const ModelSpec& spec, const std::string& path) {
+// Refuses a tensor the model does not have; the optimizer states the file holds.
+std::set<std::string> check_names(const SafeTensors& st, const ModelSpec& spec, const std::string& path) {
   const auto tracked = spec.batches_tracked_names();
-  bool any_momentum = false;
+  std::set<std::string> states;
   for (auto& name : st.order) {
     if (spec.find(name) || spec.find_buffer(name) || std::count(tracked.begin(), tracked.end(), name)) continue;
-    if (momentum_of(spec, name)) {
-      any_momentum = true;
+    if (name == kOptimizerStep) continue;
+    if (const std::string state = optimizer_state_of(spec, name); !state.empty()) {
+      states.insert(state);
       continue;
     }
     throw UsageError(path + ": unexpected tensor '" + name + "' for model " + spec.name + ", which has " +
                      expected_names(spec) + (spec.has_batchnorm() ? "" : " (no BatchNorm: --model lenet-bn has it)"));
   }
-  return any_momentum;
+  return states;
 }
 
 // The model's tensors out of a file, each held to the dtype and shape the model needs.
@@ -295,11 +318,14 @@ struct TensorReader {
   // Every layer's count is the same for a model trained as a whole: the first one's is kept.
   int64_t batches_tracked() const {
     const auto tracked = spec.batches_tracked_names();
-    if (tracked.empty()) return 0;
-    const Tensor& t = tensor(tracked[0], "I64", {});
+    return tracked.empty() ? 0 : count(tracked[0]);
+  }
+  // An I64 scalar that counts something: never negative.
+  int64_t count(const std::string& name) const {
+    const Tensor& t = tensor(name, "I64", {});
     uint64_t v = 0;
     for (int i = 7; i >= 0; --i) v = v << 8 | t.data[size_t(i)];
-    if (int64_t(v) < 0) throw UsageError(path + ": tensor " + tracked[0] + " is negative");
+    if (int64_t(v) < 0) throw UsageError(path + ": tensor " + name + " is negative");
     return int64_t(v);
   }
 };
@@ -313,19 +339,23 @@ Checkpoint checkpoint_from_safetensors(const SafeTensors& file, const ModelSpec&
   if (m != st.metadata.end() && m->second != spec.name)
     throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " +
                      m->second + ")");
-  const bool any_momentum = check_names(st, spec, path);
+  const std::set<std::string> states = check_names(st, spec, path);
   const TensorReader read{st, spec, path};
   Checkpoint c;
   c.note = note;
   c.metadata = st.metadata;
   c.params.assign(size_t(spec.param_count), 0.0f);
   for (auto& p : spec.params) read.take(p.name, p.shape, p.offset, p.size, c.params);
-  // Momentum buffers are all there or all absent (a run with --momentum 0 has none).
-  if (any_momentum) {
-    c.momentum.assign(size_t(spec.param_count), 0.0f);
-    for (auto& p : spec.params)
-      read.take(kOptimizerPrefix + p.name + kMomentumSuffix, p.shape, p.offset, p.size, c.momentum);
+  // Each state is there for every parameter or for none (a run with --momentum 0 has none).
+  for (const std::string& state : kOptimizerStates) {
+    if (!states.count(state)) continue;
+    std::vector<float>& flat = c.optimizer_state[state];
+    flat.assign(size_t(spec.param_count), 0.0f);
+    for (auto& p : spec.params) read.take(kOptimizerPrefix + p.name + "." + state, p.shape, p.offset, p.size, flat);
   }
+  if (states.count("exp_avg") != states.count("exp_avg_sq"))
+    throw UsageError(path + ": Adam's state is exp_avg and exp_avg_sq together; this checkpoint has only one");
+  if (states.count("exp_avg")) c.optimizer_steps = read.count(kOptimizerStep);
   c.buffers = read.running_stats();
   c.batches_tracked = read.batches_tracked();
   return c;

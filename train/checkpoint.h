@@ -1,8 +1,9 @@
 // Checkpoints as safetensors files: the weights under PyTorch's names and layouts (so
 // safetensors.torch.load_file + load_state_dict reads them), BatchNorm's buffers as PyTorch's
 // state_dict holds them (running_mean, running_var: F32; num_batches_tracked: an I64 scalar), the
-// optimizer's momentum buffers as "optimizer.<name>.momentum_buffer", and the training position in
-// the metadata.
+// optimizer's state per parameter as "optimizer.<name>.<state>" under the names of PyTorch's
+// optimizer state_dict (SGD's momentum_buffer, Adam's and AdamW's exp_avg and exp_avg_sq, with their
+// step count as "optimizer.step", an I64 scalar), and the training position in the metadata.
 #pragma once
 
 #include <cstdint>
@@ -35,8 +36,11 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
 void write_safetensors(const std::string& path, const SafeTensors& st);
 
 struct Checkpoint {
-  std::vector<float> params;    // (P) the flat buffer
-  std::vector<float> momentum;  // (P) or empty
+  std::vector<float> params;  // (P) the flat buffer
+  // The optimizer's state by its PyTorch name ("momentum_buffer", "exp_avg", "exp_avg_sq"), each (P);
+  // empty without one (SGD at momentum 0, or a file of weights alone). optimizer_steps: Adam's step count.
+  std::map<std::string, std::vector<float>> optimizer_state;
+  int64_t optimizer_steps = 0;
   std::vector<float> buffers;   // (R) BatchNorm's running statistics; empty without BatchNorm
   int64_t batches_tracked = 0;  // BatchNorm's num_batches_tracked
   std::map<std::string, std::string> metadata;

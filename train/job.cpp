@@ -107,7 +107,19 @@ void broadcast_verify(ProcessGroup& g, VerifyResult& v, double timeout) {
 
 void broadcast_state(ProcessGroup& g, Checkpoint& state, double timeout) {
   broadcast_floats(g, state.params, timeout, "the broadcast of rank 0's weights");
-  broadcast_floats(g, state.momentum, timeout, "the broadcast of rank 0's momentum");
+  // The optimizer's state by name: how many, then each name and its values.
+  double states = double(state.optimizer_state.size());
+  g.broadcast(kHostChannel, &states, sizeof states, 0, Deadline::after(timeout), "the broadcast of rank 0's optimizer",
+              nullptr);
+  std::vector<std::string> names;
+  for (const auto& [name, values] : state.optimizer_state) names.push_back(name);
+  names.resize(size_t(states));
+  for (std::string& name : names) {
+    name = broadcast_string(g, name, timeout, "the broadcast of rank 0's optimizer");
+    broadcast_floats(g, state.optimizer_state[name], timeout, "the broadcast of rank 0's optimizer state");
+  }
+  g.broadcast(kHostChannel, &state.optimizer_steps, sizeof state.optimizer_steps, 0, Deadline::after(timeout),
+              "the broadcast of rank 0's optimizer steps", nullptr);
   broadcast_floats(g, state.buffers, timeout, "the broadcast of rank 0's running statistics");
   g.broadcast(kHostChannel, &state.batches_tracked, sizeof state.batches_tracked, 0, Deadline::after(timeout),
               "the broadcast of rank 0's step count", nullptr);

@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "engine/error.h"
+#include "engine/optimizer.h"
 #include "engine/strategy.h"
 #include "train/cli.h"
 #include "train/report.h"
@@ -26,15 +27,6 @@ std::string fmt_float(float v) {
   char buf[32];
   auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
   return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
-}
-
-// Sizes in messages: "1 byte", "4 bytes", "64 KiB", exact (format_bytes would round).
-std::string exact_size(int64_t bytes) {
-  const char* units[] = {"KiB", "MiB", "GiB", "TiB"};
-  int u = -1;
-  while (u < 3 && bytes >= 1024 && bytes % 1024 == 0) bytes /= 1024, ++u;
-  if (u >= 0) return std::to_string(bytes) + " " + units[u];
-  return std::to_string(bytes) + (bytes == 1 ? " byte" : " bytes");
 }
 
 }  // namespace
@@ -61,104 +53,6 @@ CLI::Validator exact_integer() {
 
 template CLI::Validator exact_integer<int>();
 template CLI::Validator exact_integer<int64_t>();
-
-std::string size_forms(int64_t min_bytes) {
-  return "give a size of at least " + exact_size(min_bytes) +
-         ": a number of bytes, whole or with a suffix K, M, G or T (powers of 1024; k, KB, KiB read the same), "
-         "e.g. 4096, 512M, 1.5G";
-}
-
-int64_t parse_bytes(const std::string& text, const std::string& flag, int64_t min_bytes) {
-  auto bad = [&](const std::string& why) {
-    return UsageError(flag + ": '" + text + "' " + why + "; " + size_forms(min_bytes));
-  };
-  // Digits with an optional fraction, then the suffix: no sign, space, exponent or hex (strtod, used
-  // before, also read " 5", "0x10" and "1e3").
-  auto digit = [&](size_t i) { return i < text.size() && text[i] >= '0' && text[i] <= '9'; };
-  size_t used = 0;
-  while (digit(used)) ++used;
-  bool any_digit = used > 0;
-  if (used < text.size() && text[used] == '.')
-    for (++used; digit(used); ++used) any_digit = true;
-  if (used == 0 && text.size() > 1 && text[0] == '-' && (digit(1) || (text[1] == '.' && digit(2))))
-    throw bad("is negative");
-  if (!any_digit) throw bad("is not a size");
-  std::string suffix = text.substr(used);
-  for (auto& c : suffix) c = char(std::toupper(static_cast<unsigned char>(c)));
-  if (suffix.size() > 1 && suffix.back() == 'B') suffix.pop_back();  // KB, KIB
-  if (suffix.size() == 2 && suffix[1] == 'I') suffix.pop_back();     // KI(B)
-  const std::string units = "KMGT";
-  long double scale = 1;
-  if (suffix.size() == 1 && units.find(suffix[0]) != std::string::npos)
-    scale = std::ldexp(1.0L, 10 * int(units.find(suffix[0]) + 1));
-  else if (!suffix.empty() && suffix != "B")
-    throw bad("is not a size (the suffix '" + text.substr(used) + "' is none of K, M, G, T)");
-  // long double (80 or 128 bits on Linux) holds every integer up to 2^64: the bound is exact.
-  const long double bytes = std::strtold(text.substr(0, used).c_str(), nullptr) * scale;
-  if (bytes >= std::ldexp(1.0L, 63)) throw bad("is too large: a size is less than 2^63 bytes (8 EiB)");
-  const int64_t whole = int64_t(bytes);  // a fraction of a byte is dropped
-  if (whole < min_bytes)
-    throw bad("is " + (whole == 0 ? std::string("0 bytes") : exact_size(whole)) +
-              (bytes != (long double)whole ? " (rounded down to whole bytes)" : ""));
-  return whole;
-}
-
-uint64_t parse_seed(const std::string& text, const std::string& flag) {
-  uint64_t v = 0;
-  const char *first = text.data(), *last = first + text.size();
-  // Digits only: from_chars takes no sign, no space, no exponent, and says when the value is past 2^64-1
-  // (strtoull, which CLI11 uses, wraps "-1" to 2^64-1 and saturates larger values there).
-  auto [end, ec] = std::from_chars(first, last, v);
-  bool digits = !text.empty() && std::all_of(first, last, [](char c) { return c >= '0' && c <= '9'; });
-  if (!digits || ec != std::errc() || end != last)
-    throw UsageError(flag + ": '" + text + "' is not a seed; give a whole number from 0 to " +
-                     std::to_string(UINT64_MAX) + (digits ? " (it is larger)" : ""));
-  return v;
-}
-
-float parse_float(const std::string& text, const std::string& flag) {
-  auto bad = [&](const std::string& why) { return UsageError(flag + ": '" + text + "' " + why); };
-  const char* first = text.c_str();
-  char* end = nullptr;
-  errno = 0;
-  long double v = std::strtold(first, &end);
-  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || end != first + text.size())
-    throw bad("is not a number");
-  const bool range = errno == ERANGE;
-  const float f = float(v);
-  // A value float cannot hold is refused rather than rounded to 0 or infinity, where the checks after
-  // parsing would call it "not positive" or "not finite" when it is neither.
-  if ((range && std::fabs(v) < 1) || (v != 0 && f == 0))
-    throw bad("is too small for a float (it would round to 0; the smallest positive float is 1.4e-45)");
-  if ((range && std::fabs(v) >= 1) || (std::isfinite(v) && !std::isfinite(f)))
-    throw bad("is too large for a float (at most 3.4e38)");
-  return f;
-}
-
-std::vector<int> parse_int_list(const std::string& text, const std::string& flag, const std::string& what,
-                                const std::string& example) {
-  std::vector<int> out;
-  std::stringstream ss(text);
-  for (std::string item; std::getline(ss, item, ',');) {
-    size_t used = 0;
-    int v = -1;
-    try {
-      v = std::stoi(item, &used);
-    } catch (...) {
-      used = 0;
-    }
-    if (used == 0 || used != item.size() || v < 0)
-      throw UsageError(flag + ": '" + item + "' in '" + text + "' is not a " + what + "; give comma-separated " + what +
-                       "s >= 0, e.g. " + example);
-    out.push_back(v);
-  }
-  if (out.empty()) throw UsageError(flag + ": the list is empty; give at least one " + what + ", e.g. " + example);
-  return out;
-}
-
-std::vector<int> parse_ids(const std::string& text, const std::string& flag) {
-  return parse_int_list(text, flag, "device id", "0,1");
-}
 
 void DeviceFlags::add(CLI::App& app) {
   // In a "Devices" group of --help; the front end's own options keep the group they had.
@@ -195,23 +89,6 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
   if (!memory.empty()) c.memory_cap = parse_bytes(memory, "--device-memory", kMinDeviceMemory);
   c.allow_shared_device = allow_shared;
   return c;
-}
-
-std::string shell_quote(const std::string& arg) {
-  auto plain = [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) ||
-           std::string_view("_@%+=:,./-").find(c) != std::string_view::npos;
-  };
-  if (!arg.empty() && std::all_of(arg.begin(), arg.end(), plain)) return arg;
-  std::string out = "'";
-  for (char c : arg) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-std::string shell_command_line(int argc, const char* const* argv) {
-  std::string out;
-  for (int i = 0; i < argc; ++i) out += (i ? " " : "") + shell_quote(argv[i]);
-  return out;
 }
 
 bool run_parser(CLI::App& app, int argc, const char* const* argv) {
@@ -258,6 +135,7 @@ Examples:
 // Flags CLI11 would wrap or round silently, taken as text and parsed exactly after it is done.
 struct TrainText {
   std::string sync = "scatter", split = "even", allreduce = "ring", lr, momentum, weight_decay, seed, timeout;
+  std::string optimizer = "sgd", betas = "0.9,0.999", eps = "1e-08";
   bool no_shuffle = false;
 };
 
@@ -300,9 +178,18 @@ void add_training(CLI::App& app, TrainOptions& o, TrainText& t) {
       ->transform(exact_integer<int64_t>());
   t.lr = fmt_float(o.lr), t.momentum = fmt_float(o.momentum), t.weight_decay = fmt_float(o.weight_decay);
   t.seed = std::to_string(o.seed);
-  app.add_option("--lr", t.lr, "Learning rate")->capture_default_str()->type_name("FLOAT");
-  app.add_option("--momentum", t.momentum, "SGD momentum")->capture_default_str()->type_name("FLOAT");
-  app.add_option("--weight-decay", t.weight_decay, "L2 weight decay (PyTorch SGD's)")
+  app.add_option("--optimizer", t.optimizer, "sgd | adam | adamw (PyTorch's torch.optim.SGD, Adam, AdamW)")
+      ->capture_default_str();
+  app.add_option("--lr", t.lr, "Learning rate (default: 0.1 for sgd, 0.001 for adam and adamw, as PyTorch's)")
+      ->type_name("FLOAT");
+  app.add_option("--momentum", t.momentum, "SGD's momentum")->capture_default_str()->type_name("FLOAT");
+  app.add_option("--weight-decay", t.weight_decay,
+                 "Weight decay: L2 in the gradient (sgd, adam), decoupled (adamw); default 0, adamw's 0.01")
+      ->type_name("FLOAT");
+  app.add_option("--betas", t.betas, "adam and adamw: the moments' decay rates beta1,beta2")
+      ->capture_default_str()
+      ->type_name("B1,B2");
+  app.add_option("--eps", t.eps, "adam and adamw: the term added to the denominator")
       ->capture_default_str()
       ->type_name("FLOAT");
   app.add_option("--seed", t.seed, "Seed for initialisation and shuffling (0 to 2^64-1)")
@@ -325,6 +212,29 @@ void add_data(CLI::App& app, TrainOptions& o) {
   app.add_flag_callback(
       "--no-prefetch", [&o] { o.prefetch = false; },
       "Upload each batch at its own step instead of during the step before, on a copy stream");
+}
+
+// --optimizer and its settings: lr and weight decay default to the optimizer's PyTorch defaults where
+// not given; a setting of another optimizer is refused rather than ignored.
+void read_optimizer(const CLI::App& app, const TrainText& t, TrainOptions& o) {
+  o.optimizer = parse_optimizer(t.optimizer);
+  const bool sgd = o.optimizer == Optimizer::sgd;
+  o.lr = app.count("--lr") ? parse_float(t.lr, "--lr") : sgd ? 0.1f : 1e-3f;
+  o.weight_decay = app.count("--weight-decay")       ? parse_float(t.weight_decay, "--weight-decay")
+                   : o.optimizer == Optimizer::adamw ? 1e-2f
+                                                     : 0.0f;
+  o.momentum = parse_float(t.momentum, "--momentum");
+  if (!sgd && app.count("--momentum"))
+    throw UsageError("--momentum: SGD's; --optimizer " + t.optimizer + " has --betas (default 0.9,0.999)");
+  if (sgd && (app.count("--betas") || app.count("--eps")))
+    throw UsageError(std::string(app.count("--betas") ? "--betas" : "--eps") +
+                     ": Adam's and AdamW's; add --optimizer adam or adamw (--optimizer sgd has --momentum)");
+  const size_t comma = t.betas.find(',');
+  if (comma == std::string::npos || t.betas.find(',', comma + 1) != std::string::npos)
+    throw UsageError("--betas: '" + t.betas + "' is not two numbers; give beta1,beta2, e.g. 0.9,0.999");
+  o.beta1 = parse_float(t.betas.substr(0, comma), "--betas");
+  o.beta2 = parse_float(t.betas.substr(comma + 1), "--betas");
+  o.eps = parse_float(t.eps, "--eps");
 }
 
 // An empty path given explicitly ("--save ''", an unset shell variable) is refused, not taken as "not given".
@@ -398,9 +308,7 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   if (!run_parser(app, argc, argv)) return false;
   o.command_line = shell_command_line(argc, argv);
   o.started_at = utc_timestamp(std::chrono::system_clock::now());
-  o.lr = parse_float(t.lr, "--lr");
-  o.momentum = parse_float(t.momentum, "--momentum");
-  o.weight_decay = parse_float(t.weight_decay, "--weight-decay");
+  read_optimizer(app, t, o);
   o.seed = parse_seed(t.seed, "--seed");
   o.devices = dev.finish(app);
   o.sync = find_strategy(t.sync).name();

@@ -1,43 +1,16 @@
-// Command-line parsing shared by the front ends (dp_train, dp_bench): the values of flags read
-// exactly, every bad argument turned into a UsageError that says what is wrong and what is accepted.
-// What needs CLI11 itself is cli.h, included by the two front ends alone: CLI11's header costs seconds
-// of compile time in every file that includes it.
+// dp_train's command line. The readers of flag values both front ends share are parse.h; what needs
+// CLI11 itself is cli.h, included by the two front ends alone: CLI11's header costs seconds of
+// compile time in every file that includes it.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "train/parse.h"
 #include "train/trainer.h"
 
 namespace dp {
-
-// "4096", "512M", "1.5G", "2TiB" -> bytes (suffixes K, M, G, T: powers of 1024; a fraction of a byte
-// is dropped). Anything else, and sizes under min_bytes or from 2^63 bytes on, throws UsageError
-// naming the flag and the accepted forms.
-int64_t parse_bytes(const std::string& text, const std::string& flag, int64_t min_bytes = 1);
-// The accepted forms of a size, as parse_bytes's messages give them ("give a size of at least ...").
-std::string size_forms(int64_t min_bytes);
-// The smallest --device-memory: LeNet-5's parameters alone take 241 KiB, so a cap under 64 KiB is a
-// slip (0.5 meant "no cap" before it was refused), not a request.
-inline constexpr int64_t kMinDeviceMemory = 64 << 10;
-// "12345" -> 12345: a seed, exactly 0..2^64-1; a sign, a fraction, an exponent or a larger value
-// throws UsageError naming the flag (nothing wraps).
-uint64_t parse_seed(const std::string& text, const std::string& flag);
-// "0.1", "1e-3" -> the float; a value float cannot hold (underflows to 0, overflows to infinity) or
-// text that is not a number throws UsageError naming the flag. NaN, infinity and negative values
-// pass: the range checks after parsing name those.
-float parse_float(const std::string& text, const std::string& flag);
-// "2,4,8" -> {2, 4, 8}: comma-separated integers >= 0. Throws UsageError naming the flag, the item
-// that is not a `what` ("device id", "batch size") and an example list.
-std::vector<int> parse_int_list(const std::string& text, const std::string& flag, const std::string& what,
-                                const std::string& example);
-// "0,1,2" -> {0, 1, 2}: device ids. Throws UsageError naming the flag.
-std::vector<int> parse_ids(const std::string& text, const std::string& flag);
-// argv as one line a POSIX shell would run again: arguments joined by spaces, each with a character
-// outside [A-Za-z0-9_@%+=:,./-] in single quotes ('it'\''s'), an empty one as ''.
-std::string shell_command_line(int argc, const char* const* argv);
-std::string shell_quote(const std::string& arg);
 
 // Parses dp_train's arguments into `out`, with the command line and the start time. Returns false
 // when --help or --version was printed.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "engine/error.h"
+#include "engine/optimizer.h"
 #include "train/output_files.h"
 
 namespace dp {
@@ -74,8 +75,12 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
           {"parameters", spec.param_count},
           {"batch", o.batch},
           {"steps", steps},
+          {"optimizer", optimizer_name(o.optimizer)},
           {"lr", json_float(o.lr)},
-          {"momentum", json_float(o.momentum)},
+          {"momentum", o.optimizer == Optimizer::sgd ? nlohmann::json(json_float(o.momentum)) : nlohmann::json()},
+          {"betas",
+           o.optimizer == Optimizer::sgd ? nlohmann::json() : nlohmann::json{json_float(o.beta1), json_float(o.beta2)}},
+          {"eps", o.optimizer == Optimizer::sgd ? nlohmann::json() : nlohmann::json(json_float(o.eps))},
           {"weight_decay", json_float(o.weight_decay)},
           {"seed", o.seed},
           {"split", split_name(o.split)},

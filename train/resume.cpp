@@ -8,6 +8,7 @@
 #include <filesystem>
 
 #include "engine/error.h"
+#include "engine/optimizer.h"
 #include "train/report.h"
 
 namespace dp {
@@ -64,7 +65,9 @@ void check_identity(const TrainOptions& o, const RunIdentity& id, const Checkpoi
   std::string differs;
   for (auto& [key, now] : id.exact_only) {
     std::string then = saved(key);
-    bool number = key == "lr" || key == "momentum" || key == "weight_decay";  // compared as floats: "0.1" is 0.1f
+    // compared as floats: "0.1" is 0.1f
+    bool number =
+        key == "lr" || key == "momentum" || key == "weight_decay" || key.rfind("beta", 0) == 0 || key == "eps";
     if (then.empty() || then == now ||
         (number && std::strtof(then.c_str(), nullptr) == std::strtof(now.c_str(), nullptr)))
       continue;
@@ -99,9 +102,14 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
                    {"bucket_kb", std::to_string(o.bucket_kb)},
                    {"sync_bn", o.sync_bn ? "1" : "0"},
                    {"backend", backend},
+                   {"optimizer", optimizer_name(o.optimizer)},
                    {"lr", exact(o.lr)},
-                   {"momentum", exact(o.momentum)},
                    {"weight_decay", exact(o.weight_decay)}};
+  if (o.optimizer == Optimizer::sgd)
+    id.exact_only.push_back({"momentum", exact(o.momentum)});
+  else
+    id.exact_only.insert(id.exact_only.end(),
+                         {{"beta1", exact(o.beta1)}, {"beta2", exact(o.beta2)}, {"eps", exact(o.eps)}});
   return id;
 }
 
@@ -115,10 +123,10 @@ Resumed resume_checkpoint(const TrainOptions& o, const ModelSpec& spec, const Ru
 }
 
 // Called between steps only: Engine::step returns after every device has finished the optimizer,
-// so the replicas agree. params() and momentum() read device 0, which is the right source under
-// both strategies: under allreduce every replica holds the same bits (identical all-reduced
+// so the replicas agree. params() and optimizer_state() read device 0, which is the right source
+// under both strategies: under allreduce every replica holds the same bits (identical all-reduced
 // gradients, the same update everywhere); under scatter only device 0 runs the optimizer and
-// holds the weights and the momentum, the others get them by broadcast at the next step.
+// holds the weights and the optimizer's state, the others get them by broadcast at the next step.
 void CheckpointSaver::save(Engine& engine, int64_t global_step) {
   if (saved_step_ == global_step) return;
   std::map<std::string, std::string> position(id_.required.begin(), id_.required.end());
@@ -128,9 +136,21 @@ void CheckpointSaver::save(Engine& engine, int64_t global_step) {
   position["global_step"] = std::to_string(global_step);
   position["limit_train"] = std::to_string(o_.limit_train);
   position["dp_version"] = version();  // informational: loading neither needs nor checks it
-  Checkpoint c{engine.params(), engine.momentum(), engine.running_stats(), engine.batches_tracked(), position, {}};
+  Checkpoint c;
+  c.params = engine.params();
+  const std::vector<std::string> names = optimizer_state_names(engine.config());
+  std::vector<std::vector<float>> state = engine.optimizer_state();
+  bool finite = all_finite(c.params);
+  for (size_t i = 0; i < names.size(); ++i) {
+    finite = finite && all_finite(state[i]);
+    c.optimizer_state[names[i]] = std::move(state[i]);
+  }
+  c.optimizer_steps = engine.optimizer_steps();
+  c.buffers = engine.running_stats();
+  c.batches_tracked = engine.batches_tracked();
+  c.metadata = position;
   // Finite gradients times a huge --lr can still overflow the weights.
-  if (!all_finite(c.params) || !all_finite(c.momentum) || !all_finite(c.buffers))
+  if (!finite || !all_finite(c.buffers))
     throw NumericalError("step " + std::to_string(global_step) +
                          ": the weights are no longer finite after the update; not saving them, " + kept() +
                          divergence_hint(o_));

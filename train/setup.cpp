@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "engine/error.h"
+#include "engine/optimizer.h"
 #include "train/loader.h"
 #include "train/output_files.h"
 
@@ -22,6 +23,10 @@ void check_options(const TrainOptions& o, bool lead) {
   if (!std::isfinite(o.lr) || o.lr <= 0) throw UsageError("--lr: must be a positive finite number, e.g. 0.1");
   if (!std::isfinite(o.momentum) || o.momentum < 0 || o.momentum >= 1)
     throw UsageError("--momentum: must be in [0, 1)");
+  for (float beta : {o.beta1, o.beta2})
+    if (!std::isfinite(beta) || beta < 0 || beta >= 1)
+      throw UsageError("--betas: each must be in [0, 1), as PyTorch's Adam requires; e.g. 0.9,0.999");
+  if (!std::isfinite(o.eps) || o.eps <= 0) throw UsageError("--eps: must be a positive finite number, e.g. 1e-08");
   if (!std::isfinite(o.weight_decay) || o.weight_decay < 0) throw UsageError("--weight-decay: must be >= 0");
   if (o.limit_train < 0 || o.limit_test < 0)
     throw UsageError("--limit-train/--limit-test: must be >= 0 (0 keeps every sample)");
@@ -78,6 +83,7 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   EngineConfig ec;
   // Buffers are sized for the largest batch a step will see: never more than the training set.
   ec.sync = o.sync, ec.split = o.split, ec.batch = int(std::min<int64_t>(o.batch, train_count)), ec.lr = o.lr;
+  ec.optimizer = o.optimizer, ec.beta1 = o.beta1, ec.beta2 = o.beta2, ec.eps = o.eps;
   ec.momentum = o.momentum, ec.weight_decay = o.weight_decay, ec.bucket_kb = o.bucket_kb, ec.trace = !o.trace.empty();
   ec.sync_bn = o.sync_bn;
   ec.all_reduce = o.all_reduce;
@@ -150,14 +156,15 @@ void note_clamped_sizes(const TrainOptions& o, const DataSets& d) {
               o.limit_train == d.train.count ? "training images --limit-train keeps" : "training" + in);
 }
 
-// --resume's weights (with momentum), --load's, or fresh ones drawn from --seed, with BatchNorm's
+// --resume's weights (with the optimizer's state), --load's, or fresh ones drawn from --seed, with BatchNorm's
 // running statistics.
 Checkpoint initial_state(const TrainOptions& o, const ModelSpec& spec, const Resumed& resumed) {
   if (!o.resume.empty()) return resumed.checkpoint;
   Checkpoint init;
   if (!o.load.empty()) {
     init = load_checkpoint(o.load, spec);
-    init.momentum.clear();  // --load starts the optimizer afresh
+    init.optimizer_state.clear();  // --load starts the optimizer afresh
+    init.optimizer_steps = 0;
     if (!init.note.empty() && !o.quiet) std::printf("note: %s\n", init.note.c_str());
     return init;
   }
@@ -168,10 +175,18 @@ Checkpoint initial_state(const TrainOptions& o, const ModelSpec& spec, const Res
   return init;
 }
 
-// A state (weights, momentum, running statistics) onto every replica.
+// A state (weights, the optimizer's state, running statistics) onto every replica. The optimizer's
+// buffers the checkpoint lacks (it was saved by another optimizer, or at momentum 0) start as zeros,
+// as a fresh optimizer's do; the resume check has warned about the change.
 void place(Engine& engine, const Checkpoint& state) {
   engine.set_params(state.params);
-  if (!state.momentum.empty()) engine.set_momentum(state.momentum);
+  std::vector<std::vector<float>> optimizer;
+  for (const std::string& name : optimizer_state_names(engine.config())) {
+    auto it = state.optimizer_state.find(name);
+    optimizer.push_back(it != state.optimizer_state.end() ? it->second : std::vector<float>(state.params.size(), 0.0f));
+  }
+  engine.set_optimizer_state(optimizer);
+  engine.set_optimizer_steps(state.optimizer_steps);
   engine.set_running_stats(state.buffers);
   engine.set_batches_tracked(state.batches_tracked);
 }

@@ -18,8 +18,12 @@ struct TrainOptions {
   std::string model = "lenet";
   int batch = 256;
   int epochs = 10;
-  int64_t steps = 0;  // when > 0, train this many steps instead of `epochs`
+  int64_t steps = 0;                     // when > 0, train this many steps instead of `epochs`
+  Optimizer optimizer = Optimizer::sgd;  // --optimizer (engine/optimizer.h)
+  // lr and weight_decay take the optimizer's PyTorch defaults where not given: SGD 0.1 (dp's) and 0,
+  // Adam 1e-3 and 0, AdamW 1e-3 and 1e-2. momentum is SGD's, the betas and eps Adam's and AdamW's.
   float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   uint64_t seed = 0;
   bool shuffle = true;
   std::string data = "/usr/share/datasets/fashion-mnist";

@@ -8,6 +8,7 @@
 
 #include "engine/error.h"
 #include "engine/failpoint.h"
+#include "train/setup.h"
 
 namespace dp {
 
@@ -48,9 +49,7 @@ Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const Eng
   first.all = false;
   devices_ = make_devices(first);
   engine_ = std::make_unique<Engine>(std::vector<Device*>{devices_.devices[0].get()}, spec, one_device(run));
-  engine_->set_params(state.params);
-  if (!state.momentum.empty()) engine_->set_momentum(state.momentum);
-  engine_->set_running_stats(state.buffers);
+  place(*engine_, state);
 }
 
 VerifyResult Verifier::compare(Engine& run, int batch) {

@@ -6,6 +6,7 @@
 // (reduce-scatter then all-gather; NCCL on distinct GPUs) or, with --allreduce naive, d2l's
 // hand-written one (sum onto device 0, copy back): the communicator runs either (communicator.h).
 // The one strategy that runs across processes (mpirun), hierarchically (process_communicator.h).
+#include "engine/optimizer.h"
 #include "engine/strategy.h"
 
 namespace dp {
@@ -91,7 +92,7 @@ class AllReduce final : public Strategy {
       // Every replica holds the same gradient now: device 0's check speaks for all.
       const EngineConfig& c = s.config();
       if (r == 0) ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
-      ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), c.lr, c.momentum, c.weight_decay);
+      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step());
     });
   }
   bool computes_loss(int) const override { return true; }
@@ -142,9 +143,9 @@ class AllReduce final : public Strategy {
         {Category::outputs, b * C * F + 3 * F,
          "its shard's logit gradient, " + sb + " x " + sC + " floats + 12 B loss/correct/finite"},
         {Category::comm, even_chunks(P, n)[0] * F, "one ring chunk, ceil(P / " + std::to_string(n) + ") floats"}};
-    if (c.momentum != 0)
-      h.push_back(
-          {Category::optimizer, P * F, "its own momentum buffer, P floats: every device runs the same optimizer step"});
+    if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
+      h.push_back({Category::optimizer, states * P * F,
+                   "its own " + optimizer_state_text(c) + ": every device runs the same optimizer step"});
     return h;
   }
   std::string memory_note(const EngineConfig& c) const override {

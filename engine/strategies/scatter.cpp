@@ -4,6 +4,7 @@
 // are computed; the logit gradients are scattered back; each device runs backward; the gradients are
 // reduced (summed) onto device 0; only device 0 steps the optimizer. Device 0 is the root of every
 // collective, so it holds and moves more than the others: the memory skew this project shows.
+#include "engine/optimizer.h"
 #include "engine/strategy.h"
 
 namespace dp {
@@ -93,7 +94,7 @@ class Scatter final : public Strategy {
       if (r != 0) return;
       const EngineConfig& c = s.config();
       ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
-      ops.sgd_step(P, rep.params.f(), rep.grads.f(), rep.momentum.f(), c.lr, c.momentum, c.weight_decay);
+      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step());
     });
   }
   bool computes_loss(int rank) const override { return rank == 0; }
@@ -153,8 +154,10 @@ class Scatter final : public Strategy {
         {Category::comm, (n - 1) * P * F,
          "the reduce buffer, " + std::to_string(n - 1) +
              " x P floats: every other replica's whole gradient lands here before the sum (the others only send)"}};
-    if (c.momentum != 0)
-      h.push_back({Category::optimizer, P * F, "the momentum buffer, P floats: only device 0 runs the optimizer"});
+    const int64_t states = int64_t(optimizer_state_names(c).size());
+    if (states > 0)
+      h.push_back({Category::optimizer, states * P * F,
+                   "the " + optimizer_state_text(c) + ": only device 0 runs the optimizer"});
     else
       h.push_back({Category::optimizer, 0, "plain SGD (--optimizer sgd) keeps no state", false});
     return h;

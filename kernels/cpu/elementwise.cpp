@@ -1,4 +1,4 @@
-// SGD, the reduction add, fill and the finiteness check over flat buffers.
+// SGD, Adam, the reduction add, fill and the finiteness check over flat buffers.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +17,11 @@ void sgd_step(int64_t n, T* w, const T* g, T* v, T lr, T momentum, T weight_deca
     return;
   }
   for (int64_t i = 0; i < n; ++i) math::sgd_update(w[i], v[i], g[i], lr, momentum, weight_decay);
+}
+
+template <class T>
+void adam_step(int64_t n, T* w, const T* g, T* m, T* v, const math::AdamStep& s) {
+  for (int64_t i = 0; i < n; ++i) math::adam_update(w[i], m[i], v[i], g[i], s);
 }
 
 template <class T>
@@ -46,11 +51,12 @@ void flag_nonfinite(int64_t n, const T* x, T* flag) {
   if (!all_finite(n, x)) *flag = T(1);
 }
 
-#define DP_INSTANTIATE(T)                                        \
-  template void sgd_step<T>(int64_t, T*, const T*, T*, T, T, T); \
-  template void add<T>(int64_t, const T*, T*);                   \
-  template void fill<T>(int64_t, T, T*);                         \
-  template bool all_finite<T>(int64_t, const T*);                \
+#define DP_INSTANTIATE(T)                                                           \
+  template void sgd_step<T>(int64_t, T*, const T*, T*, T, T, T);                    \
+  template void adam_step<T>(int64_t, T*, const T*, T*, T*, const math::AdamStep&); \
+  template void add<T>(int64_t, const T*, T*);                                      \
+  template void fill<T>(int64_t, T, T*);                                            \
+  template bool all_finite<T>(int64_t, const T*);                                   \
   template void flag_nonfinite<T>(int64_t, const T*, T*);
 DP_INSTANTIATE(float)
 DP_INSTANTIATE(double)

@@ -153,6 +153,15 @@ void sgd_step(int64_t n,
               T* v,        // (n) or null
               T lr, T momentum, T weight_decay);
 
+// PyTorch's Adam / AdamW over a flat buffer (math::adam_update).
+template <class T>
+void adam_step(int64_t n,
+               T* w,        // (n)
+               const T* g,  // (n)
+               T* m,        // (n) exp_avg
+               T* v,        // (n) exp_avg_sq
+               const math::AdamStep& s);
+
 template <class T>
 void add(int64_t n, const T* x /* (n) */, T* y /* (n) */);  // y += x
 template <class T>

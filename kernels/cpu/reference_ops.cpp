@@ -85,6 +85,10 @@ void ReferenceOps::sgd_step(int64_t n, float* w, const float* g, float* v, float
 }
 void ReferenceOps::add(int64_t n, const float* x, float* y) { cpu::add(n, x, y); }
 void ReferenceOps::fill(int64_t n, float value, float* x) { cpu::fill(n, value, x); }
+void ReferenceOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) {
+  cpu::adam_step(n, w, g, m, v, s);
+}
+
 bool ReferenceOps::all_finite(int64_t n, const float* x) { return cpu::all_finite(n, x); }
 void ReferenceOps::flag_nonfinite(int64_t n, const float* x, float* flag) { cpu::flag_nonfinite(n, x, flag); }
 

@@ -87,6 +87,7 @@ class CudaOps final : public Ops {
   void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
                     float* stats) override;
   void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay) override;
+  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) override;
   void add(int64_t n, const float* x, float* y) override;
   void fill(int64_t n, float value, float* x) override;
   bool all_finite(int64_t n, const float* x) override;

@@ -1,5 +1,6 @@
-// SGD, the reduction add, fill and the finiteness check over flat buffers. Twin of
-// kernels/cpu/elementwise.cpp; SGD goes through math::sgd_update like the CPU's.
+// SGD, Adam, the reduction add, fill and the finiteness check over flat buffers. Twin of
+// kernels/cpu/elementwise.cpp; the optimizers go through math::sgd_update and math::adam_update like
+// the CPU's.
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/math.h"
@@ -17,6 +18,11 @@ __global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, floa
     float none = 0.0f;
     math::sgd_update(w[i], none, g[i], lr, 0.0f, wd);
   }
+}
+
+// The coefficients travel by value in the launch's parameters.
+__global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, math::AdamStep s) {
+  DP_GRID_STRIDE(i, n) { math::adam_update(w[i], m[i], v[i], g[i], s); }
 }
 
 __global__ void add_kernel(int64_t n, const float* x, float* y) {
@@ -46,6 +52,12 @@ void CudaOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, 
     sgd_no_momentum_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, lr, weight_decay);
     DP_CUDA_LAUNCH_CHECK("sgd_no_momentum_kernel");
   }
+}
+
+void CudaOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) {
+  if (n == 0) return;
+  adam_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, m, v, s);
+  DP_CUDA_LAUNCH_CHECK("adam_kernel");
 }
 
 void CudaOps::add(int64_t n, const float* x, float* y) {
