@@ -41,6 +41,11 @@ void ByteModel::all_reduce(const std::string& what, int64_t count) {
   rooted(Collective::all_reduce, what + ": broadcast from device 0", true, count);
 }
 
+void ByteModel::sharded(Collective c, const std::string& what, int64_t chunk) {
+  const int64_t b = (n_ - 1) * chunk * F;
+  out_.push_back({c, what, std::vector<Traffic>(size_t(n_), Traffic{b, b})});
+}
+
 void ByteModel::batchnorm(const ModelSpec& spec, bool sync_bn, bool backward) {
   if (!spec.has_batchnorm()) return;
   if (!sync_bn) {

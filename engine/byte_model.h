@@ -46,6 +46,9 @@ class ByteModel {
   void rooted(Collective c, const std::string& what, bool root_sends, int64_t each);
   // An all-reduce of count floats by the model's algorithm: the ring, or naive's two rooted halves.
   void all_reduce(const std::string& what, int64_t count);
+  // A reduce-scatter or all-gather (Collective c) of n chunks of `chunk` floats: each rank sends and
+  // receives (n-1) chunks, as the ring does and nccl-tests counts (busbw: (n-1)/n of the whole).
+  void sharded(Collective c, const std::string& what, int64_t chunk);
   // BatchNorm's part of a step: local BatchNorm broadcasts device 0's running statistics before the
   // forward; SyncBatchNorm all-reduces, per BatchNorm layer of C channels, two sums of C floats in
   // forward (mean, variance) and one of 2C in backward (layer order, then reversed).

@@ -24,9 +24,10 @@ const char* split_name(Split s);
 std::vector<int> split_batch(int b, int n, Split split);
 
 // The phases of a training step, in order. A strategy names them (Strategy::phase_name) and runs the
-// ones it has; "reduce" is the gradient reduction of any strategy: reduce-to-root or all-reduce.
-enum class Phase { load, scatter, broadcast, forward, gather_loss, backward, reduce, optimizer };
-inline constexpr int kPhases = 8;
+// ones it has; "reduce" is the gradient reduction of any strategy: reduce-to-root, all-reduce or
+// reduce-scatter; "gather" is the sharded strategies' all-gather of the updated parameters.
+enum class Phase { load, scatter, broadcast, forward, gather_loss, backward, reduce, optimizer, gather };
+inline constexpr int kPhases = 9;
 
 // A contiguous range of the flat gradient buffer that is communicated as one: gradients go in buckets
 // from the last layer to the first, the order backward produces them (EngineConfig::bucket_kb).

@@ -47,7 +47,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   if (cfg_.group && cfg_.group->size() > 1) {
     if (const char* why = strategy_.one_process_only())
       throw UsageError("--sync " + std::string(strategy_.name()) + ": " + why +
-                       "; across processes use --sync allreduce");
+                       "; across processes use --sync allreduce or zero1");
     world_ = cfg_.group->size() * n, first_ = cfg_.group->rank() * n;
     comm_ = make_process_communicator(devices_, *cfg_.group);  // NCCL on GPUs, MPI otherwise
   } else {
@@ -56,6 +56,9 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   comm_->set_all_reduce_algorithm(cfg_.all_reduce);
   comm_->set_timeout(cfg_.timeout);
   const int64_t P = spec_.param_count;
+  // A sharded strategy pads the flat buffers to world_ chunks of chunk_, its optimizer state one chunk.
+  if (strategy_.zero_stage() > 0) chunk_ = shard_chunk(P, world_);
+  const int64_t flat = chunk_ > 0 ? chunk_ * world_ : P, state = chunk_ > 0 ? chunk_ : P;
   // Every device's buffers hold the largest share of any device.
   const int b = std::max(split_batch(cfg_.batch, world_, cfg_.split)[0], 1);
   replicas_.resize(n);
@@ -63,13 +66,14 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     Device& dev = *devices_[r];
     auto rep = std::make_unique<Replica>();
     // Zeros until set_params: no replica starts from whatever the memory held (a NaN there would last).
-    rep->params = dev.alloc_floats(P, Category::parameters);
-    dev.ops().fill(P, 0.0f, rep->params.f());
-    rep->grads = dev.alloc_floats(P, Category::gradients);
+    rep->params = dev.alloc_floats(flat, Category::parameters);
+    dev.ops().fill(flat, 0.0f, rep->params.f());
+    rep->grads = dev.alloc_floats(flat, Category::gradients);
+    dev.ops().fill(flat, 0.0f, rep->grads.f());  // backward writes [0, P); the padding stays zero
     if (strategy_.steps_optimizer(r))
       for (size_t i = 0; i < optimizer_state_names(cfg_).size(); ++i) {
-        rep->state.push_back(dev.alloc_floats(P, Category::optimizer));
-        dev.ops().fill(P, 0.0f, rep->state.back().f());
+        rep->state.push_back(dev.alloc_floats(state, Category::optimizer));
+        dev.ops().fill(state, 0.0f, rep->state.back().f());
       }
     if (spec_.has_batchnorm()) {
       rep->running = dev.alloc_floats(spec_.buffer_count, Category::parameters);
@@ -246,7 +250,8 @@ StepResult Engine::step() {
     res.loss += s[0];
     res.correct += int64_t(s[1]);
   }
-  res.finite_gradients = stats[0][kNonfinite] == 0.0f;
+  // Each device flags what it checked: device 0 the whole gradient, or each device its own shard.
+  for (const auto& s : stats) res.finite_gradients = res.finite_gradients && s[kNonfinite] == 0.0f;
   if (spec_.has_batchnorm()) ++batches_tracked_;
   ++optimizer_steps_;
   recorder_.after(*comm_, traffic_before, b.n == cfg_.batch);
@@ -336,88 +341,6 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
   for (int r = 0; r < size(); ++r) res.loss += loss[r], res.correct += correct[r];
   if (n > 0) res.loss /= n;
   return res;
-}
-
-std::vector<float> Engine::params(int rank) {
-  std::vector<float> host(size_t(spec_.param_count));
-  devices_[rank]
-      ->run([&] { devices_[rank]->download(host.data(), replicas_[rank]->params.f(), host.size() * sizeof(float)); })
-      .get();
-  return host;
-}
-
-void Engine::set_params(const std::vector<float>& host) {
-  if (int64_t(host.size()) != spec_.param_count)
-    throw std::invalid_argument("set_params: " + std::to_string(host.size()) + " values for a model of " +
-                                std::to_string(spec_.param_count));
-  run_all([&](int r) {
-    if (r == 0) devices_[0]->upload(replicas_[0]->params.f(), host.data(), host.size() * sizeof(float));
-    devices_[r]->synchronize();
-    comm_->broadcast(r, replicas_[r]->params.f(), spec_.param_count, 0);
-  });
-}
-
-std::vector<std::vector<float>> Engine::optimizer_state() {
-  std::vector<std::vector<float>> host(replicas_[0]->state.size(), std::vector<float>(size_t(spec_.param_count)));
-  devices_[0]
-      ->run([&] {
-        for (size_t i = 0; i < host.size(); ++i)
-          devices_[0]->download(host[i].data(), replicas_[0]->state[i].f(), host[i].size() * sizeof(float));
-      })
-      .get();
-  return host;
-}
-
-void Engine::set_optimizer_state(const std::vector<std::vector<float>>& host) {
-  if (host.size() != replicas_[0]->state.size())
-    throw std::invalid_argument("set_optimizer_state: " + std::to_string(host.size()) +
-                                " buffers for an optimizer of " + std::to_string(replicas_[0]->state.size()));
-  for (const auto& h : host)
-    if (int64_t(h.size()) != spec_.param_count) throw std::invalid_argument("set_optimizer_state: wrong size");
-  run_all([&](int r) {
-    for (size_t i = 0; i < replicas_[r]->state.size(); ++i)
-      devices_[r]->upload(replicas_[r]->state[i].f(), host[i].data(), host[i].size() * sizeof(float));
-    devices_[r]->synchronize();
-  });
-}
-
-std::vector<float> Engine::running_stats(int rank) {
-  std::vector<float> host(size_t(spec_.buffer_count));
-  if (host.empty()) return host;
-  devices_[rank]
-      ->run([&] { devices_[rank]->download(host.data(), replicas_[rank]->running.f(), host.size() * sizeof(float)); })
-      .get();
-  return host;
-}
-
-void Engine::set_running_stats(const std::vector<float>& host) {
-  if (int64_t(host.size()) != spec_.buffer_count)
-    throw std::invalid_argument("set_running_stats: " + std::to_string(host.size()) + " values for a model of " +
-                                std::to_string(spec_.buffer_count));
-  if (host.empty()) return;
-  run_all([&](int r) {
-    devices_[r]->upload(replicas_[r]->running.f(), host.data(), host.size() * sizeof(float));
-    devices_[r]->synchronize();
-  });
-}
-
-std::string Engine::first_nonfinite_gradient() {
-  std::string bad;
-  devices_[0]
-      ->run([&] {
-        Replica& rep = *replicas_[0];
-        // Called for a bad step only (a good one says so in its stats): the whole buffer, then
-        // tensor by tensor.
-        if (devices_[0]->ops().all_finite(spec_.param_count, rep.grads.f())) return;
-        // In backward order: the layer where the non-finite values entered, not where they ended up.
-        for (auto p = spec_.params.rbegin(); p != spec_.params.rend(); ++p)
-          if (!devices_[0]->ops().all_finite(p->size, rep.grads.f() + p->offset)) {
-            bad = p->name;
-            return;
-          }
-      })
-      .get();
-  return bad;
 }
 
 }  // namespace dp

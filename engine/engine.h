@@ -42,8 +42,9 @@ class Engine {
   void set_params(const std::vector<float>& host);
   // The optimizer's state (optimizer_state_names: SGD's momentum buffer, Adam's two moments; none
   // for SGD at momentum 0), device 0's, each (P); setting it places it on every device that steps the
-  // optimizer. optimizer_steps: the steps the optimizer has taken (Adam's bias correction counts them),
-  // counted on from what set_optimizer_steps gave.
+  // optimizer. Under a sharded strategy each device holds its chunk: optimizer_state() all-gathers
+  // them (a collective: every process of the job calls it together) and setting it splits it. optimizer_steps: the
+  // steps the optimizer has taken (Adam's bias correction counts them), counted on from what set_optimizer_steps gave.
   std::vector<std::vector<float>> optimizer_state();
   void set_optimizer_state(const std::vector<std::vector<float>>& host);
   int64_t optimizer_steps() const { return optimizer_steps_; }
@@ -82,8 +83,9 @@ class Engine {
   // Page-locks host memory the uploads of step() will read (Device::pin_host, on device 0 for the
   // process: a CUDA lock serves every GPU); null where the devices do not lock.
   std::shared_ptr<void> pin_host(void* p, size_t bytes) { return devices_[0]->pin_host(p, bytes); }
-  // The parameter, in backward order, whose gradient on device 0 is first not finite ("" if none).
-  // A host round trip per tensor: for a step whose StepResult::finite_gradients is false.
+  // The parameter, in backward order, whose gradient on device 0 is first not finite ("" if none);
+  // under a sharded strategy, in the chunks this process's devices own. A host round trip per
+  // tensor: for a step whose StepResult::finite_gradients is false.
   std::string first_nonfinite_gradient();
 
   int size() const { return int(devices_.size()); }
@@ -125,6 +127,7 @@ class Engine {
   int64_t step_ = 0;
   int64_t batches_tracked_ = 0;
   int64_t optimizer_steps_ = 0;
+  int64_t chunk_ = 0;               // under a sharded strategy the floats of each device's chunk (shard_chunk), else 0
   std::deque<StagedBatch> staged_;  // oldest first
   int next_slot_ = 0;               // where the next batch staged with prefetch uploads
 };

@@ -33,8 +33,8 @@ void optimizer_step(Ops& ops, const EngineConfig& c, int64_t n, float* params, c
                     const std::vector<float*>& state, int64_t step) {
   if (c.optimizer == Optimizer::sgd)
     return ops.sgd_step(n, params, grads, state.empty() ? nullptr : state[0], c.lr, c.momentum, c.weight_decay);
-  const math::AdamStep s = math::adam_coefficients(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay,
-                                                   c.optimizer == Optimizer::adamw, step);
+  const math::AdamStep s =
+      math::adam_coefficients(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.optimizer == Optimizer::adamw, step);
   ops.adam_step(n, params, grads, state[0], state[1], s);
 }
 

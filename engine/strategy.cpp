@@ -8,10 +8,11 @@ namespace dp {
 // Each strategy's file defines its one instance.
 const Strategy& scatter_strategy();
 const Strategy& allreduce_strategy();
+const Strategy& zero1_strategy();
 
 // The registry: a new strategy is one line here.
 const std::vector<const Strategy*>& strategies() {
-  static const std::vector<const Strategy*> all = {&scatter_strategy(), &allreduce_strategy()};
+  static const std::vector<const Strategy*> all = {&scatter_strategy(), &allreduce_strategy(), &zero1_strategy()};
   return all;
 }
 
@@ -37,8 +38,8 @@ const Strategy& find_strategy(const std::string& name) {
 }
 
 const char* Strategy::phase_name(Phase p) const {
-  static const char* names[kPhases] = {"load",        "scatter",  "broadcast", "forward",
-                                       "gather+loss", "backward", "reduce",    "optimizer"};
+  static const char* names[kPhases] = {"load",     "scatter", "broadcast", "forward",   "gather+loss",
+                                       "backward", "reduce",  "optimizer", "all-gather"};
   return names[int(p)];
 }
 
@@ -54,6 +55,8 @@ std::vector<float*> Replica::state_pointers() const {
 }
 
 int64_t StepContext::optimizer_step() const { return engine_.optimizer_steps() + 1; }
+int64_t StepContext::shard_chunk() const { return engine_.chunk_; }
+int64_t StepContext::shard_offset() const { return engine_.chunk_ * engine_.comm().shard(rank_); }
 
 Device& StepContext::device() const { return engine_.device(rank_); }
 Replica& StepContext::replica() const { return *engine_.replicas_[size_t(rank_)]; }

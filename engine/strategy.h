@@ -25,6 +25,9 @@ namespace dp {
 
 class Engine;
 
+// The floats of the chunk each of n devices owns of P under a sharded strategy: ceil(P / n).
+inline int64_t shard_chunk(int64_t P, int n) { return (P + n - 1) / n; }
+
 // A replica's stats buffer: the loss sum, the correct count and, on device 0 after a step, 1 where
 // the step's gradient held a value that is not finite (else 0).
 inline constexpr int kStats = 3, kNonfinite = 2;
@@ -33,10 +36,10 @@ inline constexpr int kStats = 3, kNonfinite = 2;
 // strategy's choice (Strategy::allocate). Shapes use B (global batch), b (largest local batch),
 // P (parameters), R (running statistics), D (input size), C (classes).
 struct Replica {
-  Buffer params;  // (P)
-  Buffer grads;   // (P)
+  Buffer params;  // (P), padded under a sharded strategy (Strategy::zero_stage)
+  Buffer grads;   // (P), padded likewise
   // (P) each, on a device that steps the optimizer: its state (optimizer_state_names: SGD's momentum
-  // buffer, Adam's two moments; none for SGD at momentum 0).
+  // buffer, Adam's two moments; none for SGD at momentum 0); the owned chunk's alone when sharded.
   std::vector<Buffer> state;
   std::vector<float*> state_pointers() const;
   Buffer running;  // (R) BatchNorm's running statistics; none without BatchNorm
@@ -89,6 +92,10 @@ class StepContext {
   bool broadcasts_buffers() const;
   // The optimizer's step count for this step's update (1 on the first; Adam's bias correction).
   int64_t optimizer_step() const;
+  // Under a sharded strategy (Strategy::zero_stage): the floats of the chunk this device owns of the
+  // flat parameters and gradients, and where it starts; 0 and 0 otherwise.
+  int64_t shard_chunk() const;
+  int64_t shard_offset() const;
   // The gradient buckets, and the bucket of parameterised layer `layer` (-1: none).
   const std::vector<Bucket>& buckets() const;
   int layer_bucket(int layer) const;
@@ -125,6 +132,11 @@ class Strategy {
   virtual bool takes_all_reduce_algorithm() const { return false; }
   virtual bool takes_buckets() const { return false; }
   virtual const char* one_process_only() const { return nullptr; }
+  // What each device keeps 1/n of, as the ZeRO paper's stages count it: 0 nothing (every device holds
+  // the whole of everything it holds), 1 the optimizer state. A sharded strategy's flat parameter and
+  // gradient buffers are padded to n chunks of shard_chunk(P, n) floats (the padding stays zero), and
+  // device r owns chunk Communicator::shard(r) of them, and holds the optimizer state of that chunk alone.
+  virtual int zero_stage() const { return 0; }
 
   // What each device holds: whether `rank` steps the optimizer (and so holds its state), then its
   // batch, input and output buffers (b: rows of the largest local batch, at least 1).

@@ -39,16 +39,17 @@ struct Job {
   Job() {
     std::filesystem::create_directory(dir / "data");
     write_synthetic_dataset(dir / "data", 192, 40);
-    args = " --data " + dir / "data" + " --sync allreduce --quiet";
+    args = " --data " + dir / "data" + " --quiet";
   }
   // P processes running dp_train with `more`.
   CommandResult mpirun(int processes, const std::string& more) const {
     return run_command(kMpirun + " -np " + std::to_string(processes) + " " + kTrain + with(more));
   }
   CommandResult one(const std::string& more) const { return run_command("timeout -s KILL 120 " + kTrain + with(more)); }
-  // --batch 24 unless `more` gives one.
+  // --sync allreduce and --batch 24 unless `more` gives them.
   std::string with(const std::string& more) const {
-    return args + (more.find("--batch") == std::string::npos ? " --batch 24 " : " ") + more;
+    return args + (more.find("--sync") == std::string::npos ? " --sync allreduce" : "") +
+           (more.find("--batch") == std::string::npos ? " --batch 24 " : " ") + more;
   }
 };
 

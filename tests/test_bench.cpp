@@ -44,6 +44,8 @@ std::vector<dp::Traffic> expected_traffic(const std::string& strategy, int64_t P
       t[i].received = n_i[i] * D * 4 + P * 4 + n_i[i] * C * 4;
       t[i].sent = n_i[i] * C * 4 + P * 4;
     }
+  } else if (strategy == "zero1") {  // reduce-scatter and all-gather: (n-1) chunks of ceil(P / n) in each
+    for (int r = 0; r < n; ++r) t[r].sent = t[r].received = 2 * (n - 1) * dp::shard_chunk(P, n) * 4;
   } else {
     std::vector<int64_t> chunk = dp::even_chunks(P, n);
     auto c = [&](int k) { return chunk[size_t(((k % n) + n) % n)] * 4; };
@@ -95,9 +97,9 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     CHECK(s["step_ms"]["all"].size() == 2);
     CHECK(s["images_per_second"].get<double>() > 0);
   }
-  CHECK(strategies == std::set<std::string>{"scatter", "naive", "allreduce"});
-  // The columns in their order: nn.DataParallel, d2l's hand-written all-reduce, DDP.
-  REQUIRE(run["strategies"].size() == 3);
+  CHECK(strategies == std::set<std::string>{"scatter", "naive", "allreduce", "zero1"});
+  // The columns in their order: nn.DataParallel, d2l's hand-written all-reduce, DDP, ZeRO-1.
+  REQUIRE(run["strategies"].size() == 4);
   CHECK(run["strategies"][1]["strategy"] == "naive");
   CHECK(run["strategies"][1]["sync"] == "allreduce");
   CHECK(run["strategies"][1]["allreduce"] == "naive");
@@ -106,10 +108,11 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
   const std::string out = slurp(log);
   // The table's heading: three columns in that order.
   const size_t heading = out.find(" scatter "), naive = out.find(" naive ", heading),
-               allreduce = out.find(" allreduce\n", naive);
+               allreduce = out.find(" allreduce ", naive), zero1 = out.find(" zero1\n", allreduce);
   REQUIRE(heading != std::string::npos);
-  CHECK(out.find('\n', heading) > allreduce);
+  CHECK(out.find('\n', heading) > zero1);
   CHECK(naive < allreduce);
+  CHECK(allreduce < zero1);
   CHECK(out.find("on every device for every strategy") != std::string::npos);
 
   // Chrome trace: one process per strategy, one lane (tid) per device, a span per phase.
@@ -120,18 +123,22 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     if (e["ph"] == "M" && e["name"] == "process_name") process[e["pid"]] = e["args"]["name"];
     if (e["ph"] == "X") spans[{e["pid"].get<int>(), e["tid"].get<int>()}].insert(e["name"].get<std::string>());
   }
-  REQUIRE(process.size() == 3);
+  REQUIRE(process.size() == 4);
   const std::set<std::string> scatter_phases{"load",        "scatter",  "broadcast", "forward",
                                              "gather+loss", "backward", "reduce",    "optimizer"};
   const std::set<std::string> allreduce_phases{"load", "forward", "loss", "backward", "all-reduce", "optimizer"};
+  const std::set<std::string> zero1_phases{"load",           "forward",   "loss",      "backward",
+                                           "reduce-scatter", "optimizer", "all-gather"};
   for (auto& entry : process) {  // no structured binding: doctest's CAPTURE captures it, which clang 14 refuses
     const int pid = entry.first;
     const std::string& name = entry.second;
-    bool scatter = name.rfind("scatter", 0) == 0;
+    const std::set<std::string>& phases = name.rfind("scatter", 0) == 0 ? scatter_phases
+                                          : name.rfind("zero1", 0) == 0 ? zero1_phases
+                                                                        : allreduce_phases;
     CAPTURE(name);
     for (int tid = 0; tid < 3; ++tid) {
       CAPTURE(tid);
-      CHECK(spans[{pid, tid}] == (scatter ? scatter_phases : allreduce_phases));
+      CHECK(spans[{pid, tid}] == phases);
     }
   }
 }
@@ -168,14 +175,16 @@ TEST_CASE("dp_bench compare - the naive column's bucketed bytes equal the model:
   CHECK(j["scaling"][0]["naive_images_per_second"].get<double>() > 0);
 }
 
-TEST_CASE("dp_bench skew - device 0 holds more under scatter and the same under allreduce and the ledger adds up") {
+TEST_CASE(
+    "dp_bench skew - device 0 holds more under scatter, the same under allreduce and zero1, zero1 a third of the "
+    "optimizer state, and the ledger adds up") {
   TempDir dir;
   const std::string log = dir / "skew.log";
   int rc = bench("skew --gpus 0,1,2 --batch 48 --json '" + (dir / "s.json") + "'", log);
   INFO(slurp(log));
   REQUIRE(rc == 0);
   json j = load(dir / "s.json");
-  REQUIRE(j["strategies"].size() == 2);
+  REQUIRE(j["strategies"].size() == 3);
   for (const json& s : j["strategies"]) {
     const std::string name = s["strategy"];
     CAPTURE(name);
@@ -198,6 +207,14 @@ TEST_CASE("dp_bench skew - device 0 holds more under scatter and the same under 
   CHECK(sc["devices"][0]["at_peak"]["optimizer"].get<int64_t>() > 0);
   CHECK(sc["devices"][1]["at_peak"]["comm"] == 0);
   CHECK(sc["devices"][1]["at_peak"]["optimizer"] == 0);
+  // Under zero1 every device keeps the momentum of its own chunk, ceil(P / 3) floats; under allreduce all P.
+  const int64_t P = dp::make_model("lenet").param_count;
+  const json &ar = j["strategies"][1], &z1 = j["strategies"][2];
+  REQUIRE(z1["strategy"] == "zero1");
+  for (int r = 0; r < 3; ++r) {
+    CHECK(ar["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == P * 4);
+    CHECK(z1["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == dp::shard_chunk(P, 3) * 4);
+  }
 }
 
 TEST_CASE("dp_bench comm - nccl-tests bandwidths and an alpha-beta fit") {

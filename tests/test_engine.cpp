@@ -73,7 +73,7 @@ void check_every_strategy(const std::string& model) {
               if (bucket_kb > 0) CHECK(e.buckets().size() > 1);
               for (int s = 0; s < K; ++s) {
                 e.step(data.x[s].data(), data.y[s].data(), B);
-                if (sync == "allreduce") {
+                if (sync != "scatter") {
                   auto p0 = e.params(0);
                   for (int r = 1; r < n; ++r) REQUIRE(e.params(r) == p0);  // bitwise, every step
                 }
@@ -238,6 +238,13 @@ TEST_CASE("bytes per step match the theory to the byte") {
           CHECK(e.recorder().step_traffic(r).received == 4 * (sizes[r] * D + P + sizes[r] * C));
           CHECK(e.recorder().step_traffic(r).sent == 4 * (sizes[r] * C + P));
         }
+      } else if (find_strategy(sync).zero_stage() > 0) {
+        // reduce-scatter and all-gather, (n-1) chunks of ceil(P / n) each way in each
+        const int64_t chunk = shard_chunk(P, n);
+        for (int r = 0; r < n; ++r) {
+          CHECK(e.recorder().step_traffic(r).sent == 4 * 2 * (n - 1) * chunk);
+          CHECK(e.recorder().step_traffic(r).received == 4 * 2 * (n - 1) * chunk);
+        }
       } else {
         auto chunk = even_chunks(P, n);
         for (int r = 0; r < n; ++r) {
@@ -306,7 +313,10 @@ TEST_CASE("a device that stops answering in a collective: the step is aborted wi
     EngineConfig c;
     c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb, c.timeout = 0.25;
     Engine e(raw(devs), spec, c);
-    dp::failpoint::stall_once(e.comm(), 1, sync == "scatter" ? Collective::broadcast : Collective::all_reduce);
+    const Collective first = sync == "scatter"                      ? Collective::broadcast
+                             : find_strategy(sync).zero_stage() > 0 ? Collective::reduce_scatter
+                                                                    : Collective::all_reduce;
+    dp::failpoint::stall_once(e.comm(), 1, first);
     const auto start = std::chrono::steady_clock::now();
     try {
       e.step(data.x[0].data(), data.y[0].data(), 12);

@@ -14,12 +14,13 @@
 namespace dp {
 namespace {
 
-// Per phase, by its name for the strategy: the mean milliseconds per step of `steps` on device 0
+// Per phase the strategy has, by its name for it: the mean milliseconds per step of `steps` on device 0
 // ("device0") and the largest over the devices ("max"): the device the others wait for.
 nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& before, int64_t steps,
                                 const Strategy& strategy) {
   nlohmann::ordered_json device0, most;
   for (int p = 0; p < kPhases; ++p) {
+    if (!strategy.has_phase(Phase(p))) continue;
     double top = 0;
     for (size_t r = 0; r < now.size(); ++r) top = std::max(top, now[r][p] - before[r][p]);
     const char* name = strategy.phase_name(Phase(p));

@@ -123,11 +123,12 @@ Resumed resume_checkpoint(const TrainOptions& o, const ModelSpec& spec, const Ru
 }
 
 // Called between steps only: Engine::step returns after every device has finished the optimizer,
-// so the replicas agree. params() and optimizer_state() read device 0, which is the right source
-// under both strategies: under allreduce every replica holds the same bits (identical all-reduced
-// gradients, the same update everywhere); under scatter only device 0 runs the optimizer and
-// holds the weights and the optimizer's state, the others get them by broadcast at the next step.
-void CheckpointSaver::save(Engine& engine, int64_t global_step) {
+// so the replicas agree. params() reads device 0, which is the right source under every strategy:
+// under allreduce and zero1 every replica holds the same bits (the same update everywhere, or the
+// updated shards all-gathered); under scatter only device 0 runs the optimizer and holds the weights,
+// the others get them by broadcast at the next step. The optimizer state is device 0's, or gathered
+// from every device's shard (Engine::optimizer_state).
+void CheckpointSaver::save(Engine& engine, int64_t global_step, std::vector<std::vector<float>> state) {
   if (saved_step_ == global_step) return;
   std::map<std::string, std::string> position(id_.required.begin(), id_.required.end());
   position.insert(id_.exact_only.begin(), id_.exact_only.end());
@@ -139,7 +140,6 @@ void CheckpointSaver::save(Engine& engine, int64_t global_step) {
   Checkpoint c;
   c.params = engine.params();
   const std::vector<std::string> names = optimizer_state_names(engine.config());
-  std::vector<std::vector<float>> state = engine.optimizer_state();
   bool finite = all_finite(c.params);
   for (size_t i = 0; i < names.size(); ++i) {
     finite = finite && all_finite(state[i]);

@@ -117,7 +117,10 @@ Run::Run(const TrainOptions& o, const Schedule& plan, Engine& engine, Checkpoint
 
 void Run::save() {
   signals_.doing(Activity::save);
-  if (lead()) io([&] { saver_.save(engine_, step_); });
+  // A sharded optimizer state is gathered from every process's devices: every rank takes part.
+  std::vector<std::vector<float>> state;
+  if (lead() || engine_.strategy().zero_stage() > 0) state = engine_.optimizer_state();
+  if (lead()) io([&] { saver_.save(engine_, step_, std::move(state)); });
   if (group_) group_->barrier(Deadline::after(o_.timeout), "the barrier after rank 0's checkpoint");
   signals_.kept(kept());
 }

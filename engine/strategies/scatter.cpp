@@ -104,7 +104,7 @@ class Scatter final : public Strategy {
     comm.broadcast(rank, rep.params.f(), spec.param_count, 0);
   }
 
-  bool has_phase(Phase) const override { return true; }
+  bool has_phase(Phase p) const override { return p != Phase::gather; }
   bool communicates(Phase p) const override {
     return p == Phase::scatter || p == Phase::broadcast || p == Phase::gather_loss || p == Phase::reduce;
   }
