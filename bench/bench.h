@@ -14,6 +14,7 @@
 #include "engine/communicator.h"
 #include "engine/engine.h"
 #include "models/model.h"
+#include "train/host_memory.h"
 
 namespace dp::bench {
 
@@ -115,13 +116,6 @@ void spmd(Communicator& comm, const std::vector<Device*>& devices, const std::fu
 
 // The host memory a run may count on: MemAvailable (/proc/meminfo), or less where a cgroup (v2)
 // limits this process; $DP_BENCH_MEM_AVAILABLE (a size, e.g. 64M) replaces it, for tests.
-struct HostMemory {
-  int64_t available = 0;
-  std::string source;            // "MemAvailable in /proc/meminfo", ...
-  int64_t bound() const;         // what one run may take: 80% of it
-  std::string describe() const;  // "80% of the 21.85 GiB available (MemAvailable ...)"
-};
-HostMemory host_memory();
 
 // The ledgers' peaks summed over a set of devices, as a line in the global batch: an engine built
 // and stepped at 32 and 64 images per device. Both are past the CPU's 16-image conv chunk, beyond

@@ -15,6 +15,7 @@ namespace dp::bench {
 struct CompareOptions {
   DeviceConfig devices;
   std::string model = "lenet";
+  int width = 1;  // --width (make_model)
   int batch = 256, steps = 20, warmup = 3;
   int64_t bucket_kb = 0;  // the allreduce engine's buckets (scatter has none)
   Split split = Split::even;
@@ -41,6 +42,7 @@ struct CommOptions {
 struct SkewOptions {
   DeviceConfig devices;
   std::string model = "lenet";
+  int width = 1;  // --width (make_model)
   int batch = 256, steps = 2;
   // --optimizer: momentum (SGD, momentum 0.9: one buffer of P), sgd (momentum 0: none), adam (two of P)
   Optimizer optimizer = Optimizer::sgd;

@@ -222,7 +222,7 @@ void append_trace(nlohmann::json& trace, const StrategyRun& s, std::chrono::stea
 
 int run_compare(const CompareOptions& o) {
   check_options(o);
-  const ModelSpec spec = make_model(o.model);
+  const ModelSpec spec = make_model(o.model, o.width);
   const MemoryEstimate memory = check_memory(o, spec);
   // Every strategy sees the same initial weights and the same batches in the same order.
   const SyntheticData data =

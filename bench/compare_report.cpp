@@ -89,7 +89,7 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
   std::printf(
       "\n%s (P = %s parameters), global batch %d = %s over %d %s device%s (%s), %d measured steps after %d "
       "warm-up, seed %llu%s\n\n",
-      spec.name.c_str(), commas(spec.param_count).c_str(), o.batch, sizes_text(run.sizes).c_str(), n, kind,
+      spec.title().c_str(), commas(spec.param_count).c_str(), o.batch, sizes_text(run.sizes).c_str(), n, kind,
       n > 1 ? "s" : "", device_range(run.names).c_str(), o.steps, o.warmup, (unsigned long long)o.seed,
       o.bucket_kb > 0 ? (", naive and allreduce buckets of " + std::to_string(o.bucket_kb) + " KiB").c_str() : "");
   StrategyTable t(run);
@@ -120,7 +120,7 @@ namespace {
 // devices are --gpus; --sweep-devices adds runs over others).
 TrainOptions as_training(const CompareOptions& o) {
   TrainOptions t;
-  t.model = o.model, t.batch = o.batch, t.lr = o.lr, t.momentum = o.momentum, t.seed = o.seed;
+  t.model = o.model, t.width = o.width, t.batch = o.batch, t.lr = o.lr, t.momentum = o.momentum, t.seed = o.seed;
   t.devices = o.devices, t.split = o.split, t.bucket_kb = o.bucket_kb;
   return t;
 }

@@ -79,6 +79,10 @@ Subcommand add_compare(CLI::App& app) {
   c->footer(kSyntheticNote);
   dev->add(*c);
   c->add_option("--model", co->model, "lenet | lenet5")->capture_default_str();
+  c->add_option("--width", co->width, "Every conv's channels and hidden layer's width times K (dp_train's --width)")
+      ->capture_default_str()
+      ->type_name("K")
+      ->transform(exact_integer<int>());
   c->add_option("--batch", co->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
   c->add_option("--steps", co->steps, "Measured steps per strategy")
       ->capture_default_str()
@@ -152,6 +156,10 @@ Subcommand add_skew(CLI::App& app) {
   c->footer(kSyntheticNote);
   dev->add(*c);
   c->add_option("--model", so->model, "lenet | lenet5")->capture_default_str();
+  c->add_option("--width", so->width, "Every conv's channels and hidden layer's width times K (dp_train's --width)")
+      ->capture_default_str()
+      ->type_name("K")
+      ->transform(exact_integer<int>());
   c->add_option("--batch", so->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
   c->add_option("--optimizer", *optimizer,
                 "sgd | momentum | adam (the optimizer state: none, one buffer of P floats, Adam's two moments)")

@@ -161,7 +161,8 @@ Search search_batches(const std::vector<Device*>& devices, const Strategy* strat
 // rate and buckets are the engine's defaults, as the demo's engines use them).
 TrainOptions as_training(const SkewOptions& o) {
   TrainOptions t;
-  t.model = o.model, t.batch = o.batch, t.momentum = o.momentum, t.seed = o.seed, t.optimizer = o.optimizer;
+  t.model = o.model, t.width = o.width, t.batch = o.batch, t.momentum = o.momentum, t.seed = o.seed,
+  t.optimizer = o.optimizer;
   t.devices = o.devices, t.split = o.split;
   return t;
 }
@@ -179,7 +180,7 @@ void print_header(const ModelSpec& spec, const SkewOptions& o, int n) {
   std::printf(
       "\nmemory per device at its peak, by category (%s, P = %s parameters, global batch %d = %s over %d devices, "
       "%s, %d steps%s)\n",
-      spec.name.c_str(), commas(spec.param_count).c_str(), o.batch, sizes.c_str(), n,
+      spec.title().c_str(), commas(spec.param_count).c_str(), o.batch, sizes.c_str(), n,
       o.optimizer == Optimizer::adam ? "Adam"
       : o.momentum != 0              ? "SGD with momentum"
                                      : "plain SGD",
@@ -359,7 +360,7 @@ int run_skew(const SkewOptions& o) {
   check_output_file("--json", o.json);
   check_output_directory("--plot", o.plot);
   if (!o.plot.empty()) check_plotting();
-  const ModelSpec spec = make_model(o.model);
+  const ModelSpec spec = make_model(o.model, o.width);
   DeviceSet set = make_devices(o.devices);
   const int n = int(set.devices.size());
   if (n < 2)

@@ -84,44 +84,49 @@ struct Builder {
 
 std::vector<std::string> model_names() { return {"lenet", "lenet5", "lenet-bn"}; }
 
-ModelSpec make_model(const std::string& name) {
+ModelSpec make_model(const std::string& name, int width) {
+  if (width < 1 || width > kMaxWidth)
+    throw UsageError("--width: " + std::to_string(width) + " is not a width dp trains; give 1 to " +
+                     std::to_string(kMaxWidth) + " (1: the model as published)");
   Builder b(name);
+  b.m.width = width;
+  const int k = width;  // the shapes below are at width 1
   if (name == "lenet") {
-    b.conv("conv1", 20, 3);  // (N, 20, 26, 26)
+    b.conv("conv1", 20 * k, 3);  // (N, 20, 26, 26)
     b.act(LayerKind::relu);
     b.pool(LayerKind::avgpool, 2);  // (N, 20, 13, 13)
-    b.conv("conv2", 50, 5);         // (N, 50, 9, 9)
+    b.conv("conv2", 50 * k, 5);     // (N, 50, 9, 9)
     b.act(LayerKind::relu);
     b.pool(LayerKind::avgpool, 2);  // (N, 50, 4, 4)
     b.flatten();                    // (N, 800)
-    b.linear("fc1", 128);
+    b.linear("fc1", 128 * k);
     b.act(LayerKind::relu);
     b.linear("fc2", 10);  // (N, 10)
   } else if (name == "lenet-bn") {
-    b.conv("conv1", 20, 3);  // (N, 20, 26, 26)
+    b.conv("conv1", 20 * k, 3);  // (N, 20, 26, 26)
     b.batchnorm("bn1");
     b.act(LayerKind::relu);
     b.pool(LayerKind::avgpool, 2);  // (N, 20, 13, 13)
-    b.conv("conv2", 50, 5);         // (N, 50, 9, 9)
+    b.conv("conv2", 50 * k, 5);     // (N, 50, 9, 9)
     b.batchnorm("bn2");
     b.act(LayerKind::relu);
     b.pool(LayerKind::avgpool, 2);  // (N, 50, 4, 4)
     b.flatten();                    // (N, 800)
-    b.linear("fc1", 128);
+    b.linear("fc1", 128 * k);
     b.batchnorm("bn3");  // BatchNorm1d(128)
     b.act(LayerKind::relu);
     b.linear("fc2", 10);  // (N, 10)
   } else if (name == "lenet5") {
-    b.conv("conv1", 6, 5, 2);  // (N, 6, 28, 28)
+    b.conv("conv1", 6 * k, 5, 2);  // (N, 6, 28, 28)
     b.act(LayerKind::sigmoid);
     b.pool(LayerKind::avgpool, 2);  // (N, 6, 14, 14)
-    b.conv("conv2", 16, 5);         // (N, 16, 10, 10)
+    b.conv("conv2", 16 * k, 5);     // (N, 16, 10, 10)
     b.act(LayerKind::sigmoid);
     b.pool(LayerKind::avgpool, 2);  // (N, 16, 5, 5)
     b.flatten();                    // (N, 400)
-    b.linear("fc1", 120);
+    b.linear("fc1", 120 * k);
     b.act(LayerKind::sigmoid);
-    b.linear("fc2", 84);
+    b.linear("fc2", 84 * k);
     b.act(LayerKind::sigmoid);
     b.linear("fc3", 10);  // (N, 10)
   } else {

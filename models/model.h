@@ -55,6 +55,7 @@ struct BufferSpec {
 
 struct ModelSpec {
   std::string name;
+  int width = 1;  // every conv's output channels and every hidden linear layer's width times this
   int in_c = 1, in_h = 28, in_w = 28;
   int classes = 10;
   std::vector<Layer> layers;
@@ -66,13 +67,20 @@ struct ModelSpec {
   const Param* find(const std::string& name) const;
   const BufferSpec* find_buffer(const std::string& name) const;
   bool has_batchnorm() const { return !buffers.empty(); }
+  // "lenet", or "lenet at --width 4": the model as messages and headings name it.
+  std::string title() const { return width == 1 ? name : name + " at --width " + std::to_string(width); }
   // "bn1.num_batches_tracked", ... : PyTorch's step counters, one per BatchNorm layer.
   std::vector<std::string> batches_tracked_names() const;
 };
 
 // "lenet", "lenet5" or "lenet-bn" (lenet with BatchNorm after conv1, conv2 and fc1, each before its
-// ReLU); throws UsageError naming the accepted models otherwise.
-ModelSpec make_model(const std::string& name);
+// ReLU); throws UsageError naming the accepted models otherwise. `width` (--width, at least 1)
+// multiplies every conv's output channels and every hidden linear layer's width (the classifier keeps
+// its 10 outputs): about width² times the parameters, width times the activations.
+// Widths past kMaxWidth are refused: the kernels count a tensor's elements in int, and lenet's fc1
+// weight alone is 102,400·width² of them (419 million at 64, past 2^31 at 145).
+inline constexpr int kMaxWidth = 64;
+ModelSpec make_model(const std::string& name, int width = 1);
 std::vector<std::string> model_names();
 
 // PyTorch's default init for Conv2d and Linear (kaiming_uniform with a = sqrt(5), which is

@@ -169,6 +169,7 @@ void save_checkpoint(const std::string& path, const ModelSpec& spec, const Check
   SafeTensors st;
   st.metadata = ckpt.metadata;
   st.metadata["model"] = spec.name;
+  st.metadata["width"] = std::to_string(spec.width);
   st.metadata["format"] = "dp checkpoint: PyTorch state_dict names and layouts";
   auto add = [&](const std::string& name, const Param& p, const std::vector<float>& flat) {
     Tensor t{"F32", p.shape, {}};
@@ -339,6 +340,10 @@ Checkpoint checkpoint_from_safetensors(const SafeTensors& file, const ModelSpec&
   if (m != st.metadata.end() && m->second != spec.name)
     throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " +
                      m->second + ")");
+  // A checkpoint from before --width, or from PyTorch, says none: its shapes then speak.
+  if (auto w = st.metadata.find("width"); w != st.metadata.end() && w->second != std::to_string(spec.width))
+    throw UsageError(path + ": this checkpoint is " + spec.name + " at --width " + w->second +
+                     ", you asked for --width " + std::to_string(spec.width) + " (use --width " + w->second + ")");
   const std::set<std::string> states = check_names(st, spec, path);
   const TensorReader read{st, spec, path};
   Checkpoint c;

@@ -45,7 +45,7 @@ EvalResult evaluate_checkpoint(const TrainOptions& opt) {
   if (opt.load.empty())
     throw UsageError("--eval: evaluates a checkpoint without training; give --load FILE (one --save wrote)");
   check_options(opt);
-  const ModelSpec spec = make_model(opt.model);
+  const ModelSpec spec = make_model(opt.model, opt.width);
   const Checkpoint state = load_checkpoint(opt.load, spec);  // refused before any device starts
   if (!state.note.empty() && !opt.quiet) std::printf("note: %s\n", state.note.c_str());
   const Dataset test = load_set(opt, spec, "t10k", opt.limit_test);
@@ -61,7 +61,7 @@ EvalResult evaluate_checkpoint(const TrainOptions& opt) {
   const EvalResult result{test.count, rec.test_loss, rec.test_accuracy};
   // Printed even with --quiet: it is what --eval was asked for.
   std::printf("test acc %.4f  test loss %.4f  (%lld images, %s, from %s)\n", result.test_accuracy, result.test_loss,
-              (long long)result.images, spec.name.c_str(), opt.load.c_str());
+              (long long)result.images, spec.title().c_str(), opt.load.c_str());
   std::fflush(stdout);
   if (int sig = signals.pending())
     throw Interrupted(sig, describe_signal(sig) + " after the evaluation" +

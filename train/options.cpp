@@ -170,6 +170,12 @@ void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
 
 void add_training(CLI::App& app, TrainOptions& o, TrainText& t) {
   app.add_option("--model", o.model, "lenet | lenet5 | lenet-bn (lenet with BatchNorm)")->capture_default_str();
+  app.add_option("--width", o.width,
+                 "Every conv's channels and hidden layer's width times K (about K^2 the parameters): where the "
+                 "optimizer state and the gradients outweigh the activations, so that sharding shows")
+      ->capture_default_str()
+      ->type_name("K")
+      ->transform(exact_integer<int>());
   app.add_option("--batch", o.batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
   auto* epochs =
       app.add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str()->transform(exact_integer<int>());

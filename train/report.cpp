@@ -72,6 +72,7 @@ std::string utc_timestamp(std::chrono::system_clock::time_point t) {
 
 nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t steps) {
   return {{"model", spec.name},
+          {"width", spec.width},
           {"parameters", spec.param_count},
           {"batch", o.batch},
           {"steps", steps},

@@ -8,6 +8,8 @@
 
 #include "engine/error.h"
 #include "engine/optimizer.h"
+#include "engine/strategy.h"
+#include "train/host_memory.h"
 #include "train/loader.h"
 #include "train/output_files.h"
 
@@ -90,6 +92,53 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   ec.timeout = o.timeout;
   ec.prefetch = o.prefetch && !o.eval;  // --eval stages nothing
   return ec;
+}
+
+namespace {
+
+// Less than what one device holds for the model: its parameters and gradients, the optimizer state
+// it keeps (all of it, or its chunk under a sharded strategy; under scatter device 0 keeps all of
+// it), and every layer's output and its gradient for its share of the batch (no workspace, no
+// batch, no scratch).
+int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_devices, int64_t share) {
+  EngineConfig c;
+  c.optimizer = o.optimizer, c.momentum = o.momentum;
+  const int64_t P = spec.param_count, states = int64_t(optimizer_state_names(c).size());
+  const int64_t kept = find_strategy(o.sync).zero_stage() > 0 ? shard_chunk(P, job_devices) : P;
+  int64_t per_sample = 0;
+  for (const Layer& l : spec.layers) per_sample += l.out_size();
+  return int64_t(sizeof(float)) * (2 * P + states * kept + 2 * per_sample * share);
+}
+
+}  // namespace
+
+void check_model_fits(const TrainOptions& o, const ModelSpec& spec, const DeviceSet& devs, int job_devices,
+                      int64_t train_count) {
+  Device& d = *devs.devices[0];
+  int64_t bound = d.ledger().cap();
+  std::string against = "--device-memory " + format_bytes(bound);
+  if (bound == 0 && d.kind() == DeviceKind::simulated) {  // this process's devices share the host's memory
+    const HostMemory host = host_memory();
+    bound = host.bound() / int64_t(devs.devices.size());
+    against = format_bytes(bound) + ", each of the " + std::to_string(devs.devices.size()) +
+              " simulated devices' share of " + host.describe();
+  }
+  // A GPU without --device-memory: its allocator's refusal names the device and the category.
+  if (bound == 0) return;
+  // Each device's share of the batch a step trains (--batch, clamped to the training set).
+  const int64_t batch = std::min<int64_t>(o.batch, std::max<int64_t>(train_count, 1));
+  const int64_t share = (batch + job_devices - 1) / job_devices;
+  auto need = [&](int width) { return model_bytes(o, make_model(o.model, width), job_devices, share); };
+  const int64_t bytes = need(spec.width);
+  if (bytes <= bound) return;
+  int fits = 0;
+  while (fits < spec.width && need(fits + 1) <= bound) ++fits;
+  throw UsageError("--width " + std::to_string(spec.width) + ": " + spec.name + " has " + commas(spec.param_count) +
+                   " parameters there, and a device holds at least " + format_bytes(bytes) +
+                   " (parameters, gradients, the optimizer state it keeps and the activations of its " +
+                   std::to_string(share) + " images), more than " + against + "; " +
+                   (fits > 0 ? "the largest width that fits is " + std::to_string(fits)
+                             : "not even width 1 fits; give more memory"));
 }
 
 // BatchNorm in training divides by the count's variance less one: a replica normalising one sample

@@ -38,6 +38,11 @@ Dataset load_set(const TrainOptions& o, const ModelSpec& spec, const char* prefi
 DataSets load_data(const TrainOptions& o, const ModelSpec& spec);
 
 EngineConfig engine_config(const TrainOptions& o, int64_t train_count);
+// A model whose state (parameters, gradients, optimizer state, activations) would not fit a device: UsageError
+// naming the estimate, the bound (--device-memory, or the host memory simulated devices share) and
+// the largest --width that fits, before any device allocates.
+void check_model_fits(const TrainOptions& o, const ModelSpec& spec, const DeviceSet& devs, int job_devices,
+                      int64_t train_count);
 void check_batchnorm(const TrainOptions& o, const ModelSpec& spec, const Schedule& plan, int64_t train_count,
                      int devices);
 std::vector<Device*> pointers(const DeviceSet& set);

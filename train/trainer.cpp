@@ -35,6 +35,7 @@ void check_job_agreement(ProcessGroup& g, const TrainOptions& opt, const Prepare
   Settings s = p.id.required;
   s.insert(s.end(), p.id.exact_only.begin(), p.id.exact_only.end());
   s.insert(s.end(), {{"model", p.spec.name},
+                     {"width", std::to_string(p.spec.width)},
                      {"devices_per_process", std::to_string(p.devs.devices.size())},
                      {"steps", std::to_string(p.plan.total_steps)},
                      {"test_samples", std::to_string(p.data.test.count)},
@@ -47,12 +48,13 @@ void check_job_agreement(ProcessGroup& g, const TrainOptions& opt, const Prepare
 }
 
 Prepared prepare(const TrainOptions& opt, ProcessGroup* g) {
-  const ModelSpec spec = make_model(opt.model);
+  const ModelSpec spec = make_model(opt.model, opt.width);
   DataSets data = load_data(opt, spec);
   // Refuses a step count it cannot run before any device starts.
   const Schedule plan = schedule(opt, data.train.count);
   DeviceSet devs = make_devices(opt.devices);
   const int job_devices = int(devs.devices.size()) * (g ? g->size() : 1);
+  check_model_fits(opt, spec, devs, job_devices, data.train.count);
   check_batchnorm(opt, spec, plan, data.train.count, job_devices);
   RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), job_devices);
   // Step 0 and no weights without --resume. Across processes rank 0 alone reads the checkpoint; the

@@ -16,6 +16,7 @@ namespace dp {
 
 struct TrainOptions {
   std::string model = "lenet";
+  int width = 1;  // --width: the model's channels and hidden widths times this (make_model)
   int batch = 256;
   int epochs = 10;
   int64_t steps = 0;                     // when > 0, train this many steps instead of `epochs`

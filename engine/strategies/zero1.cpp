@@ -69,9 +69,9 @@ class Zero1 final : public OwnBatch {
     const int64_t P = spec.param_count, F = sizeof(float), chunk = shard_chunk(P, n), pad = chunk * n - P;
     const int b = std::max(1, split_batch(c.batch, n, c.split)[0]);
     const std::string sn = std::to_string(n);
-    heading = "every device holds the same: parameters and gradients (padded to " + sn + " chunks of " +
-              std::to_string(chunk) + " floats: " + std::to_string(pad) +
-              " floats more each), activations and workspace for its own " + std::to_string(b) + " images, and";
+    heading = "every device holds the same: parameters and gradients (padded to " + sn + " chunks of " + commas(chunk) +
+              " floats: " + std::to_string(pad) + " floats more each), activations and workspace for its own " +
+              std::to_string(b) + " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
     h.push_back({Category::comm, chunk * F, "one ring chunk, ceil(P / " + sn + ") floats"});
     if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
