@@ -41,6 +41,14 @@ tensors and before loss3:
 and the metadata also has bn_eps ("1e-05"), bn_momentum ("0.1") and buffers
 (comma-separated buffer names in PyTorch order).
 
+tests/golden/adam.safetensors: lenet's init.*, x and y as above, then in float64
+(the model and batch cast to double, results stored as float32): grad64.<param>
+(the gradient at init), and for torch.optim.Adam(lr=1e-3) ("adam3.") and
+torch.optim.AdamW(lr=1e-3, weight_decay=0.5) ("adamw3."), both with betas
+0.9,0.999 and eps 1e-8, the weights after 3 steps on the batch and "<prefix>.loss"
+[3], the loss before each.  Metadata: layer ("adam"), model, lr,
+adamw_weight_decay, betas, eps, N, steps, params, torch_version, generator.
+
 tests/golden/batchnorm.safetensors: the layer alone, for a BatchNorm2d on
 (4, 5, 3, 3) (prefix "bn2d.") and a BatchNorm1d on (6, 7) (prefix "bn1d."),
 each with eps = 1e-3 and momentum = 0.2 (not PyTorch's defaults, so that a
@@ -68,6 +76,7 @@ Regenerate (from the repo root; needs Debian's python3 with torch):
     /usr/bin/python3 bench/make_golden.py            # write, then verify
     /usr/bin/python3 bench/make_golden.py --check    # verify only
     /usr/bin/python3 bench/make_golden.py --models lenet-bn batchnorm   # just these
+    /usr/bin/python3 bench/make_golden.py --models adam
 
 (lenet and lenet5 were written with torch 1.13 on another machine; recomputing
 them here need not give the same bits, so rewrite them only on purpose.)
@@ -273,6 +282,56 @@ def batchnorm_consistency(gd):
 LAYERS["batchnorm"] = (compute_batchnorm, batchnorm_consistency)
 
 
+# --- Adam and AdamW on lenet, in float64 ----------------------------------------------------------
+
+ADAM_LR = 1e-3
+ADAMW_DECAY = 0.5  # far past AdamW's default 0.01, so that decoupled and L2 decay differ visibly
+ADAM_CASES = [("adam3", torch.optim.Adam, {}), ("adamw3", torch.optim.AdamW, {"weight_decay": ADAMW_DECAY})]
+
+
+def compute_adam():
+    """lenet from its float32 init: 3 Adam and 3 AdamW steps on the batch, computed in float64."""
+    model = make_model("lenet")
+    names = [n for n, _ in model.named_parameters()]
+    x, y = make_batch()
+    out = [("init." + n, p.detach().clone()) for n, p in model.named_parameters()]
+    out += [("x", x.clone()), ("y", y.clone())]
+    model = make_model("lenet").double()
+    F.cross_entropy(model(x.double()), y).backward()
+    out += [("grad64." + n, p.grad.detach().float().clone()) for n, p in model.named_parameters()]
+    for prefix, cls, kw in ADAM_CASES:
+        model = make_model("lenet").double()
+        opt = cls(model.parameters(), lr=ADAM_LR, **kw)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x.double()), y)
+            loss.backward()
+            losses.append(loss.detach().reshape(1))
+            opt.step()
+        out += [(prefix + "." + n, p.detach().float().clone()) for n, p in model.named_parameters()]
+        out.append((prefix + ".loss", torch.cat(losses).float()))
+    meta = {"layer": "adam", "model": "lenet", "lr": repr(ADAM_LR), "adamw_weight_decay": repr(ADAMW_DECAY),
+            "betas": "0.9,0.999", "eps": "1e-08", "N": str(N), "steps": str(STEPS),
+            "params": ",".join(names), "torch_version": torch.__version__, "generator": GENERATOR}
+    return out, meta
+
+
+def adam_consistency(gd):
+    """No weight moved past what 3 steps of lr each allow (Adam's step is about lr at most)."""
+    errors = []
+    for prefix, _, _ in ADAM_CASES:
+        for n, t in gd.items():
+            if n.startswith(prefix + ".") and n != prefix + ".loss":
+                moved = (t.double() - gd["init." + n[len(prefix) + 1:]].double()).abs().max().item()
+                if moved > 3 * STEPS * ADAM_LR:
+                    errors.append(f"{n}: moved {moved:.3g} in {STEPS} steps of lr {ADAM_LR}")
+    return errors
+
+
+LAYERS["adam"] = (compute_adam, adam_consistency)
+
+
 def compute_any(name):
     return LAYERS[name][0]() if name in LAYERS else compute(name)
 
@@ -377,7 +436,7 @@ def check(name):
             errors.append(f"{n}: values differ (max abs diff "
                           f"{(g.double() - w.double()).abs().max().item():.3g})")
     keys = ("model", "lr", "momentum", "weight_decay", "N", "generator") if name in MODELS else \
-        ("layer", "eps", "momentum", "seed", "cases", "generator")
+        tuple(k for k in want_meta if k != "torch_version")
     for k in keys:
         if meta.get(k) != want_meta[k]:
             errors.append(f"metadata {k}: {meta.get(k)!r} vs {want_meta[k]!r}")

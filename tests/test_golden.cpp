@@ -2,7 +2,8 @@
 // torch 1.13): the logits, loss and every gradient at fixed weights and a fixed batch, and the
 // trajectory of 3 SGD-with-momentum steps, for every model; on one device and data-parallel (for
 // lenet-bn with SyncBatchNorm, which is what PyTorch's full-batch BatchNorm equals), with
-// BatchNorm's running statistics after the 3 steps.
+// BatchNorm's running statistics after the 3 steps; and 3 Adam and AdamW steps against PyTorch's
+// float64 trajectory, under every strategy.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -129,7 +130,7 @@ TEST_CASE("loss, logits and every gradient match PyTorch, and 3 SGD steps follow
     const std::vector<float> want3 = flat(g, spec, "step3.");
     const std::vector<float> loss3 = floats(g.tensors.at("loss3"));
     for (auto [n_, sync_] :
-         std::vector<std::pair<int, std::string>>{{1, "allreduce"}, {3, "scatter"}, {3, "allreduce"}}) {
+         std::vector<std::pair<int, std::string>>{{1, "allreduce"}, {3, "scatter"}, {3, "allreduce"}, {3, "zero1"}}) {
       const auto n = n_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
       const auto sync = sync_;
       CAPTURE(n);
@@ -172,4 +173,89 @@ TEST_CASE("the golden comparison is sharp: a wrong gradient is caught") {
     worst = std::max(worst, double(std::fabs(wrong[i] - want[i])));
   }
   CHECK(worst > 2 * kReduction * kU * scale * 4 + 1e-7);
+}
+
+namespace {
+
+// The labels of a golden file, int64 there.
+std::vector<int32_t> labels(const SafeTensors& g) {
+  std::vector<int32_t> y;
+  for (size_t i = 0; i < g.tensors.at("y").data.size() / 8; ++i) {
+    int64_t v;
+    std::memcpy(&v, g.tensors.at("y").data.data() + 8 * i, 8);
+    y.push_back(int32_t(v));
+  }
+  return y;
+}
+
+// The weights after 3 steps of `c` from the golden file's init on its batch, on n devices.
+std::vector<float> adam_steps(const SafeTensors& g, const ModelSpec& spec, EngineConfig c, int n) {
+  const std::vector<float> x = floats(g.tensors.at("x"));
+  const std::vector<int32_t> y = labels(g);
+  auto ds = dp::test::make_test_devices("cpu", n);
+  c.batch = int(y.size());
+  Engine e(raw(ds), spec, c);
+  e.set_params(flat(g, spec, "init."));
+  for (int s = 0; s < 3; ++s) e.step(x.data(), y.data(), c.batch);
+  return e.params();
+}
+
+// The largest difference from `want` over the weights whose float64 gradient at init is at least a
+// hundredth of its tensor's largest, and how many those are. Adam divides each gradient element by
+// its own size: where an element is about as small as float32's summation noise its step's direction
+// is noise too, in dp as in PyTorch's float32, so only the others are held to the trajectory.
+std::pair<double, int64_t> adam_difference(const std::vector<float>& got, const std::vector<float>& want,
+                                           const std::vector<float>& grad64, const ModelSpec& spec) {
+  double worst = 0;
+  int64_t held = 0;
+  for (auto& p : spec.params) {
+    double top = 0;
+    for (int64_t i = p.offset; i < p.offset + p.size; ++i) top = std::max(top, double(std::fabs(grad64[size_t(i)])));
+    for (int64_t i = p.offset; i < p.offset + p.size; ++i)
+      if (std::fabs(grad64[size_t(i)]) >= top / 100) {
+        ++held;
+        worst = std::max(worst, double(std::fabs(got[size_t(i)] - want[size_t(i)])));
+      }
+  }
+  return {worst, held};
+}
+
+}  // namespace
+
+TEST_CASE("3 Adam and AdamW steps follow PyTorch's float64 trajectory under every strategy") {
+  const SafeTensors g = read_safetensors(std::string(DP_SOURCE_DIR) + "/tests/golden/adam.safetensors");
+  const ModelSpec spec = make_model("lenet");
+  const std::vector<float> grad64 = flat(g, spec, "grad64."), init = flat(g, spec, "init.");
+  EngineConfig adam;
+  adam.optimizer = Optimizer::adam, adam.lr = std::stof(g.metadata.at("lr"));
+  EngineConfig adamw = adam;
+  adamw.optimizer = Optimizer::adamw, adamw.weight_decay = std::stof(g.metadata.at("adamw_weight_decay"));
+  // Each step moves a held weight by about lr (1e-3): 3e-3 in all. A 1% larger learning rate ends
+  // about 3e-5 away, L2 decay instead of AdamW's decoupled one much further; float32 against float64
+  // stays within 6e-8 here (a few units in the last place of the weights), so 1e-6 separates them.
+  const double tol = 1e-6;
+  for (const auto& [prefix, config] :
+       {std::pair{std::string("adam3."), adam}, std::pair{std::string("adamw3."), adamw}}) {
+    const std::vector<float> want = flat(g, spec, prefix);
+    for (int n : {1, 3})
+      for (const std::string& sync : dp::test::all_strategies()) {
+        if (n == 1 && sync != "allreduce") continue;
+        const std::string what = prefix + " " + sync + " on " + std::to_string(n);
+        EngineConfig c = config;
+        c.sync = sync;
+        const auto [worst, held] = adam_difference(adam_steps(g, spec, c, n), want, grad64, spec);
+        INFO(what << ": largest difference " << worst << " over " << held << " weights");
+        CHECK(held > spec.param_count / 5);  // a third here: at batch 8 many of fc1's gradients are 0
+        CHECK(worst <= tol);
+      }
+    // The comparison is sharp: a 1% larger learning rate is caught.
+    EngineConfig off = config;
+    off.lr *= 1.01f;
+    CHECK(adam_difference(adam_steps(g, spec, off, 1), want, grad64, spec).first > 4 * tol);
+  }
+  // And AdamW is not Adam with L2 decay.
+  EngineConfig l2 = adam;
+  l2.weight_decay = adamw.weight_decay;
+  CHECK(adam_difference(adam_steps(g, spec, l2, 1), flat(g, spec, "adamw3."), grad64, spec).first > 100 * tol);
+  CHECK(init.size() == size_t(spec.param_count));
 }

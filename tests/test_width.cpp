@@ -15,8 +15,8 @@ TEST_CASE("--width multiplies the channels and hidden widths: the parameter coun
     CAPTURE(K);
     const ModelSpec m = make_model("lenet", K);
     const int64_t k = K;
-    CHECK(m.param_count == 20 * k * 9 + 20 * k + 50 * k * 20 * k * 25 + 50 * k + 128 * k * 800 * k + 128 * k +
-                               10 * 128 * k + 10);
+    CHECK(m.param_count ==
+          20 * k * 9 + 20 * k + 50 * k * 20 * k * 25 + 50 * k + 128 * k * 800 * k + 128 * k + 10 * 128 * k + 10);
     CHECK(m.width == K);
     CHECK(m.layers.back().out_c == 10);  // the classifier keeps its outputs
     CHECK(m.find("conv2.weight") != nullptr);
@@ -24,9 +24,8 @@ TEST_CASE("--width multiplies the channels and hidden widths: the parameter coun
   }
   // lenet5: conv1 (6K, 1, 5, 5), conv2 (16K, 6K, 5, 5), fc1 (120K, 16K·25), fc2 (84K, 120K), fc3 (10, 84K).
   const int64_t k = 2;
-  CHECK(make_model("lenet5", 2).param_count == 6 * k * 25 + 6 * k + 16 * k * 6 * k * 25 + 16 * k +
-                                                  120 * k * 400 * k + 120 * k + 84 * k * 120 * k + 84 * k +
-                                                  10 * 84 * k + 10);
+  CHECK(make_model("lenet5", 2).param_count == 6 * k * 25 + 6 * k + 16 * k * 6 * k * 25 + 16 * k + 120 * k * 400 * k +
+                                                   120 * k + 84 * k * 120 * k + 84 * k + 10 * 84 * k + 10);
   // lenet-bn: BatchNorm's channels and running statistics widen with the layers they follow.
   const ModelSpec bn = make_model("lenet-bn", 2);
   CHECK(bn.buffer_count == 2 * (40 + 100 + 256));

@@ -7,8 +7,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "train/parse.h"
 #include "engine/ledger.h"
+#include "train/parse.h"
 
 namespace dp {
 
