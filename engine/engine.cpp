@@ -56,9 +56,16 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   comm_->set_all_reduce_algorithm(cfg_.all_reduce);
   comm_->set_timeout(cfg_.timeout);
   const int64_t P = spec_.param_count;
-  // A sharded strategy pads the flat buffers to world_ chunks of chunk_, its optimizer state one chunk.
-  if (strategy_.zero_stage() > 0) chunk_ = shard_chunk(P, world_);
-  const int64_t flat = chunk_ > 0 ? chunk_ * world_ : P, state = chunk_ > 0 ? chunk_ : P;
+  // The units of a sharded strategy: zero1 the whole model (its flat buffers padded), zero2 the
+  // gradient buckets; the optimizer state, and zero2's gradients, the device's chunks alone.
+  make_buckets();
+  const int stage = strategy_.zero_stage();
+  if (stage > 0) {
+    units_ = shard_units(stage == 1 ? std::vector<Bucket>{{0, P, 0}} : buckets_, world_);
+    owned_ = units_.back().owned + units_.back().chunk;
+  }
+  const int64_t flat = stage == 1 ? owned_ * world_ : P, state = stage > 0 ? owned_ : P;
+  const int64_t grads = stage == 2 ? owned_ : flat;
   // Every device's buffers hold the largest share of any device.
   const int b = std::max(split_batch(cfg_.batch, world_, cfg_.split)[0], 1);
   replicas_.resize(n);
@@ -68,8 +75,8 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     // Zeros until set_params: no replica starts from whatever the memory held (a NaN there would last).
     rep->params = dev.alloc_floats(flat, Category::parameters);
     dev.ops().fill(flat, 0.0f, rep->params.f());
-    rep->grads = dev.alloc_floats(flat, Category::gradients);
-    dev.ops().fill(flat, 0.0f, rep->grads.f());  // backward writes [0, P); the padding stays zero
+    rep->grads = dev.alloc_floats(grads, Category::gradients);
+    dev.ops().fill(grads, 0.0f, rep->grads.f());  // backward writes [0, P); the padding stays zero
     if (strategy_.steps_optimizer(r))
       for (size_t i = 0; i < optimizer_state_names(cfg_).size(); ++i) {
         rep->state.push_back(dev.alloc_floats(state, Category::optimizer));
@@ -88,7 +95,6 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     dev.synchronize();
     replicas_[r] = std::move(rep);
   });
-  make_buckets();
 }
 
 // Buckets: parameterised layers from the last to the first (the order backward produces their
@@ -96,7 +102,10 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
 // bucket is one contiguous range.
 void Engine::make_buckets() {
   layer_bucket_.assign(spec_.layers.size(), -1);
-  if (strategy_.takes_buckets() && cfg_.bucket_kb > 0) {
+  // Without --bucket-kb zero2 closes a bucket at every layer: each layer's gradient is freed as soon
+  // as it is reduce-scattered.
+  const int64_t close_at = cfg_.bucket_kb > 0 ? cfg_.bucket_kb * 1024 : strategy_.zero_stage() >= 2 ? 1 : 0;
+  if (strategy_.takes_buckets() && close_at > 0) {
     Bucket cur;
     int64_t hi = spec_.param_count;
     for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
@@ -107,7 +116,7 @@ void Engine::make_buckets() {
       cur.count = hi - lo;
       cur.layers++;
       layer_bucket_[i] = int(buckets_.size());
-      if (cur.count * int64_t(sizeof(float)) >= cfg_.bucket_kb * 1024) {
+      if (cur.count * int64_t(sizeof(float)) >= close_at) {
         buckets_.push_back(cur);
         hi = lo;
         cur = Bucket();

@@ -127,7 +127,11 @@ class Engine {
   int64_t step_ = 0;
   int64_t batches_tracked_ = 0;
   int64_t optimizer_steps_ = 0;
-  int64_t chunk_ = 0;               // under a sharded strategy the floats of each device's chunk (shard_chunk), else 0
+  std::vector<ShardUnit> units_;  // under a sharded strategy (Strategy::zero_stage), else none
+  int64_t owned_ = 0;             // the floats of a device's chunks, every unit's together
+  // Where device `rank`'s reduced gradient of its chunk of `u` is: in the padded flat buffer (zero1)
+  // or in its chunks (zero2).
+  float* owned_gradient(int rank, const ShardUnit& u) const;
   std::deque<StagedBatch> staged_;  // oldest first
   int next_slot_ = 0;               // where the next batch staged with prefetch uploads
 };

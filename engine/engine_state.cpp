@@ -3,6 +3,7 @@
 // statistics, and where a bad step's gradient stopped being finite.
 #include <algorithm>
 #include <stdexcept>
+#include <tuple>
 
 #include "engine/engine.h"
 
@@ -30,7 +31,7 @@ void Engine::set_params(const std::vector<float>& host) {
 std::vector<std::vector<float>> Engine::optimizer_state() {
   const size_t states = replicas_[0]->state.size();
   std::vector<std::vector<float>> host(states, std::vector<float>(size_t(spec_.param_count)));
-  if (chunk_ == 0) {
+  if (units_.empty()) {
     devices_[0]
         ->run([&] {
           for (size_t i = 0; i < states; ++i)
@@ -39,18 +40,21 @@ std::vector<std::vector<float>> Engine::optimizer_state() {
         .get();
     return host;
   }
-  // Sharded: each device's chunk goes to its place in a whole buffer, all-gathered (as PyTorch's
-  // ZeroRedundancyOptimizer.consolidate_state_dict gathers the shards), and device 0 reads it.
+  // Sharded: unit by unit, each device's chunk goes to its place in a buffer of the whole unit,
+  // all-gathered (as PyTorch's ZeroRedundancyOptimizer.consolidate_state_dict gathers the shards),
+  // and device 0 reads it.
   run_all([&](int r) {
     Device& dev = *devices_[r];
-    Buffer whole = dev.alloc_floats(chunk_ * world_, Category::comm);
-    const int64_t offset = chunk_ * comm_->shard(r);
-    for (size_t i = 0; i < states; ++i) {
-      dev.copy(whole.f() + offset, replicas_[r]->state[i].f(), size_t(chunk_) * sizeof(float));
-      comm_->all_gather(r, whole.f(), chunk_);
-      if (r == 0) dev.download(host[i].data(), whole.f(), host[i].size() * sizeof(float));
+    for (const ShardUnit& u : units_) {
+      Buffer whole = dev.alloc_floats(u.chunk * world_, Category::comm);
+      for (size_t i = 0; i < states; ++i) {
+        dev.copy(whole.f() + u.chunk * comm_->shard(r), replicas_[r]->state[i].f() + u.owned,
+                 size_t(u.chunk) * sizeof(float));
+        comm_->all_gather(r, whole.f(), u.chunk);
+        if (r == 0) dev.download(host[i].data() + u.offset, whole.f(), size_t(u.count) * sizeof(float));
+      }
+      dev.synchronize();
     }
-    dev.synchronize();
   });
   return host;
 }
@@ -62,15 +66,18 @@ void Engine::set_optimizer_state(const std::vector<std::vector<float>>& host) {
   for (const auto& h : host)
     if (int64_t(h.size()) != spec_.param_count) throw std::invalid_argument("set_optimizer_state: wrong size");
   run_all([&](int r) {
-    // Sharded: the device's chunk of each, the padding past P zero.
-    const int64_t first = chunk_ * comm_->shard(r), P = spec_.param_count;
-    const int64_t count = chunk_ > 0 ? std::clamp<int64_t>(P - first, 0, chunk_) : P;
+    Device& dev = *devices_[r];
     for (size_t i = 0; i < replicas_[r]->state.size(); ++i) {
-      if (chunk_ > 0) devices_[r]->ops().fill(chunk_, 0.0f, replicas_[r]->state[i].f());
-      if (count > 0)
-        devices_[r]->upload(replicas_[r]->state[i].f(), host[i].data() + first, size_t(count) * sizeof(float));
+      float* state = replicas_[r]->state[i].f();
+      if (units_.empty()) dev.upload(state, host[i].data(), host[i].size() * sizeof(float));
+      // Sharded: the device's chunk of each unit, the padding past the unit's end zero.
+      if (!units_.empty()) dev.ops().fill(owned_, 0.0f, state);
+      for (const ShardUnit& u : units_) {
+        const int64_t first = u.chunk * comm_->shard(r), count = std::clamp<int64_t>(u.count - first, 0, u.chunk);
+        if (count > 0) dev.upload(state + u.owned, host[i].data() + u.offset + first, size_t(count) * sizeof(float));
+      }
     }
-    devices_[r]->synchronize();
+    dev.synchronize();
   });
 }
 
@@ -94,21 +101,33 @@ void Engine::set_running_stats(const std::vector<float>& host) {
   });
 }
 
+float* Engine::owned_gradient(int rank, const ShardUnit& u) const {
+  float* grads = replicas_[size_t(rank)]->grads.f();
+  return strategy_.zero_stage() == 1 ? grads + u.offset + u.chunk * comm_->shard(rank) : grads + u.owned;
+}
+
 std::string Engine::first_nonfinite_gradient() {
-  // Device 0's whole gradient, or under a sharded strategy each device's own chunk of it (the rest of
-  // its buffer holds partial sums): the tensors of each range that are not finite.
+  // Device 0's whole gradient, or under a sharded strategy each device's own chunks of it: the
+  // tensors of each range that are not finite.
   std::vector<std::vector<bool>> bad(size_t(size()), std::vector<bool>(spec_.params.size()));
   run_all([&](int r) {
-    if (chunk_ == 0 && r > 0) return;
-    Replica& rep = *replicas_[r];
+    if (units_.empty() && r > 0) return;
     Ops& ops = devices_[r]->ops();
-    const int64_t lo = chunk_ > 0 ? chunk_ * comm_->shard(r) : 0, hi = chunk_ > 0 ? lo + chunk_ : spec_.param_count;
-    // Called for a bad step only (a good one says so in its stats): the whole range, then tensor by tensor.
-    if (ops.all_finite(hi - lo, rep.grads.f() + lo)) return;
-    for (size_t p = 0; p < spec_.params.size(); ++p) {
-      const int64_t a = std::max(lo, spec_.params[p].offset),
-                    b = std::min(hi, spec_.params[p].offset + spec_.params[p].size);
-      bad[size_t(r)][p] = a < b && !ops.all_finite(b - a, rep.grads.f() + a);
+    // (flat offset of the range, its gradient, its floats)
+    std::vector<std::tuple<int64_t, const float*, int64_t>> ranges;
+    if (units_.empty()) ranges.emplace_back(0, replicas_[r]->grads.f(), spec_.param_count);
+    for (const ShardUnit& u : units_) {
+      const int64_t first = u.offset + u.chunk * comm_->shard(r);
+      ranges.emplace_back(first, owned_gradient(r, u), std::clamp<int64_t>(u.offset + u.count - first, 0, u.chunk));
+    }
+    for (const auto& [lo, g, n] : ranges) {
+      // Called for a bad step only (a good one says so in its stats): the whole range, then tensor by tensor.
+      if (n == 0 || ops.all_finite(n, g)) continue;
+      for (size_t p = 0; p < spec_.params.size(); ++p) {
+        const int64_t a = std::max(lo, spec_.params[p].offset),
+                      b = std::min(lo + n, spec_.params[p].offset + spec_.params[p].size);
+        if (a < b && !ops.all_finite(b - a, g + (a - lo))) bad[size_t(r)][p] = true;
+      }
     }
   });
   // In backward order: the layer where the non-finite values entered, not where they ended up.

@@ -229,12 +229,20 @@ void Network::backward_layer(int i, const float* params, const float* dy, float*
 
 void Network::backward(const float* params, float* grads, const float* dlogits, int n,
                        const std::function<void(int)>& on_ready, const BatchNormPass* bn) {
+  backward(
+      params, [&](int layer) { return grads + spec_.params[spec_.layers[layer].weight].offset; }, dlogits, n, on_ready,
+      bn);
+}
+
+void Network::backward(const float* params, const GradientBlocks& blocks, const float* dlogits, int n,
+                       const std::function<void(int)>& on_ready, const BatchNormPass* bn) {
   bn_ = bn;
   const float* dy = dlogits;  // gradient w.r.t. the current layer's output, (n, out_size)
   float* spare[2] = {grad_a_.f(), grad_b_.f()};
   int next = 0;
-  auto dw_of = [&](const Layer& l) { return l.weight >= 0 ? grads + spec_.params[l.weight].offset : nullptr; };
-  auto db_of = [&](const Layer& l) { return l.bias >= 0 ? grads + spec_.params[l.bias].offset : nullptr; };
+  // A layer's weight gradient where `blocks` puts it, its bias gradient right after.
+  auto dw_of = [&](const Layer& l) { return l.weight >= 0 ? blocks(int(&l - spec_.layers.data())) : nullptr; };
+  auto db_of = [&](const Layer& l) { return l.bias >= 0 ? dw_of(l) + spec_.params[l.weight].size : nullptr; };
   // The layers after the prefix, on the whole batch.
   for (int i = int(spec_.layers.size()) - 1; i >= prefix_; --i) {
     const Layer& l = spec_.layers[i];
@@ -281,15 +289,23 @@ void Network::forward_without_samples(const BatchNormPass* bn) {
 
 void Network::backward_without_samples(float* grads, const std::function<void(int)>& on_ready,
                                        const BatchNormPass* bn) {
+  backward_without_samples([&](int layer) { return grads + spec_.params[spec_.layers[layer].weight].offset; }, on_ready,
+                           bn);
+}
+
+void Network::backward_without_samples(const GradientBlocks& blocks, const std::function<void(int)>& on_ready,
+                                       const BatchNormPass* bn) {
   bn_ = bn;
-  dev_.ops().fill(spec_.param_count, 0.0f, grads);
   for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
     const Layer& l = spec_.layers[i];
+    if (l.weight < 0) continue;
+    float* dw = blocks(i);
+    const int64_t w = spec_.params[l.weight].size, b = l.bias >= 0 ? spec_.params[l.bias].size : 0;
+    dev_.ops().fill(w + b, 0.0f, dw);
     if (l.kind == LayerKind::batchnorm && bn && bn->all_reduce)
-      batchnorm_backward(i, nullptr, nullptr, nullptr, grads + spec_.params[l.weight].offset,
-                         grads + spec_.params[l.bias].offset, 0);
+      batchnorm_backward(i, nullptr, nullptr, nullptr, dw, dw + w, 0);
     dev_.synchronize();
-    if (l.weight >= 0 && on_ready) on_ready(i);
+    if (on_ready) on_ready(i);
   }
 }
 

@@ -40,6 +40,11 @@ struct BatchNormPass {
   int global_n = 0;  // with all_reduce: the samples of every replica together
 };
 
+// Where backward writes a parameterised layer's gradients when they do not go to one flat buffer:
+// the layer's weight gradient at the pointer it returns, its bias gradient right after (the order the
+// model lays them out in). A sharded strategy gives each bucket of layers its own buffer this way.
+using GradientBlocks = std::function<float*(int layer)>;
+
 class Network {
  public:
   // chunk: samples per chunk of the prefix; 0: the whole batch at once; -1: what the device's Ops prefer.
@@ -52,11 +57,16 @@ class Network {
   // written, on_ready(layer index) runs (the bucketed all-reduce starts from there).
   void backward(const float* params, float* grads, const float* dlogits, int n,
                 const std::function<void(int layer)>& on_ready = {}, const BatchNormPass* bn = nullptr);
+  // The same, each layer's gradients where `blocks` puts them.
+  void backward(const float* params, const GradientBlocks& blocks, const float* dlogits, int n,
+                const std::function<void(int layer)>& on_ready = {}, const BatchNormPass* bn = nullptr);
   // A replica without samples this step (a batch smaller than the device count): zero gradients,
   // and the collectives a pass with samples would join, in the same order: with SyncBatchNorm its
   // partial sums are zeros, and it takes the global statistics into its running ones like the others.
   void forward_without_samples(const BatchNormPass* bn);
   void backward_without_samples(float* grads, const std::function<void(int layer)>& on_ready, const BatchNormPass* bn);
+  void backward_without_samples(const GradientBlocks& blocks, const std::function<void(int layer)>& on_ready,
+                                const BatchNormPass* bn);
   int max_batch() const { return max_batch_; }
 
  private:

@@ -55,8 +55,18 @@ std::vector<float*> Replica::state_pointers() const {
 }
 
 int64_t StepContext::optimizer_step() const { return engine_.optimizer_steps() + 1; }
-int64_t StepContext::shard_chunk() const { return engine_.chunk_; }
-int64_t StepContext::shard_offset() const { return engine_.chunk_ * engine_.comm().shard(rank_); }
+const std::vector<ShardUnit>& StepContext::units() const { return engine_.units_; }
+int StepContext::shard() const { return engine_.comm().shard(rank_); }
+
+std::vector<ShardUnit> shard_units(const std::vector<Bucket>& ranges, int n) {
+  std::vector<ShardUnit> units;
+  int64_t owned = 0;
+  for (const Bucket& b : ranges) {
+    units.push_back({b.offset, b.count, shard_chunk(b.count, n), owned});
+    owned += units.back().chunk;
+  }
+  return units;
+}
 
 Device& StepContext::device() const { return engine_.device(rank_); }
 Replica& StepContext::replica() const { return *engine_.replicas_[size_t(rank_)]; }

@@ -28,6 +28,19 @@ class Engine;
 // The floats of the chunk each of n devices owns of P under a sharded strategy: ceil(P / n).
 inline int64_t shard_chunk(int64_t P, int n) { return (P + n - 1) / n; }
 
+// Under a sharded strategy the flat parameters fall into units (zero1: the whole model; zero2: its
+// gradient buckets), each cut into n chunks of `chunk` floats, the last padded with zeros. Device r
+// owns chunk Communicator::shard(r) of every unit, parameters [offset + shard·chunk, + chunk) clipped
+// to the unit, and keeps the optimizer state (zero2: also the gradients) of its chunks alone, back to
+// back in unit order from `owned` on.
+struct ShardUnit {
+  int64_t offset = 0, count = 0;  // the unit's parameters in the flat buffer
+  int64_t chunk = 0;              // shard_chunk(count, n)
+  int64_t owned = 0;              // where this unit's chunk starts in a device's shard buffers
+};
+// The units of the given contiguous ranges (buckets), in their order, over n devices.
+std::vector<ShardUnit> shard_units(const std::vector<Bucket>& ranges, int n);
+
 // A replica's stats buffer: the loss sum, the correct count and, on device 0 after a step, 1 where
 // the step's gradient held a value that is not finite (else 0).
 inline constexpr int kStats = 3, kNonfinite = 2;
@@ -36,8 +49,8 @@ inline constexpr int kStats = 3, kNonfinite = 2;
 // strategy's choice (Strategy::allocate). Shapes use B (global batch), b (largest local batch),
 // P (parameters), R (running statistics), D (input size), C (classes).
 struct Replica {
-  Buffer params;  // (P), padded under a sharded strategy (Strategy::zero_stage)
-  Buffer grads;   // (P), padded likewise
+  Buffer params;  // (P), padded under zero1 (Strategy::zero_stage)
+  Buffer grads;   // (P), padded likewise; under zero2 the device's chunks alone
   // (P) each, on a device that steps the optimizer: its state (optimizer_state_names: SGD's momentum
   // buffer, Adam's two moments; none for SGD at momentum 0); the owned chunk's alone when sharded.
   std::vector<Buffer> state;
@@ -92,10 +105,9 @@ class StepContext {
   bool broadcasts_buffers() const;
   // The optimizer's step count for this step's update (1 on the first; Adam's bias correction).
   int64_t optimizer_step() const;
-  // Under a sharded strategy (Strategy::zero_stage): the floats of the chunk this device owns of the
-  // flat parameters and gradients, and where it starts; 0 and 0 otherwise.
-  int64_t shard_chunk() const;
-  int64_t shard_offset() const;
+  // Under a sharded strategy (Strategy::zero_stage): its units, and the chunk of each this device owns.
+  const std::vector<ShardUnit>& units() const;
+  int shard() const;
   // The gradient buckets, and the bucket of parameterised layer `layer` (-1: none).
   const std::vector<Bucket>& buckets() const;
   int layer_bucket(int layer) const;
@@ -133,9 +145,10 @@ class Strategy {
   virtual bool takes_buckets() const { return false; }
   virtual const char* one_process_only() const { return nullptr; }
   // What each device keeps 1/n of, as the ZeRO paper's stages count it: 0 nothing (every device holds
-  // the whole of everything it holds), 1 the optimizer state. A sharded strategy's flat parameter and
-  // gradient buffers are padded to n chunks of shard_chunk(P, n) floats (the padding stays zero), and
-  // device r owns chunk Communicator::shard(r) of them, and holds the optimizer state of that chunk alone.
+  // the whole of everything it holds), 1 the optimizer state, 2 the gradients too. Stage 1 has one
+  // ShardUnit, the whole model, and its flat parameter and gradient buffers are padded to n chunks
+  // (the padding stays zero); stage 2 a unit per gradient bucket (one per parameterised layer without
+  // --bucket-kb), its gradient buffer the device's chunks alone.
   virtual int zero_stage() const { return 0; }
 
   // What each device holds: whether `rank` steps the optimizer (and so holds its state), then its

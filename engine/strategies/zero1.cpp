@@ -27,7 +27,8 @@ class Zero1 final : public OwnBatch {
     const int r = s.rank();
     Replica& rep = s.replica();
     Communicator& comm = s.comm();
-    const int64_t chunk = s.shard_chunk(), first = s.shard_offset();
+    const ShardUnit& unit = s.units()[0];  // the whole model, its flat buffers padded to n chunks
+    const int64_t chunk = unit.chunk, first = chunk * s.shard();
     forward_backward(s, {});
     s.phase(Phase::reduce, [&] { comm.reduce_scatter(r, rep.grads.f(), chunk); });
     s.phase(Phase::optimizer, [&] {
