@@ -28,8 +28,9 @@ namespace {
 using namespace dp::test::bench_runner;
 
 // The byte model written out again from its definition (each strategy's file has the same formulas).
-std::vector<dp::Traffic> expected_traffic(const std::string& strategy, int64_t P, int64_t D, int64_t C,
+std::vector<dp::Traffic> expected_traffic(const std::string& strategy, const dp::ModelSpec& spec,
                                           const std::vector<int>& n_i) {
+  const int64_t P = spec.param_count, D = spec.input_size(), C = spec.classes;
   const int n = int(n_i.size());
   std::vector<dp::Traffic> t(static_cast<size_t>(n));
   if (strategy == "naive") {  // d2l's allreduce: every gradient buffer into device 0, the sum back out
@@ -46,6 +47,13 @@ std::vector<dp::Traffic> expected_traffic(const std::string& strategy, int64_t P
     }
   } else if (strategy == "zero1") {  // reduce-scatter and all-gather: (n-1) chunks of ceil(P / n) in each
     for (int r = 0; r < n; ++r) t[r].sent = t[r].received = 2 * (n - 1) * dp::shard_chunk(P, n) * 4;
+  } else if (strategy == "zero2") {  // the same per layer: (n-1) chunks of ceil(c / n), c the layer's
+    for (const dp::Layer& l : spec.layers)
+      if (l.weight >= 0) {
+        const int64_t c = spec.params[size_t(l.weight)].size + spec.params[size_t(l.bias)].size;
+        for (int r = 0; r < n; ++r) t[r].sent += 2 * (n - 1) * dp::shard_chunk(c, n) * 4;
+      }
+    for (int r = 0; r < n; ++r) t[r].received = t[r].sent;
   } else {
     std::vector<int64_t> chunk = dp::even_chunks(P, n);
     auto c = [&](int k) { return chunk[size_t(((k % n) + n) % n)] * 4; };
@@ -82,7 +90,7 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     const std::string name = s["strategy"];
     strategies.insert(name);
     CAPTURE(name);
-    auto expected = expected_traffic(name, spec.param_count, spec.input_size(), spec.classes, sizes);
+    auto expected = expected_traffic(name, spec, sizes);
     REQUIRE(s["devices"].size() == 3);
     for (const json& d : s["devices"]) {
       int r = d["rank"];
@@ -97,9 +105,9 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     CHECK(s["step_ms"]["all"].size() == 2);
     CHECK(s["images_per_second"].get<double>() > 0);
   }
-  CHECK(strategies == std::set<std::string>{"scatter", "naive", "allreduce", "zero1"});
-  // The columns in their order: nn.DataParallel, d2l's hand-written all-reduce, DDP, ZeRO-1.
-  REQUIRE(run["strategies"].size() == 4);
+  CHECK(strategies == std::set<std::string>{"scatter", "naive", "allreduce", "zero1", "zero2"});
+  // The columns in their order: nn.DataParallel, d2l's hand-written all-reduce, DDP, ZeRO-1, ZeRO-2.
+  REQUIRE(run["strategies"].size() == 5);
   CHECK(run["strategies"][1]["strategy"] == "naive");
   CHECK(run["strategies"][1]["sync"] == "allreduce");
   CHECK(run["strategies"][1]["allreduce"] == "naive");
@@ -108,11 +116,13 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
   const std::string out = slurp(log);
   // The table's heading: three columns in that order.
   const size_t heading = out.find(" scatter "), naive = out.find(" naive ", heading),
-               allreduce = out.find(" allreduce ", naive), zero1 = out.find(" zero1\n", allreduce);
+               allreduce = out.find(" allreduce ", naive), zero1 = out.find(" zero1 ", allreduce),
+               zero2 = out.find(" zero2\n", zero1);
   REQUIRE(heading != std::string::npos);
-  CHECK(out.find('\n', heading) > zero1);
+  CHECK(out.find('\n', heading) > zero2);
   CHECK(naive < allreduce);
   CHECK(allreduce < zero1);
+  CHECK(zero1 < zero2);
   CHECK(out.find("on every device for every strategy") != std::string::npos);
 
   // Chrome trace: one process per strategy, one lane (tid) per device, a span per phase.
@@ -123,17 +133,20 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     if (e["ph"] == "M" && e["name"] == "process_name") process[e["pid"]] = e["args"]["name"];
     if (e["ph"] == "X") spans[{e["pid"].get<int>(), e["tid"].get<int>()}].insert(e["name"].get<std::string>());
   }
-  REQUIRE(process.size() == 4);
+  REQUIRE(process.size() == 5);
   const std::set<std::string> scatter_phases{"load",        "scatter",  "broadcast", "forward",
                                              "gather+loss", "backward", "reduce",    "optimizer"};
   const std::set<std::string> allreduce_phases{"load", "forward", "loss", "backward", "all-reduce", "optimizer"};
   const std::set<std::string> zero1_phases{"load",           "forward",   "loss",      "backward",
                                            "reduce-scatter", "optimizer", "all-gather"};
+  const std::set<std::string> zero2_phases{"load",      "forward",   "loss", "backward+reduce-scatter",
+                                           "optimizer", "all-gather"};
   for (auto& entry : process) {  // no structured binding: doctest's CAPTURE captures it, which clang 14 refuses
     const int pid = entry.first;
     const std::string& name = entry.second;
     const std::set<std::string>& phases = name.rfind("scatter", 0) == 0 ? scatter_phases
                                           : name.rfind("zero1", 0) == 0 ? zero1_phases
+                                          : name.rfind("zero2", 0) == 0 ? zero2_phases
                                                                         : allreduce_phases;
     CAPTURE(name);
     for (int tid = 0; tid < 3; ++tid) {
@@ -176,15 +189,15 @@ TEST_CASE("dp_bench compare - the naive column's bucketed bytes equal the model:
 }
 
 TEST_CASE(
-    "dp_bench skew - device 0 holds more under scatter, the same under allreduce and zero1, zero1 a third of the "
-    "optimizer state, and the ledger adds up") {
+    "dp_bench skew - device 0 holds more under scatter, the same under allreduce, zero1 and zero2, a third of the "
+    "optimizer state under zero1 and zero2, and the ledger adds up") {
   TempDir dir;
   const std::string log = dir / "skew.log";
   int rc = bench("skew --gpus 0,1,2 --batch 48 --json '" + (dir / "s.json") + "'", log);
   INFO(slurp(log));
   REQUIRE(rc == 0);
   json j = load(dir / "s.json");
-  REQUIRE(j["strategies"].size() == 3);
+  REQUIRE(j["strategies"].size() == 4);
   for (const json& s : j["strategies"]) {
     const std::string name = s["strategy"];
     CAPTURE(name);
@@ -207,13 +220,26 @@ TEST_CASE(
   CHECK(sc["devices"][0]["at_peak"]["optimizer"].get<int64_t>() > 0);
   CHECK(sc["devices"][1]["at_peak"]["comm"] == 0);
   CHECK(sc["devices"][1]["at_peak"]["optimizer"] == 0);
-  // Under zero1 every device keeps the momentum of its own chunk, ceil(P / 3) floats; under allreduce all P.
-  const int64_t P = dp::make_model("lenet").param_count;
-  const json &ar = j["strategies"][1], &z1 = j["strategies"][2];
+  // Under zero1 every device keeps the momentum of its own chunk, ceil(P / 3) floats; under allreduce all
+  // P; under zero2 its chunk of every layer, ceil(c / 3) each.
+  const dp::ModelSpec spec = dp::make_model("lenet");
+  const int64_t P = spec.param_count;
+  int64_t layer_chunks = 0, largest_chunk = 0;
+  for (const dp::Layer& l : spec.layers)
+    if (l.weight >= 0) {
+      const int64_t chunk = dp::shard_chunk(spec.params[size_t(l.weight)].size + spec.params[size_t(l.bias)].size, 3);
+      layer_chunks += chunk, largest_chunk = std::max(largest_chunk, chunk);
+    }
+  const json &ar = j["strategies"][1], &z1 = j["strategies"][2], &z2 = j["strategies"][3];
   REQUIRE(z1["strategy"] == "zero1");
+  REQUIRE(z2["strategy"] == "zero2");
   for (int r = 0; r < 3; ++r) {
     CHECK(ar["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == P * 4);
     CHECK(z1["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == dp::shard_chunk(P, 3) * 4);
+    CHECK(z2["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == layer_chunks * 4);
+    // its chunks and, at its peak, the whole of the largest layer's gradient (fc1: more than
+    // allreduce's P less the other layers), padded to 3 chunks
+    CHECK(z2["devices"][r]["at_peak"]["gradients"].get<int64_t>() == (layer_chunks + 3 * largest_chunk) * 4);
   }
 }
 

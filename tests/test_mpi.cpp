@@ -38,10 +38,11 @@ TEST_CASE("mpi: P processes x K devices train as one process with P*K devices, r
     std::string extra;
   };
   // 24 over 4 devices even; --batch 10 over 2x2 with chunk: 3/3/3/1; buckets overlapped with backward;
-  // 3 processes of one device; ZeRO-1 (its shards across processes, its momentum gathered on save).
-  for (const Case& c :
-       {Case{2, 1, ""}, Case{2, 2, ""}, Case{2, 2, "--batch 10 --split chunk"}, Case{2, 2, "--bucket-kb 16"},
-        Case{3, 1, "--split chunk"}, Case{2, 1, "--sync zero1"}, Case{2, 2, "--sync zero1 --batch 10 --split chunk"}}) {
+  // 3 processes of one device; ZeRO-1 and ZeRO-2 (their shards across processes, the momentum gathered
+  // on save).
+  for (const Case& c : {Case{2, 1, ""}, Case{2, 2, ""}, Case{2, 2, "--batch 10 --split chunk"},
+                        Case{2, 2, "--bucket-kb 16"}, Case{3, 1, "--split chunk"}, Case{2, 1, "--sync zero1"},
+                        Case{2, 2, "--sync zero1 --batch 10 --split chunk"}, Case{2, 2, "--sync zero2"}}) {
     CAPTURE(c.processes);
     CAPTURE(c.devices);
     CAPTURE(c.extra);

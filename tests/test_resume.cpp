@@ -119,6 +119,13 @@ TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: ada
 TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: lenet-bn, 2-device zero1") {
   check_resume_chain("--model lenet-bn --devices 2 --sync zero1");
 }
+// ZeRO-2: a unit per layer (and with --bucket-kb, per bucket), each padded to 3 chunks.
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: adamw, 3-device zero2") {
+  check_resume_chain("--optimizer adamw --devices 3 --sync zero2");
+}
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 3-device zero2, 16 KiB buckets") {
+  check_resume_chain("--devices 3 --sync zero2 --bucket-kb 16");
+}
 
 TEST_CASE("resume on another strategy or device count runs, with a one-line warning") {
   TempDir dir;

@@ -44,25 +44,28 @@ TEST_CASE("a sharded optimizer state gathers whole and splits back, on any devic
   CHECK(max_diff(got[0], want[0]) < 1e-6);
   CHECK(max_diff(got[1], want[1]) < 1e-9);
   CHECK(max_diff(got[0], std::vector<float>(want[0].size())) > 1e-4);  // and the moments are not zero
-  // Split onto 2, 3 and 4 devices (padded differently) and gathered back: the same bits.
-  for (int n : {2, 3, 4}) {
-    CAPTURE(n);
-    auto devs = dp::test::make_test_devices("cpu", n);
-    auto e = engine("zero1", devs);
-    e->set_optimizer_state(want);
-    CHECK(e->optimizer_state() == want);
-    // Trained on from there, as allreduce is: the third step within the summation-order bound.
-    e->set_params(ar->params());
-    e->set_optimizer_steps(2);
-    e->step(data.x[2].data(), data.y[2].data(), B);
-    if (n == 3) {
-      auto ar3 = engine("allreduce", ar_devs);
-      ar3->set_params(ar->params());
-      ar3->set_optimizer_state(want);
-      ar3->set_optimizer_steps(2);
-      ar3->step(data.x[2].data(), data.y[2].data(), B);
-      CHECK(max_diff(e->params(), ar3->params()) < 1e-5);
-      CHECK(max_diff(e->optimizer_state()[0], ar3->optimizer_state()[0]) < 1e-6);
+  // Split onto 2, 3 and 4 devices (padded differently), one unit (zero1) or one a layer (zero2), and
+  // gathered back: the same bits.
+  for (const std::string sync : {"zero1", "zero2"})
+    for (int n : {2, 3, 4}) {
+      CAPTURE(sync);
+      CAPTURE(n);
+      auto devs = dp::test::make_test_devices("cpu", n);
+      auto e = engine(sync, devs);
+      e->set_optimizer_state(want);
+      CHECK(e->optimizer_state() == want);
+      // Trained on from there, as allreduce is: the third step within the summation-order bound.
+      e->set_params(ar->params());
+      e->set_optimizer_steps(2);
+      e->step(data.x[2].data(), data.y[2].data(), B);
+      if (n == 3) {
+        auto ar3 = engine("allreduce", ar_devs);
+        ar3->set_params(ar->params());
+        ar3->set_optimizer_state(want);
+        ar3->set_optimizer_steps(2);
+        ar3->step(data.x[2].data(), data.y[2].data(), B);
+        CHECK(max_diff(e->params(), ar3->params()) < 1e-5);
+        CHECK(max_diff(e->optimizer_state()[0], ar3->optimizer_state()[0]) < 1e-6);
+      }
     }
-  }
 }

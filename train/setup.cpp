@@ -41,7 +41,7 @@ void check_options(const TrainOptions& o, bool lead) {
                      "which one thread assembles well within a step; give 0 or 1");
   if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");
   if (o.bucket_kb > 0 && !find_strategy(o.sync).takes_buckets())
-    throw UsageError("--bucket-kb: buckets are an all-reduce feature; add --sync allreduce");
+    throw UsageError("--bucket-kb: buckets are a feature of --sync allreduce and zero2; add one");
   if (o.save_every < 0) throw UsageError("--save-every: must be >= 0");
   if (o.save_every > 0 && o.save.empty()) throw UsageError("--save-every: needs --save FILE to say where");
   if (o.log_every < 1)
@@ -96,10 +96,10 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
 
 namespace {
 
-// Less than what one device holds for the model: its parameters and gradients, the optimizer state
-// it keeps (all of it, or its chunk under a sharded strategy; under scatter device 0 keeps all of
-// it), and every layer's output and its gradient for its share of the batch (no workspace, no
-// batch, no scratch).
+// Less than what one device holds for the model: its parameters and gradients (its chunk of them
+// under zero2), the optimizer state it keeps (all of it, or its chunk under a sharded strategy; under
+// scatter device 0 keeps all of it), and every layer's output and its gradient for its share of the
+// batch (no workspace, no batch, no scratch).
 int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_devices, int64_t share) {
   EngineConfig c;
   c.optimizer = o.optimizer, c.momentum = o.momentum;
@@ -107,7 +107,8 @@ int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_device
   const int64_t kept = find_strategy(o.sync).zero_stage() > 0 ? shard_chunk(P, job_devices) : P;
   int64_t per_sample = 0;
   for (const Layer& l : spec.layers) per_sample += l.out_size();
-  return int64_t(sizeof(float)) * (2 * P + states * kept + 2 * per_sample * share);
+  const int64_t grads = find_strategy(o.sync).zero_stage() >= 2 ? kept : P;
+  return int64_t(sizeof(float)) * (P + grads + states * kept + 2 * per_sample * share);
 }
 
 }  // namespace

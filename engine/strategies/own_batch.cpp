@@ -19,7 +19,7 @@ std::pair<int, int> OwnBatch::upload_rows(const std::vector<int>& sizes, int fir
   return {first, sizes[size_t(first_device + rank)]};
 }
 
-void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& ready) {
+void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& ready, const GradientBlocks* blocks) {
   const int r = s.rank(), B = s.batch(), mine = s.mine();
   Replica& rep = s.replica();
   Ops& ops = s.device().ops();
@@ -44,7 +44,11 @@ void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& 
     if (mine > 0) ops.softmax_xent(mine, int(C), logits, up.y.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
   });
   s.phase(Phase::backward, [&] {
-    if (mine > 0)
+    if (blocks && mine > 0)
+      rep.net->backward(rep.params.f(), *blocks, rep.dlogits.f(), mine, ready, &bn);
+    else if (blocks)
+      rep.net->backward_without_samples(*blocks, ready, &bn);
+    else if (mine > 0)
       rep.net->backward(rep.params.f(), rep.grads.f(), rep.dlogits.f(), mine, ready, &bn);
     else
       rep.net->backward_without_samples(rep.grads.f(), ready, &bn);

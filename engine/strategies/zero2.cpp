@@ -1,0 +1,176 @@
+// --sync zero2: ZeRO stage 2 (Rajbhandari et al., arXiv 1910.02054; DeepSpeed's stage 2; PyTorch
+// FSDP's SHARD_GRAD_OP keeps the gradients sharded likewise). As zero1, and each device keeps only
+// its chunks of the gradients too. The gradients go in buckets (one per parameterised layer, or
+// --bucket-kb's), each a unit cut into n chunks: backward writes a bucket's gradients into a buffer of
+// that bucket alone, which is reduce-scattered as soon as backward has finished it; the device keeps
+// its chunk of the sum and frees the buffer. Each device then steps the optimizer on its chunks, and
+// the updated parameters are all-gathered unit by unit.
+//
+// What a device's gradients take at their peak is its chunks, 1/n of the model, plus the buckets
+// backward is writing: at least the largest layer's. The ZeRO paper's P/n holds for a model of many
+// layers of like size; LeNet's fc1 is four fifths of it, so here zero2 holds about as much gradient
+// memory as zero1 (dp_bench skew shows it).
+//
+// Per step each device sends and receives (n-1) chunks of every unit in either collective: 2(n-1)/n·P
+// floats and each unit's padding, as zero1. The reduce-scatters run on the compute thread inside
+// backward (the trace shows them as bucket spans), not overlapped with it on the communication thread
+// as allreduce's buckets are: not built yet.
+#include <algorithm>
+#include <chrono>
+
+#include "engine/optimizer.h"
+#include "engine/strategies/own_batch.h"
+
+namespace dp {
+namespace {
+
+class Zero2 final : public OwnBatch {
+ public:
+  const char* name() const override { return "zero2"; }
+  const char* mirrors() const override { return "ZeRO-2, FSDP SHARD_GRAD_OP"; }
+  const char* reduces() const override { return "reduce-scatters its gradients bucket by bucket"; }
+  bool takes_buckets() const override { return true; }
+  int zero_stage() const override { return 2; }
+
+  void step(StepContext& s) const override {
+    reduce_in_backward(s);
+    const std::vector<ShardUnit>& units = s.units();
+    Replica& rep = s.replica();
+    s.phase(Phase::optimizer, [&] {
+      Ops& ops = s.device().ops();
+      const int64_t owned = units.back().owned + units.back().chunk;
+      ops.flag_nonfinite(owned, rep.grads.f(), rep.stats.f() + kNonfinite);  // every chunk it owns
+      for (const ShardUnit& u : units) {
+        const int64_t first = u.offset + u.chunk * s.shard();
+        const int64_t count = std::clamp<int64_t>(u.offset + u.count - first, 0, u.chunk);
+        std::vector<float*> state = rep.state_pointers();
+        for (float*& p : state) p += u.owned;
+        if (count > 0)
+          optimizer_step(ops, s.config(), count, rep.params.f() + first, rep.grads.f() + u.owned, state,
+                         s.optimizer_step());
+      }
+    });
+    s.phase(Phase::gather, [&] { gather_parameters(s); });
+  }
+
+  bool has_phase(Phase p) const override { return p != Phase::scatter && p != Phase::reduce; }
+  const char* phase_name(Phase p) const override {
+    if (p == Phase::gather_loss) return "loss";
+    if (p == Phase::backward) return "backward+reduce-scatter";
+    return Strategy::phase_name(p);
+  }
+  bool communicates(Phase p) const override { return p == Phase::gather || p == Phase::broadcast; }
+
+  // Per unit of c floats (a bucket), in backward's order: a reduce-scatter of n chunks of ceil(c / n),
+  // each device sending and receiving (n-1) of them; then, after the optimizer, an all-gather of the
+  // same. BatchNorm's collectives interleave with the reduce-scatters in time; the bytes are the same.
+  std::vector<CollectiveTraffic> step_collectives(const StepShape& s) const override {
+    ByteModel m(s.devices(), s.all_reduce);
+    if (s.devices() == 1) return m.take();
+    const std::vector<ShardUnit> units = shard_units(s.buckets, s.devices());
+    m.batchnorm(s.spec, s.sync_bn, false);
+    m.batchnorm(s.spec, s.sync_bn, true);
+    for (size_t u = 0; u < units.size(); ++u)
+      m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
+    for (size_t u = 0; u < units.size(); ++u)
+      m.sharded(Collective::all_gather, "parameters of bucket " + std::to_string(u), units[u].chunk);
+    return m.take();
+  }
+
+  std::vector<Holding> holdings(const ModelSpec& spec, const EngineConfig& c, int n,
+                                std::string& heading) const override {
+    const int64_t F = sizeof(float);
+    std::vector<Bucket> layers;  // the buckets without --bucket-kb: one per parameterised layer
+    for (int i = int(spec.layers.size()) - 1; i >= 0; --i)
+      if (spec.layers[size_t(i)].weight >= 0) {
+        const Layer& l = spec.layers[size_t(i)];
+        const int64_t lo = spec.params[size_t(l.weight)].offset;
+        const int64_t hi = l.bias >= 0 ? spec.params[size_t(l.bias)].offset + spec.params[size_t(l.bias)].size
+                                       : lo + spec.params[size_t(l.weight)].size;
+        layers.push_back({lo, hi - lo, 1});
+      }
+    const std::vector<ShardUnit> units = shard_units(layers, n);
+    const int64_t owned = units.back().owned + units.back().chunk;
+    int64_t largest = 0;
+    for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
+    const int b = std::max(1, split_batch(c.batch, n, c.split)[0]);
+    const std::string sn = std::to_string(n);
+    heading = "every device holds the same: parameters, activations and workspace for its own " + std::to_string(b) +
+              " images, and";
+    std::vector<Holding> h = batch_holdings(spec, c, n);
+    h.push_back({Category::gradients, (owned + largest) * F,
+                 "its 1/" + sn + " of every layer's gradient, " + commas(owned) +
+                     " floats, and at most the largest layer's whole while backward writes it, " + commas(largest) +
+                     " floats (padded)"});
+    if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
+      h.push_back({Category::optimizer, states * owned * F,
+                   "1/" + sn + " of every layer's " + optimizer_state_text(c) + ": the chunks it owns and updates"});
+    return h;
+  }
+  std::string memory_note(const EngineConfig&) const override {
+    return "zero2: every device holds the optimizer state and the gradients of its own 1/n of each bucket, and "
+           "the bucket backward is writing";
+  }
+  bool skewed(const EngineConfig&) const override { return false; }
+
+ private:
+  // Forward and backward, each bucket's gradients written to a buffer of their own, reduce-scattered
+  // as soon as backward has finished the bucket, this device's chunk kept and the buffer freed.
+  static void reduce_in_backward(StepContext& s) {
+    const int r = s.rank(), n = s.comm().world();
+    Replica& rep = s.replica();
+    Device& dev = s.device();
+    const ModelSpec& spec = s.spec();
+    const std::vector<ShardUnit>& units = s.units();
+    std::vector<Buffer> bucket(units.size());
+    std::vector<int> remaining;
+    for (const Bucket& b : s.buckets()) remaining.push_back(b.layers);
+    const GradientBlocks blocks = [&](int layer) {
+      const size_t u = size_t(s.layer_bucket(layer));
+      const ShardUnit& unit = units[u];
+      if (!bucket[u]) {
+        bucket[u] = dev.alloc_floats(unit.chunk * n, Category::gradients);
+        dev.ops().fill(unit.chunk * n - unit.count, 0.0f, bucket[u].f() + unit.count);  // the padding
+      }
+      return bucket[u].f() + (spec.params[size_t(spec.layers[size_t(layer)].weight)].offset - unit.offset);
+    };
+    auto ready = [&](int layer) {
+      const int u = s.layer_bucket(layer);
+      if (--remaining[size_t(u)] > 0) return;
+      const ShardUnit& unit = units[size_t(u)];
+      Interval* t = s.bucket_timing(u);
+      if (t) t->start = std::chrono::steady_clock::now();
+      s.comm().reduce_scatter(r, bucket[size_t(u)].f(), unit.chunk);
+      dev.copy(rep.grads.f() + unit.owned, bucket[size_t(u)].f() + unit.chunk * s.shard(),
+               size_t(unit.chunk) * sizeof(float));
+      if (t) t->end = std::chrono::steady_clock::now();
+      bucket[size_t(u)] = Buffer();  // ZeRO-2 keeps the chunk alone
+    };
+    forward_backward(s, ready, &blocks);
+    s.close_buckets();
+  }
+
+  // Each unit's parameters through a buffer of n chunks, all-gathered: every device's updated chunk
+  // into every replica.
+  static void gather_parameters(StepContext& s) {
+    const int n = s.comm().world();
+    Device& dev = s.device();
+    float* params = s.replica().params.f();
+    for (const ShardUnit& u : s.units()) {
+      Buffer whole = dev.alloc_floats(u.chunk * n, Category::comm);
+      dev.copy(whole.f(), params + u.offset, size_t(u.count) * sizeof(float));
+      dev.ops().fill(u.chunk * n - u.count, 0.0f, whole.f() + u.count);
+      s.comm().all_gather(s.rank(), whole.f(), u.chunk);
+      dev.copy(params + u.offset, whole.f(), size_t(u.count) * sizeof(float));
+    }
+  }
+};
+
+}  // namespace
+
+const Strategy& zero2_strategy() {
+  static const Zero2 s;
+  return s;
+}
+
+}  // namespace dp
