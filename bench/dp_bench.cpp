@@ -1,6 +1,6 @@
 // dp_bench: measurements of the dp engine, on the same library dp_train uses.
-//   compare  scatter vs naive (d2l's all-reduce) vs allreduce: step time, phases, bytes against the byte
-//            model, memory
+//   compare  scatter vs naive (d2l's all-reduce) vs allreduce vs zero1 vs zero2: step time, phases,
+//            bytes against the byte model, memory
 //   comm     the collectives alone: time, algbw, busbw (nccl-tests' definitions), alpha-beta fit; under
 //            mpirun the all-reduce across processes beside a bare MPI_Allreduce (comm_processes.cpp)
 //   skew     memory per device by category: device 0's extra under scatter; with --device-memory,
@@ -72,10 +72,10 @@ Subcommand add_compare(CLI::App& app) {
   auto split = std::make_shared<std::string>("even");
   auto sweep = std::make_shared<std::string>(), seed = std::make_shared<std::string>("0");
   dev->gpus = "0,1,2,3";
-  CLI::App* c =
-      app.add_subcommand("compare",
-                         "scatter vs naive (d2l's all-reduce) vs allreduce on the same devices, model, batch and "
-                         "(synthetic) data");
+  CLI::App* c = app.add_subcommand(
+      "compare",
+      "scatter vs naive (d2l's all-reduce) vs allreduce vs zero1 vs zero2 on the same devices, model, batch and "
+      "(synthetic) data");
   c->footer(kSyntheticNote);
   dev->add(*c);
   c->add_option("--model", co->model, "lenet | lenet5")->capture_default_str();
