@@ -72,7 +72,7 @@ const float* Network::output(int i) const {
   return i < 0 ? input_ : acts_[i].f();
 }
 
-void Network::forward_layer(int i, const float* params, int first, int n) {
+void Network::forward_layer(int i, const float* w, int first, int n) {
   Ops& ops = dev_.ops();
   const Layer& l = spec_.layers[i];
   const float* in = input(i) + int64_t(first) * l.in_size();
@@ -80,12 +80,10 @@ void Network::forward_layer(int i, const float* params, int first, int n) {
   const int64_t count = int64_t(n) * l.out_size();
   switch (l.kind) {
     case LayerKind::conv:
-      ops.conv2d_forward(conv_shape(l, n), in, params + spec_.params[l.weight].offset,
-                         params + spec_.params[l.bias].offset, out, workspace_.f());
+      ops.conv2d_forward(conv_shape(l, n), in, w, w + spec_.params[l.weight].size, out, workspace_.f());
       break;
     case LayerKind::linear:
-      ops.linear_forward(n, int(l.in_size()), l.out_c, in, params + spec_.params[l.weight].offset,
-                         params + spec_.params[l.bias].offset, out);
+      ops.linear_forward(n, int(l.in_size()), l.out_c, in, w, w + spec_.params[l.weight].size, out);
       break;
     case LayerKind::relu:
       ops.activation_forward(Activation::relu, count, in, out);
@@ -100,7 +98,7 @@ void Network::forward_layer(int i, const float* params, int first, int n) {
       ops.maxpool_forward(pool_shape(l, n), in, out, argmax_[i].i32() + int64_t(first) * l.out_size());
       break;
     case LayerKind::batchnorm:
-      batchnorm_forward(i, params, n);
+      batchnorm_forward(i, w, n);
       break;
     case LayerKind::flatten:
       break;
@@ -108,14 +106,14 @@ void Network::forward_layer(int i, const float* params, int first, int n) {
   failpoint::device_call(dev_, "forward");
 }
 
-void Network::batchnorm_forward(int i, const float* params, int n) {
+void Network::batchnorm_forward(int i, const float* w, int n) {
   Ops& ops = dev_.ops();
   const Layer& l = spec_.layers[i];
   if (!bn_ || !bn_->running) throw std::logic_error("Network: a BatchNorm layer needs a BatchNormPass");
   const int c = l.out_c, hw = l.out_h * l.out_w;
   const float* x = input(i);
-  const float* gamma = n > 0 ? params + spec_.params[l.weight].offset : nullptr;  // (C)
-  const float* beta = n > 0 ? params + spec_.params[l.bias].offset : nullptr;     // (C)
+  const float* gamma = n > 0 ? w : nullptr;                               // (C)
+  const float* beta = n > 0 ? w + spec_.params[l.weight].size : nullptr;  // (C)
   float* running_mean = bn_->running + spec_.buffers[l.running].offset;
   float* running_var = bn_->running + spec_.buffers[l.running + 1].offset;
   if (!bn_->training)
@@ -138,7 +136,7 @@ void Network::batchnorm_forward(int i, const float* params, int n) {
   ops.bn_update_running(c, mean, var, count, kBatchNormMomentum, running_mean, running_var);
 }
 
-void Network::batchnorm_backward(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int n) {
+void Network::batchnorm_backward(int i, const float* w, const float* dy, float* dx, float* dw, float* db, int n) {
   Ops& ops = dev_.ops();
   const Layer& l = spec_.layers[i];
   const int c = l.out_c, hw = l.out_h * l.out_w;
@@ -153,46 +151,66 @@ void Network::batchnorm_backward(int i, const float* params, const float* dy, fl
   dev_.copy(dw, sums + c, size_t(c) * sizeof(float));
   if (bn_->all_reduce) dev_.synchronize(), bn_->all_reduce(sums, 2 * c);
   const int64_t count = int64_t(bn_->all_reduce ? bn_->global_n : n) * hw;
-  if (n > 0 && dx)
-    ops.bn_backward_dx(n, c, hw, x, mean, var, kBatchNormEps, params + spec_.params[l.weight].offset, dy, sums, count,
-                       dx);
+  if (n > 0 && dx) ops.bn_backward_dx(n, c, hw, x, mean, var, kBatchNormEps, w, dy, sums, count, dx);
 }
 
-void Network::forward_step(int i, const float* params, int first, int n) {
-  if (!fused(i)) return forward_layer(i, params, first, n);
+void Network::forward_step(int i, const float* w, int first, int n) {
+  if (!fused(i)) return forward_layer(i, w, first, n);
   const Layer &l = spec_.layers[i], &act = spec_.layers[i + 1], &pool = spec_.layers[i + 2];
-  dev_.ops().conv2d_act_pool_forward(
-      conv_shape(l, n), act.kind == LayerKind::relu ? Activation::relu : Activation::sigmoid, pool.kernel,
-      input(i) + int64_t(first) * l.in_size(), params + spec_.params[l.weight].offset,
-      params + spec_.params[l.bias].offset, acts_[i + 1].f() + int64_t(first) * act.out_size(),
-      acts_[i + 2].f() + int64_t(first) * pool.out_size(), workspace_.f());
+  dev_.ops().conv2d_act_pool_forward(conv_shape(l, n),
+                                     act.kind == LayerKind::relu ? Activation::relu : Activation::sigmoid, pool.kernel,
+                                     input(i) + int64_t(first) * l.in_size(), w, w + spec_.params[l.weight].size,
+                                     acts_[i + 1].f() + int64_t(first) * act.out_size(),
+                                     acts_[i + 2].f() + int64_t(first) * pool.out_size(), workspace_.f());
   failpoint::device_call(dev_, "forward");
 }
 
-void Network::backward_step(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first,
-                            int n) {
-  if (!fused(i)) return backward_layer(i, params, dy, dx, dw, db, first, n);
+void Network::backward_step(int i, const float* w, const float* dy, float* dx, float* dw, float* db, int first, int n) {
+  if (!fused(i)) return backward_layer(i, w, dy, dx, dw, db, first, n);
   const Layer &l = spec_.layers[i], &act = spec_.layers[i + 1], &pool = spec_.layers[i + 2];
-  dev_.ops().conv2d_act_pool_backward(conv_shape(l, n),
-                                      act.kind == LayerKind::relu ? Activation::relu : Activation::sigmoid, pool.kernel,
-                                      input(i) + int64_t(first) * l.in_size(), params + spec_.params[l.weight].offset,
-                                      acts_[i + 1].f() + int64_t(first) * act.out_size(), dy,
-                                      acts_[i].f() + (chunk_ ? 0 : int64_t(first) * l.out_size()),  // scratch
-                                      dx, dw, db, workspace_.f());
+  dev_.ops().conv2d_act_pool_backward(
+      conv_shape(l, n), act.kind == LayerKind::relu ? Activation::relu : Activation::sigmoid, pool.kernel,
+      input(i) + int64_t(first) * l.in_size(), w, acts_[i + 1].f() + int64_t(first) * act.out_size(), dy,
+      acts_[i].f() + (chunk_ ? 0 : int64_t(first) * l.out_size()),  // scratch
+      dx, dw, db, workspace_.f());
   failpoint::device_call(dev_, "backward");
 }
 
+ParameterBlocks Network::flat(const float* params) const {
+  return {[this, params](int layer) { return params + spec_.params[spec_.layers[layer].weight].offset; }, {}};
+}
+
+const float* Network::acquire(const ParameterBlocks& p, int i) const {
+  return spec_.layers[i].weight >= 0 ? p.acquire(i) : nullptr;
+}
+
+void Network::release(const ParameterBlocks& p, int i) const {
+  if (spec_.layers[i].weight >= 0 && p.release) p.release(i);
+}
+
 const float* Network::forward(const float* params, const float* x, int n, const BatchNormPass* bn) {
+  return forward(flat(params), x, n, bn);
+}
+
+// The prefix's weights are acquired before its first chunk and released after its last, so that a
+// strategy's collectives run in the same order whatever the number of chunks.
+const float* Network::forward(const ParameterBlocks& p, const float* x, int n, const BatchNormPass* bn) {
   input_ = x;
   bn_ = bn;
   const int step = chunk_ ? chunk_ : n;
+  std::vector<const float*> w(spec_.layers.size(), nullptr);
+  for (int i : steps_) w[size_t(i)] = acquire(p, i);
   for (int first = 0; first < n; first += step)
-    for (int i : steps_) forward_step(i, params, first, std::min(step, n - first));
-  for (int i = prefix_; i < int(spec_.layers.size()); ++i) forward_layer(i, params, 0, n);
+    for (int i : steps_) forward_step(i, w[size_t(i)], first, std::min(step, n - first));
+  for (int i : steps_) release(p, i);
+  for (int i = prefix_; i < int(spec_.layers.size()); ++i) {
+    forward_layer(i, acquire(p, i), 0, n);
+    release(p, i);
+  }
   return output(int(spec_.layers.size()) - 1);
 }
 
-void Network::backward_layer(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first,
+void Network::backward_layer(int i, const float* w, const float* dy, float* dx, float* dw, float* db, int first,
                              int n) {
   Ops& ops = dev_.ops();
   const Layer& l = spec_.layers[i];
@@ -201,10 +219,10 @@ void Network::backward_layer(int i, const float* params, const float* dy, float*
   const int64_t count = int64_t(n) * l.out_size();
   switch (l.kind) {
     case LayerKind::conv:
-      ops.conv2d_backward(conv_shape(l, n), in, params + spec_.params[l.weight].offset, dy, dx, dw, db, workspace_.f());
+      ops.conv2d_backward(conv_shape(l, n), in, w, dy, dx, dw, db, workspace_.f());
       break;
     case LayerKind::linear:
-      ops.linear_backward(n, int(l.in_size()), l.out_c, in, params + spec_.params[l.weight].offset, dy, dx, dw, db);
+      ops.linear_backward(n, int(l.in_size()), l.out_c, in, w, dy, dx, dw, db);
       break;
     case LayerKind::relu:
       ops.activation_backward(Activation::relu, count, out, dy, dx);
@@ -219,7 +237,7 @@ void Network::backward_layer(int i, const float* params, const float* dy, float*
       ops.maxpool_backward(pool_shape(l, n), dy, argmax_[i].i32() + int64_t(first) * l.out_size(), dx);
       break;
     case LayerKind::batchnorm:
-      batchnorm_backward(i, params, dy, dx, dw, db, n);
+      batchnorm_backward(i, w, dy, dx, dw, db, n);
       break;
     case LayerKind::flatten:
       break;
@@ -229,12 +247,19 @@ void Network::backward_layer(int i, const float* params, const float* dy, float*
 
 void Network::backward(const float* params, float* grads, const float* dlogits, int n,
                        const std::function<void(int)>& on_ready, const BatchNormPass* bn) {
-  backward(
-      params, [&](int layer) { return grads + spec_.params[spec_.layers[layer].weight].offset; }, dlogits, n, on_ready,
-      bn);
+  backward(flat(params), flat_gradients(grads), dlogits, n, on_ready, bn);
 }
 
 void Network::backward(const float* params, const GradientBlocks& blocks, const float* dlogits, int n,
+                       const std::function<void(int)>& on_ready, const BatchNormPass* bn) {
+  backward(flat(params), blocks, dlogits, n, on_ready, bn);
+}
+
+GradientBlocks Network::flat_gradients(float* grads) const {
+  return [this, grads](int layer) { return grads + spec_.params[spec_.layers[layer].weight].offset; };
+}
+
+void Network::backward(const ParameterBlocks& p, const GradientBlocks& blocks, const float* dlogits, int n,
                        const std::function<void(int)>& on_ready, const BatchNormPass* bn) {
   bn_ = bn;
   const float* dy = dlogits;  // gradient w.r.t. the current layer's output, (n, out_size)
@@ -248,14 +273,18 @@ void Network::backward(const float* params, const GradientBlocks& blocks, const 
     const Layer& l = spec_.layers[i];
     if (l.kind == LayerKind::flatten) continue;
     float* dx = i > 0 ? spare[next] : nullptr;
-    backward_layer(i, params, dy, dx, dw_of(l), db_of(l), 0, n);
+    backward_layer(i, acquire(p, i), dy, dx, dw_of(l), db_of(l), 0, n);
     if (l.weight >= 0 && on_ready) on_ready(i);
+    release(p, i);
     if (dx) dy = dx, next ^= 1;
   }
   if (prefix_ == 0) return;
   // The prefix, chunk by chunk (unchunked: the whole batch as one chunk, through the same ping-pong
   // as the layers after it). The first chunk writes each layer's weight gradients into grads, the
-  // others into chunk_grads_, added on.
+  // others into chunk_grads_, added on. Its weights are acquired before the first chunk and released
+  // after the last, as in forward.
+  std::vector<const float*> w(spec_.layers.size(), nullptr);
+  for (auto st = steps_.rbegin(); st != steps_.rend(); ++st) w[size_t(*st)] = acquire(p, *st);
   const int step = chunk_ ? chunk_ : n;
   float* prefix_spare[2] = {chunk_ ? chunk_a_.f() : spare[next], chunk_ ? chunk_b_.f() : spare[next ^ 1]};
   for (int first = 0; first < n; first += step) {
@@ -269,7 +298,7 @@ void Network::backward(const float* params, const GradientBlocks& blocks, const 
       float *dw = dw_of(l), *db = db_of(l);
       const bool sum = first > 0 && dw;
       if (sum) dw = chunk_grads_.f(), db = chunk_grads_.f() + spec_.params[l.weight].size;
-      backward_step(i, params, dyc, dx, dw, db, first, m);
+      backward_step(i, w[size_t(i)], dyc, dx, dw, db, first, m);
       if (sum) {
         dev_.ops().add(spec_.params[l.weight].size, dw, dw_of(l));
         dev_.ops().add(spec_.params[l.bias].size, db, db_of(l));
@@ -278,27 +307,32 @@ void Network::backward(const float* params, const GradientBlocks& blocks, const 
       if (dx) dyc = dx, nextc ^= 1;
     }
   }
+  for (auto st = steps_.rbegin(); st != steps_.rend(); ++st) release(p, *st);
 }
 
-void Network::forward_without_samples(const BatchNormPass* bn) {
+void Network::forward_without_samples(const BatchNormPass* bn, const ParameterBlocks* p) {
   bn_ = bn;
-  if (!bn || !bn->all_reduce || !bn->training) return;
-  for (int i = 0; i < int(spec_.layers.size()); ++i)
-    if (spec_.layers[i].kind == LayerKind::batchnorm) batchnorm_forward(i, nullptr, 0);
+  const bool sync = bn && bn->all_reduce && bn->training;
+  // The collectives of a pass with samples, in its order: each layer's weights, then its BatchNorm's sums.
+  for (int i = 0; i < int(spec_.layers.size()); ++i) {
+    if (p) acquire(*p, i);
+    if (sync && spec_.layers[i].kind == LayerKind::batchnorm) batchnorm_forward(i, nullptr, 0);
+    if (p) release(*p, i);
+  }
 }
 
 void Network::backward_without_samples(float* grads, const std::function<void(int)>& on_ready,
                                        const BatchNormPass* bn) {
-  backward_without_samples([&](int layer) { return grads + spec_.params[spec_.layers[layer].weight].offset; }, on_ready,
-                           bn);
+  backward_without_samples(flat_gradients(grads), on_ready, bn);
 }
 
 void Network::backward_without_samples(const GradientBlocks& blocks, const std::function<void(int)>& on_ready,
-                                       const BatchNormPass* bn) {
+                                       const BatchNormPass* bn, const ParameterBlocks* p) {
   bn_ = bn;
-  for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
+  // The collectives of a pass with samples, in its order: after the prefix layer by layer, then the
+  // prefix's weights acquired together, its gradients ready in turn, its weights released.
+  auto zero_and_ready = [&](int i) {
     const Layer& l = spec_.layers[i];
-    if (l.weight < 0) continue;
     float* dw = blocks(i);
     const int64_t w = spec_.params[l.weight].size, b = l.bias >= 0 ? spec_.params[l.bias].size : 0;
     dev_.ops().fill(w + b, 0.0f, dw);
@@ -306,7 +340,17 @@ void Network::backward_without_samples(const GradientBlocks& blocks, const std::
       batchnorm_backward(i, nullptr, nullptr, nullptr, dw, dw + w, 0);
     dev_.synchronize();
     if (on_ready) on_ready(i);
+  };
+  for (int i = int(spec_.layers.size()) - 1; i >= prefix_; --i) {
+    if (spec_.layers[i].weight < 0) continue;
+    if (p) acquire(*p, i);
+    zero_and_ready(i);
+    if (p) release(*p, i);
   }
+  for (auto st = steps_.rbegin(); p && st != steps_.rend(); ++st) acquire(*p, *st);
+  for (auto st = steps_.rbegin(); st != steps_.rend(); ++st)
+    if (spec_.layers[*st].weight >= 0) zero_and_ready(*st);
+  for (auto st = steps_.rbegin(); p && st != steps_.rend(); ++st) release(*p, *st);
 }
 
 }  // namespace dp

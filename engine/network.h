@@ -45,6 +45,16 @@ struct BatchNormPass {
 // model lays them out in). A sharded strategy gives each bucket of layers its own buffer this way.
 using GradientBlocks = std::function<float*(int layer)>;
 
+// Where forward and backward read a parameterised layer's weights (its bias right after) when they
+// do not read one flat buffer: `acquire` before the layer's first use in a pass, `release` (may be
+// empty) after its last. A strategy that keeps 1/n of the parameters (zero3) gathers a layer's there
+// and frees them. Every device calls them in the same order whatever its batch: the prefix's are
+// acquired together before its first chunk and released together after its last.
+struct ParameterBlocks {
+  std::function<const float*(int layer)> acquire;
+  std::function<void(int layer)> release;
+};
+
 class Network {
  public:
   // chunk: samples per chunk of the prefix; 0: the whole batch at once; -1: what the device's Ops prefer.
@@ -53,20 +63,24 @@ class Network {
   // x (n, C, H, W) -> logits (n, classes), which live in this network's activations. A model with
   // BatchNorm needs `bn`; its backward follows a training forward.
   const float* forward(const float* params /* (P) */, const float* x, int n, const BatchNormPass* bn = nullptr);
+  const float* forward(const ParameterBlocks& params, const float* x, int n, const BatchNormPass* bn = nullptr);
   // dlogits (n, classes) -> grads (P), overwritten. After each parameterised layer's gradients are
   // written, on_ready(layer index) runs (the bucketed all-reduce starts from there).
   void backward(const float* params, float* grads, const float* dlogits, int n,
                 const std::function<void(int layer)>& on_ready = {}, const BatchNormPass* bn = nullptr);
-  // The same, each layer's gradients where `blocks` puts them.
+  // The same, each layer's gradients where `blocks` puts them (and its weights where `params` does).
   void backward(const float* params, const GradientBlocks& blocks, const float* dlogits, int n,
+                const std::function<void(int layer)>& on_ready = {}, const BatchNormPass* bn = nullptr);
+  void backward(const ParameterBlocks& params, const GradientBlocks& blocks, const float* dlogits, int n,
                 const std::function<void(int layer)>& on_ready = {}, const BatchNormPass* bn = nullptr);
   // A replica without samples this step (a batch smaller than the device count): zero gradients,
   // and the collectives a pass with samples would join, in the same order: with SyncBatchNorm its
   // partial sums are zeros, and it takes the global statistics into its running ones like the others.
-  void forward_without_samples(const BatchNormPass* bn);
+  // Given `params`, each layer's weights are acquired and released as a pass with samples would.
+  void forward_without_samples(const BatchNormPass* bn, const ParameterBlocks* params = nullptr);
   void backward_without_samples(float* grads, const std::function<void(int layer)>& on_ready, const BatchNormPass* bn);
   void backward_without_samples(const GradientBlocks& blocks, const std::function<void(int layer)>& on_ready,
-                                const BatchNormPass* bn);
+                                const BatchNormPass* bn, const ParameterBlocks* params = nullptr);
   int max_batch() const { return max_batch_; }
 
  private:
@@ -88,18 +102,24 @@ class Network {
   std::vector<Buffer> bn_stats_;       // per batchnorm layer: the batch's mean and biased variance, (2, C)
   Buffer bn_sums_;                     // a batchnorm backward's two gradient sums, (2, largest C)
   const BatchNormPass* bn_ = nullptr;  // the pass in progress
-  void batchnorm_forward(int i, const float* params, int n);
-  void batchnorm_backward(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int n);
+  // The flat buffers as blocks; a layer's weights acquired (null for a layer without) and released.
+  ParameterBlocks flat(const float* params) const;
+  GradientBlocks flat_gradients(float* grads) const;
+  const float* acquire(const ParameterBlocks& p, int i) const;
+  void release(const ParameterBlocks& p, int i) const;
+  // w: layer i's weights, its bias right after (null for a layer without).
+  void batchnorm_forward(int i, const float* w, int n);
+  void batchnorm_backward(int i, const float* w, const float* dy, float* dx, float* dw, float* db, int n);
   const float* output(int layer) const;
   const float* input(int layer) const { return layer == 0 ? input_ : output(layer - 1); }
   // Layer i forward / backward on samples [first, first + n) of the batch. Backward reads dy and
   // writes dx at those samples' rows (dx null for the first layer) and the layer's weight and bias
   // gradients to dw, db.
-  void forward_layer(int i, const float* params, int first, int n);
-  void backward_layer(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first, int n);
+  void forward_layer(int i, const float* w, int first, int n);
+  void backward_layer(int i, const float* w, const float* dy, float* dx, float* dw, float* db, int first, int n);
   // One step of the prefix (a layer, or a fused conv + activation + pooling) on samples [first, first + n).
-  void forward_step(int i, const float* params, int first, int n);
-  void backward_step(int i, const float* params, const float* dy, float* dx, float* dw, float* db, int first, int n);
+  void forward_step(int i, const float* w, int first, int n);
+  void backward_step(int i, const float* w, const float* dy, float* dx, float* dw, float* db, int first, int n);
   int step_layers(int i) const { return fused(i) ? 3 : 1; }
 };
 

@@ -39,7 +39,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     try {
       dp::Checkpoint c = dp::checkpoint_from_safetensors(st, spec, "fuzz");
       if (c.params.size() != size_t(spec.param_count)) __builtin_trap();
-      if (!c.momentum.empty() && c.momentum.size() != size_t(spec.param_count)) __builtin_trap();
+      for (const auto& [name, state] : c.optimizer_state)
+        if (state.size() != size_t(spec.param_count)) __builtin_trap();
     } catch (const dp::UsageError&) {
     }
   }
