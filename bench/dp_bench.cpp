@@ -1,5 +1,5 @@
 // dp_bench: measurements of the dp engine, on the same library dp_train uses.
-//   compare  scatter vs naive (d2l's all-reduce) vs allreduce vs zero1 vs zero2: step time, phases,
+//   compare  scatter vs naive (d2l's all-reduce) vs allreduce vs ZeRO 1-3: step time, phases,
 //            bytes against the byte model, memory
 //   comm     the collectives alone: time, algbw, busbw (nccl-tests' definitions), alpha-beta fit; under
 //            mpirun the all-reduce across processes beside a bare MPI_Allreduce (comm_processes.cpp)
@@ -74,7 +74,7 @@ Subcommand add_compare(CLI::App& app) {
   dev->gpus = "0,1,2,3";
   CLI::App* c = app.add_subcommand(
       "compare",
-      "scatter vs naive (d2l's all-reduce) vs allreduce vs zero1 vs zero2 on the same devices, model, batch and "
+      "scatter vs naive (d2l's all-reduce) vs allreduce vs ZeRO 1-3 on the same devices, model, batch and "
       "(synthetic) data");
   c->footer(kSyntheticNote);
   dev->add(*c);

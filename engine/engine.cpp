@@ -47,7 +47,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   if (cfg_.group && cfg_.group->size() > 1) {
     if (const char* why = strategy_.one_process_only())
       throw UsageError("--sync " + std::string(strategy_.name()) + ": " + why +
-                       "; across processes use --sync allreduce or zero1");
+                       "; across processes use --sync allreduce, zero1 or zero2");
     world_ = cfg_.group->size() * n, first_ = cfg_.group->rank() * n;
     comm_ = make_process_communicator(devices_, *cfg_.group);  // NCCL on GPUs, MPI otherwise
   } else {
@@ -56,16 +56,17 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   comm_->set_all_reduce_algorithm(cfg_.all_reduce);
   comm_->set_timeout(cfg_.timeout);
   const int64_t P = spec_.param_count;
-  // The units of a sharded strategy: zero1 the whole model (its flat buffers padded), zero2 the
-  // gradient buckets; the optimizer state, and zero2's gradients, the device's chunks alone.
+  // The units of a sharded strategy: zero1 the whole model (its flat buffers padded), zero2 and
+  // zero3 the gradient buckets; the optimizer state, zero2's and zero3's gradients and zero3's
+  // parameters the device's chunks alone.
   make_buckets();
   const int stage = strategy_.zero_stage();
   if (stage > 0) {
     units_ = shard_units(stage == 1 ? std::vector<Bucket>{{0, P, 0}} : buckets_, world_);
     owned_ = units_.back().owned + units_.back().chunk;
   }
-  const int64_t flat = stage == 1 ? owned_ * world_ : P, state = stage > 0 ? owned_ : P;
-  const int64_t grads = stage == 2 ? owned_ : flat;
+  const int64_t flat = stage == 1 ? owned_ * world_ : stage == 3 ? owned_ : P, state = stage > 0 ? owned_ : P;
+  const int64_t grads = stage >= 2 ? owned_ : flat;
   // Every device's buffers hold the largest share of any device.
   const int b = std::max(split_batch(cfg_.batch, world_, cfg_.split)[0], 1);
   replicas_.resize(n);
@@ -321,6 +322,9 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
     bn.running = rep.running.f();
     int first = 0;
     for (int q = 0; q < r; ++q) first += sizes[q];
+    // zero3: the whole model gathered for the evaluation (FSDP's summon_full_params), freed after it.
+    Buffer whole = strategy_.zero_stage() == 3 ? gather_parameters(r) : Buffer();
+    const float* params = whole ? whole.f() : rep.params.f();
     // A device that uploads no rows in training has only its input buffer, and no labels.
     const Replica::Upload& up = rep.batch[size_t(slot)];
     float* in = up.x ? up.x.f() : rep.input.f();
@@ -336,7 +340,7 @@ StepResult Engine::evaluate(const float* x, const int32_t* y, int n) {
       dev.upload(in, x + int64_t(first + done) * D, size_t(m * D) * sizeof(float));
       dev.upload(lab, y + first + done, size_t(m) * sizeof(int32_t));
       dev.ops().fill(2, 0.0f, rep.stats.f());
-      dev.ops().softmax_xent(m, int(C), net.forward(rep.params.f(), in, m, &bn), lab, 1.0f, dl, rep.stats.f());
+      dev.ops().softmax_xent(m, int(C), net.forward(params, in, m, &bn), lab, 1.0f, dl, rep.stats.f());
       float stats[2];
       dev.download(stats, rep.stats.f(), sizeof stats);
       loss[r] += stats[0];

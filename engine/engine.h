@@ -37,7 +37,8 @@ class Engine {
   ~Engine();
 
   // Host copies of device 0's parameters; setting them places them on device 0 and broadcasts them
-  // to every replica.
+  // to every replica. Under zero3 each device holds its chunks: params() gathers them (every device
+  // of this process takes part) and setting them splits them.
   std::vector<float> params(int rank = 0);
   void set_params(const std::vector<float>& host);
   // The optimizer's state (optimizer_state_names: SGD's momentum buffer, Adam's two moments; none
@@ -132,6 +133,10 @@ class Engine {
   // Where device `rank`'s reduced gradient of its chunk of `u` is: in the padded flat buffer (zero1)
   // or in its chunks (zero2).
   float* owned_gradient(int rank, const ShardUnit& u) const;
+  // Device `rank`'s chunks of every unit from a host copy of the whole (P), the padding zero.
+  void upload_chunks(int rank, float* chunks, const std::vector<float>& host);
+  // zero3: the whole model gathered on device `rank` from every device's chunks (a collective).
+  Buffer gather_parameters(int rank);
   std::deque<StagedBatch> staged_;  // oldest first
   int next_slot_ = 0;               // where the next batch staged with prefetch uploads
 };

@@ -9,8 +9,29 @@
 
 namespace dp {
 
+Buffer Engine::gather_parameters(int rank) {
+  Device& dev = *devices_[rank];
+  Buffer whole = dev.alloc_floats(spec_.param_count, Category::parameters);
+  for (const ShardUnit& u : units_) {
+    Buffer unit = dev.alloc_floats(u.chunk * world_, Category::comm);
+    dev.copy(unit.f() + u.chunk * comm_->shard(rank), replicas_[rank]->params.f() + u.owned,
+             size_t(u.chunk) * sizeof(float));
+    comm_->all_gather(rank, unit.f(), u.chunk);
+    dev.copy(whole.f() + u.offset, unit.f(), size_t(u.count) * sizeof(float));
+    dev.synchronize();
+  }
+  return whole;
+}
+
 std::vector<float> Engine::params(int rank) {
   std::vector<float> host(size_t(spec_.param_count));
+  if (strategy_.zero_stage() == 3) {  // a collective: every device gathers, `rank` reads
+    run_all([&](int r) {
+      Buffer whole = gather_parameters(r);
+      if (r == rank) devices_[r]->download(host.data(), whole.f(), host.size() * sizeof(float));
+    });
+    return host;
+  }
   devices_[rank]
       ->run([&] { devices_[rank]->download(host.data(), replicas_[rank]->params.f(), host.size() * sizeof(float)); })
       .get();
@@ -21,6 +42,8 @@ void Engine::set_params(const std::vector<float>& host) {
   if (int64_t(host.size()) != spec_.param_count)
     throw std::invalid_argument("set_params: " + std::to_string(host.size()) + " values for a model of " +
                                 std::to_string(spec_.param_count));
+  if (strategy_.zero_stage() == 3)  // each device its chunks
+    return run_all([&](int r) { upload_chunks(r, replicas_[r]->params.f(), host); });
   run_all([&](int r) {
     if (r == 0) devices_[0]->upload(replicas_[0]->params.f(), host.data(), host.size() * sizeof(float));
     devices_[r]->synchronize();
@@ -66,19 +89,25 @@ void Engine::set_optimizer_state(const std::vector<std::vector<float>>& host) {
   for (const auto& h : host)
     if (int64_t(h.size()) != spec_.param_count) throw std::invalid_argument("set_optimizer_state: wrong size");
   run_all([&](int r) {
-    Device& dev = *devices_[r];
     for (size_t i = 0; i < replicas_[r]->state.size(); ++i) {
       float* state = replicas_[r]->state[i].f();
-      if (units_.empty()) dev.upload(state, host[i].data(), host[i].size() * sizeof(float));
-      // Sharded: the device's chunk of each unit, the padding past the unit's end zero.
-      if (!units_.empty()) dev.ops().fill(owned_, 0.0f, state);
-      for (const ShardUnit& u : units_) {
-        const int64_t first = u.chunk * comm_->shard(r), count = std::clamp<int64_t>(u.count - first, 0, u.chunk);
-        if (count > 0) dev.upload(state + u.owned, host[i].data() + u.offset + first, size_t(count) * sizeof(float));
-      }
+      if (units_.empty())
+        devices_[r]->upload(state, host[i].data(), host[i].size() * sizeof(float));
+      else
+        upload_chunks(r, state, host[i]);
     }
-    dev.synchronize();
+    devices_[r]->synchronize();
   });
+}
+
+void Engine::upload_chunks(int rank, float* chunks, const std::vector<float>& host) {
+  Device& dev = *devices_[rank];
+  dev.ops().fill(owned_, 0.0f, chunks);  // the padding past a unit's end stays zero
+  for (const ShardUnit& u : units_) {
+    const int64_t first = u.chunk * comm_->shard(rank), count = std::clamp<int64_t>(u.count - first, 0, u.chunk);
+    if (count > 0) dev.upload(chunks + u.owned, host.data() + u.offset + first, size_t(count) * sizeof(float));
+  }
+  dev.synchronize();
 }
 
 std::vector<float> Engine::running_stats(int rank) {

@@ -47,11 +47,13 @@ std::vector<dp::Traffic> expected_traffic(const std::string& strategy, const dp:
     }
   } else if (strategy == "zero1") {  // reduce-scatter and all-gather: (n-1) chunks of ceil(P / n) in each
     for (int r = 0; r < n; ++r) t[r].sent = t[r].received = 2 * (n - 1) * dp::shard_chunk(P, n) * 4;
-  } else if (strategy == "zero2") {  // the same per layer: (n-1) chunks of ceil(c / n), c the layer's
+  } else if (strategy == "zero2" || strategy == "zero3") {  // per layer: (n-1) chunks of ceil(c / n) in
+    // each collective, c the layer's; zero3 gathers the parameters twice
+    const int collectives = strategy == "zero3" ? 3 : 2;
     for (const dp::Layer& l : spec.layers)
       if (l.weight >= 0) {
         const int64_t c = spec.params[size_t(l.weight)].size + spec.params[size_t(l.bias)].size;
-        for (int r = 0; r < n; ++r) t[r].sent += 2 * (n - 1) * dp::shard_chunk(c, n) * 4;
+        for (int r = 0; r < n; ++r) t[r].sent += collectives * (n - 1) * dp::shard_chunk(c, n) * 4;
       }
     for (int r = 0; r < n; ++r) t[r].received = t[r].sent;
   } else {
@@ -105,9 +107,9 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     CHECK(s["step_ms"]["all"].size() == 2);
     CHECK(s["images_per_second"].get<double>() > 0);
   }
-  CHECK(strategies == std::set<std::string>{"scatter", "naive", "allreduce", "zero1", "zero2"});
-  // The columns in their order: nn.DataParallel, d2l's hand-written all-reduce, DDP, ZeRO-1, ZeRO-2.
-  REQUIRE(run["strategies"].size() == 5);
+  CHECK(strategies == std::set<std::string>{"scatter", "naive", "allreduce", "zero1", "zero2", "zero3"});
+  // The columns in their order: nn.DataParallel, d2l's hand-written all-reduce, DDP, ZeRO-1, -2, -3.
+  REQUIRE(run["strategies"].size() == 6);
   CHECK(run["strategies"][1]["strategy"] == "naive");
   CHECK(run["strategies"][1]["sync"] == "allreduce");
   CHECK(run["strategies"][1]["allreduce"] == "naive");
@@ -117,9 +119,10 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
   // The table's heading: three columns in that order.
   const size_t heading = out.find(" scatter "), naive = out.find(" naive ", heading),
                allreduce = out.find(" allreduce ", naive), zero1 = out.find(" zero1 ", allreduce),
-               zero2 = out.find(" zero2\n", zero1);
+               zero2 = out.find(" zero2 ", zero1), zero3 = out.find(" zero3\n", zero2);
   REQUIRE(heading != std::string::npos);
-  CHECK(out.find('\n', heading) > zero2);
+  CHECK(out.find('\n', heading) > zero3);
+  CHECK(zero2 < zero3);
   CHECK(naive < allreduce);
   CHECK(allreduce < zero1);
   CHECK(zero1 < zero2);
@@ -133,7 +136,7 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
     if (e["ph"] == "M" && e["name"] == "process_name") process[e["pid"]] = e["args"]["name"];
     if (e["ph"] == "X") spans[{e["pid"].get<int>(), e["tid"].get<int>()}].insert(e["name"].get<std::string>());
   }
-  REQUIRE(process.size() == 5);
+  REQUIRE(process.size() == 6);
   const std::set<std::string> scatter_phases{"load",        "scatter",  "broadcast", "forward",
                                              "gather+loss", "backward", "reduce",    "optimizer"};
   const std::set<std::string> allreduce_phases{"load", "forward", "loss", "backward", "all-reduce", "optimizer"};
@@ -141,12 +144,15 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
                                            "reduce-scatter", "optimizer", "all-gather"};
   const std::set<std::string> zero2_phases{"load",      "forward",   "loss", "backward+reduce-scatter",
                                            "optimizer", "all-gather"};
+  const std::set<std::string> zero3_phases{"load", "all-gather+forward", "loss", "all-gather+backward+reduce-scatter",
+                                           "optimizer"};
   for (auto& entry : process) {  // no structured binding: doctest's CAPTURE captures it, which clang 14 refuses
     const int pid = entry.first;
     const std::string& name = entry.second;
     const std::set<std::string>& phases = name.rfind("scatter", 0) == 0 ? scatter_phases
                                           : name.rfind("zero1", 0) == 0 ? zero1_phases
                                           : name.rfind("zero2", 0) == 0 ? zero2_phases
+                                          : name.rfind("zero3", 0) == 0 ? zero3_phases
                                                                         : allreduce_phases;
     CAPTURE(name);
     for (int tid = 0; tid < 3; ++tid) {
@@ -189,15 +195,15 @@ TEST_CASE("dp_bench compare - the naive column's bucketed bytes equal the model:
 }
 
 TEST_CASE(
-    "dp_bench skew - device 0 holds more under scatter, the same under allreduce, zero1 and zero2, a third of the "
-    "optimizer state under zero1 and zero2, and the ledger adds up") {
+    "dp_bench skew - device 0 holds more under scatter, the same under allreduce and ZeRO-1 to 3, their shares of "
+    "the optimizer state, gradients and parameters in closed form, and the ledger adds up") {
   TempDir dir;
   const std::string log = dir / "skew.log";
   int rc = bench("skew --gpus 0,1,2 --batch 48 --json '" + (dir / "s.json") + "'", log);
   INFO(slurp(log));
   REQUIRE(rc == 0);
   json j = load(dir / "s.json");
-  REQUIRE(j["strategies"].size() == 4);
+  REQUIRE(j["strategies"].size() == 5);
   for (const json& s : j["strategies"]) {
     const std::string name = s["strategy"];
     CAPTURE(name);
@@ -230,9 +236,10 @@ TEST_CASE(
       const int64_t chunk = dp::shard_chunk(spec.params[size_t(l.weight)].size + spec.params[size_t(l.bias)].size, 3);
       layer_chunks += chunk, largest_chunk = std::max(largest_chunk, chunk);
     }
-  const json &ar = j["strategies"][1], &z1 = j["strategies"][2], &z2 = j["strategies"][3];
+  const json &ar = j["strategies"][1], &z1 = j["strategies"][2], &z2 = j["strategies"][3], &z3 = j["strategies"][4];
   REQUIRE(z1["strategy"] == "zero1");
   REQUIRE(z2["strategy"] == "zero2");
+  REQUIRE(z3["strategy"] == "zero3");
   for (int r = 0; r < 3; ++r) {
     CHECK(ar["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == P * 4);
     CHECK(z1["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == dp::shard_chunk(P, 3) * 4);
@@ -240,6 +247,10 @@ TEST_CASE(
     // its chunks and, at its peak, the whole of the largest layer's gradient (fc1: more than
     // allreduce's P less the other layers), padded to 3 chunks
     CHECK(z2["devices"][r]["at_peak"]["gradients"].get<int64_t>() == (layer_chunks + 3 * largest_chunk) * 4);
+    // zero3: its chunks of everything, and at its peak the largest layer's weights and gradient whole
+    CHECK(z3["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == layer_chunks * 4);
+    CHECK(z3["devices"][r]["at_peak"]["gradients"].get<int64_t>() == (layer_chunks + 3 * largest_chunk) * 4);
+    CHECK(z3["devices"][r]["at_peak"]["parameters"].get<int64_t>() == (layer_chunks + 3 * largest_chunk) * 4);
   }
 }
 

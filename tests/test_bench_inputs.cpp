@@ -280,9 +280,9 @@ TEST_CASE("bench: compare's trace lays the strategies one after the other on one
     auto [it, fresh] = extent.try_emplace(e["pid"].get<int>(), ts, end);
     if (!fresh) it->second = {std::min(it->second.first, ts), std::max(it->second.second, end)};
   }
-  REQUIRE(extent.size() == 5);  // scatter, naive, allreduce, zero1, zero2
+  REQUIRE(extent.size() == 6);  // scatter, naive, allreduce, zero1, zero2, zero3
   CHECK(extent[0].first >= 0);
-  for (int pid = 1; pid < 5; ++pid) {
+  for (int pid = 1; pid < 6; ++pid) {
     CAPTURE(pid);
     CHECK(extent[pid].first > extent[pid - 1].second);  // each strategy starts after the one before's last span
   }

@@ -43,7 +43,7 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
       {"--optimizer adam --betas 0.9,1", "--betas: each must be in [0, 1)"},
       {"--optimizer adamw --eps 0", "--eps"},
       {"--epochs 0", "--epochs"},
-      {"--sync ring", "scatter, allreduce, zero1 or zero2"},
+      {"--sync ring", "scatter, allreduce, zero1, zero2 or zero3"},
       {"--split half", "even or chunk"},
       {"--gpus ''", "--gpus"},
       {"--gpus 0,x", "--gpus"},

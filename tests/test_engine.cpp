@@ -238,13 +238,14 @@ TEST_CASE("bytes per step match the theory to the byte") {
           CHECK(e.recorder().step_traffic(r).received == 4 * (sizes[r] * D + P + sizes[r] * C));
           CHECK(e.recorder().step_traffic(r).sent == 4 * (sizes[r] * C + P));
         }
-      } else if (find_strategy(sync).zero_stage() == 2) {
-        // per parameterised layer (a bucket each), a reduce-scatter and an all-gather of (n-1) chunks of
-        // ceil(c / n) each way, c the layer's weights and biases
+      } else if (const int stage = find_strategy(sync).zero_stage(); stage >= 2) {
+        // per parameterised layer (a bucket each), a reduce-scatter and an all-gather (zero3: two) of
+        // (n-1) chunks of ceil(c / n) each way, c the layer's weights and biases
         int64_t each = 0;
         for (const Layer& l : spec.layers)
           if (l.weight >= 0)
-            each += 2 * (n - 1) * shard_chunk(spec.params[l.weight].size + spec.params[l.bias].size, n);
+            each +=
+                (stage == 3 ? 3 : 2) * (n - 1) * shard_chunk(spec.params[l.weight].size + spec.params[l.bias].size, n);
         for (int r = 0; r < n; ++r) {
           CHECK(e.recorder().step_traffic(r).sent == 4 * each);
           CHECK(e.recorder().step_traffic(r).received == 4 * each);

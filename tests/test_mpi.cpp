@@ -123,6 +123,11 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   r = job.mpirun(2, "--steps 2 --allreduce naive");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("--allreduce naive across processes") != std::string::npos);
+
+  r = job.mpirun(2, "--steps 2 --sync zero3");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("--sync zero3 across processes (mpirun -np 2): not built across processes yet") !=
+        std::string::npos);
 }
 
 TEST_CASE("mpi: a process that stops answering trips --timeout, one that is killed ends the job, no process left") {

@@ -126,6 +126,10 @@ TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: ada
 TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: 3-device zero2, 16 KiB buckets") {
   check_resume_chain("--devices 3 --sync zero2 --bucket-kb 16");
 }
+// ZeRO-3: the weights too are each device's chunks, gathered into the checkpoint and split on resume.
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: adam, lenet-bn, 3-device zero3") {
+  check_resume_chain("--optimizer adam --lr 0.002 --model lenet-bn --devices 3 --sync zero3");
+}
 
 TEST_CASE("resume on another strategy or device count runs, with a one-line warning") {
   TempDir dir;

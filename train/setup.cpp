@@ -96,9 +96,9 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
 
 namespace {
 
-// Less than what one device holds for the model: its parameters and gradients (its chunk of them
-// under zero2), the optimizer state it keeps (all of it, or its chunk under a sharded strategy; under
-// scatter device 0 keeps all of it), and every layer's output and its gradient for its share of the
+// Less than what one device holds for the model: its parameters and gradients (its chunk of the
+// gradients under zero2, of both under zero3), the optimizer state it keeps (all of it, or its chunk under a sharded
+// strategy; under scatter device 0 keeps all of it), and every layer's output and its gradient for its share of the
 // batch (no workspace, no batch, no scratch).
 int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_devices, int64_t share) {
   EngineConfig c;
@@ -107,8 +107,9 @@ int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_device
   const int64_t kept = find_strategy(o.sync).zero_stage() > 0 ? shard_chunk(P, job_devices) : P;
   int64_t per_sample = 0;
   for (const Layer& l : spec.layers) per_sample += l.out_size();
-  const int64_t grads = find_strategy(o.sync).zero_stage() >= 2 ? kept : P;
-  return int64_t(sizeof(float)) * (P + grads + states * kept + 2 * per_sample * share);
+  const int stage = find_strategy(o.sync).zero_stage();
+  const int64_t params = stage >= 3 ? kept : P, grads = stage >= 2 ? kept : P;
+  return int64_t(sizeof(float)) * (params + grads + states * kept + 2 * per_sample * share);
 }
 
 }  // namespace

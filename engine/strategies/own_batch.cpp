@@ -19,7 +19,8 @@ std::pair<int, int> OwnBatch::upload_rows(const std::vector<int>& sizes, int fir
   return {first, sizes[size_t(first_device + rank)]};
 }
 
-void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& ready, const GradientBlocks* blocks) {
+void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& ready, const GradientBlocks* blocks,
+                                const ParameterBlocks* params) {
   const int r = s.rank(), B = s.batch(), mine = s.mine();
   Replica& rep = s.replica();
   Ops& ops = s.device().ops();
@@ -34,9 +35,10 @@ void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& 
   const BatchNormPass bn = s.batchnorm();
   s.phase(Phase::forward, [&] {
     if (mine > 0)
-      logits = rep.net->forward(rep.params.f(), up.x.f(), mine, &bn);
+      logits = params ? rep.net->forward(*params, up.x.f(), mine, &bn)
+                      : rep.net->forward(rep.params.f(), up.x.f(), mine, &bn);
     else
-      rep.net->forward_without_samples(&bn);
+      rep.net->forward_without_samples(&bn, params);
   });
   // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly.
   s.phase(Phase::gather_loss, [&] {
@@ -44,10 +46,12 @@ void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& 
     if (mine > 0) ops.softmax_xent(mine, int(C), logits, up.y.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
   });
   s.phase(Phase::backward, [&] {
-    if (blocks && mine > 0)
+    if (blocks && params && mine > 0)
+      rep.net->backward(*params, *blocks, rep.dlogits.f(), mine, ready, &bn);
+    else if (blocks && mine > 0)
       rep.net->backward(rep.params.f(), *blocks, rep.dlogits.f(), mine, ready, &bn);
     else if (blocks)
-      rep.net->backward_without_samples(*blocks, ready, &bn);
+      rep.net->backward_without_samples(*blocks, ready, &bn, params);
     else if (mine > 0)
       rep.net->backward(rep.params.f(), rep.grads.f(), rep.dlogits.f(), mine, ready, &bn);
     else

@@ -27,9 +27,10 @@ class OwnBatch : public Strategy {
   // The step up to the reduction: load, BatchNorm's broadcast (DDP's broadcast_buffers), forward, the
   // loss (weighted 1/B, so that the devices' gradients sum to the global batch's) and backward;
   // `ready` (may be empty) is told each parameterised layer as backward finishes its gradient, which
-  // goes to the replica's flat gradient buffer or, given `blocks`, where those put it.
+  // goes to the replica's flat gradient buffer or, given `blocks`, where those put it; the weights are
+  // read from the replica's flat parameters or, given `params`, where those put them.
   static void forward_backward(StepContext& s, const std::function<void(int)>& ready,
-                               const GradientBlocks* blocks = nullptr);
+                               const GradientBlocks* blocks = nullptr, const ParameterBlocks* params = nullptr);
   // The memory model's lines for the rows and logit gradients every device holds.
   static std::vector<Holding> batch_holdings(const ModelSpec& spec, const EngineConfig& c, int n);
 };

@@ -16,10 +16,10 @@
 // backward (the trace shows them as bucket spans), not overlapped with it on the communication thread
 // as allreduce's buckets are: not built yet.
 #include <algorithm>
-#include <chrono>
 
 #include "engine/optimizer.h"
 #include "engine/strategies/own_batch.h"
+#include "engine/strategies/sharded.h"
 
 namespace dp {
 namespace {
@@ -33,7 +33,11 @@ class Zero2 final : public OwnBatch {
   int zero_stage() const override { return 2; }
 
   void step(StepContext& s) const override {
-    reduce_in_backward(s);
+    {
+      BucketReducer reduce(s);  // each bucket's gradient buffer freed as soon as it is reduce-scattered
+      forward_backward(s, reduce.ready(), &reduce.blocks());
+      s.close_buckets();
+    }
     const std::vector<ShardUnit>& units = s.units();
     Replica& rep = s.replica();
     s.phase(Phase::optimizer, [&] {
@@ -80,16 +84,7 @@ class Zero2 final : public OwnBatch {
   std::vector<Holding> holdings(const ModelSpec& spec, const EngineConfig& c, int n,
                                 std::string& heading) const override {
     const int64_t F = sizeof(float);
-    std::vector<Bucket> layers;  // the buckets without --bucket-kb: one per parameterised layer
-    for (int i = int(spec.layers.size()) - 1; i >= 0; --i)
-      if (spec.layers[size_t(i)].weight >= 0) {
-        const Layer& l = spec.layers[size_t(i)];
-        const int64_t lo = spec.params[size_t(l.weight)].offset;
-        const int64_t hi = l.bias >= 0 ? spec.params[size_t(l.bias)].offset + spec.params[size_t(l.bias)].size
-                                       : lo + spec.params[size_t(l.weight)].size;
-        layers.push_back({lo, hi - lo, 1});
-      }
-    const std::vector<ShardUnit> units = shard_units(layers, n);
+    const std::vector<ShardUnit> units = layer_units(spec, n);
     const int64_t owned = units.back().owned + units.back().chunk;
     int64_t largest = 0;
     for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
@@ -114,42 +109,6 @@ class Zero2 final : public OwnBatch {
   bool skewed(const EngineConfig&) const override { return false; }
 
  private:
-  // Forward and backward, each bucket's gradients written to a buffer of their own, reduce-scattered
-  // as soon as backward has finished the bucket, this device's chunk kept and the buffer freed.
-  static void reduce_in_backward(StepContext& s) {
-    const int r = s.rank(), n = s.comm().world();
-    Replica& rep = s.replica();
-    Device& dev = s.device();
-    const ModelSpec& spec = s.spec();
-    const std::vector<ShardUnit>& units = s.units();
-    std::vector<Buffer> bucket(units.size());
-    std::vector<int> remaining;
-    for (const Bucket& b : s.buckets()) remaining.push_back(b.layers);
-    const GradientBlocks blocks = [&](int layer) {
-      const size_t u = size_t(s.layer_bucket(layer));
-      const ShardUnit& unit = units[u];
-      if (!bucket[u]) {
-        bucket[u] = dev.alloc_floats(unit.chunk * n, Category::gradients);
-        dev.ops().fill(unit.chunk * n - unit.count, 0.0f, bucket[u].f() + unit.count);  // the padding
-      }
-      return bucket[u].f() + (spec.params[size_t(spec.layers[size_t(layer)].weight)].offset - unit.offset);
-    };
-    auto ready = [&](int layer) {
-      const int u = s.layer_bucket(layer);
-      if (--remaining[size_t(u)] > 0) return;
-      const ShardUnit& unit = units[size_t(u)];
-      Interval* t = s.bucket_timing(u);
-      if (t) t->start = std::chrono::steady_clock::now();
-      s.comm().reduce_scatter(r, bucket[size_t(u)].f(), unit.chunk);
-      dev.copy(rep.grads.f() + unit.owned, bucket[size_t(u)].f() + unit.chunk * s.shard(),
-               size_t(unit.chunk) * sizeof(float));
-      if (t) t->end = std::chrono::steady_clock::now();
-      bucket[size_t(u)] = Buffer();  // ZeRO-2 keeps the chunk alone
-    };
-    forward_backward(s, ready, &blocks);
-    s.close_buckets();
-  }
-
   // Each unit's parameters through a buffer of n chunks, all-gathered: every device's updated chunk
   // into every replica.
   static void gather_parameters(StepContext& s) {

@@ -1,0 +1,123 @@
+// --sync zero3: ZeRO stage 3 (Rajbhandari et al., arXiv 1910.02054; DeepSpeed's stage 3; PyTorch
+// FSDP's FULL_SHARD and FSDP2's fully_shard). As zero2, and each device keeps only its chunks of the
+// parameters too: a layer's weights are all-gathered from every device's chunk just before forward
+// uses them and freed after, and gathered again for backward (LayerGatherer, sharded.h); the
+// gradients are reduce-scattered bucket by bucket as in zero2, and each device steps the optimizer on
+// its chunks, which are all it keeps. An evaluation, a checkpoint, --verify and the report's hashes
+// gather the whole model for the moment they need it (FSDP's summon_full_params).
+//
+// A device holds its 1/n of the parameters, gradients and optimizer state, plus the layers being
+// gathered (the prefix's convolutions together, each other layer alone) and the bucket backward is
+// writing. Per step each device sends and receives (n-1) chunks of every unit in each of three
+// collectives (two all-gathers, one reduce-scatter): 3(n-1)/n·P and the padding, half as much again
+// as the ring all-reduce, the price the ZeRO paper gives for stage 3.
+//
+// One process only for now: Engine::params() gathers from this process's devices, and across
+// processes rank 0 saves and hashes alone.
+#include <algorithm>
+
+#include "engine/optimizer.h"
+#include "engine/strategies/own_batch.h"
+#include "engine/strategies/sharded.h"
+
+namespace dp {
+namespace {
+
+class Zero3 final : public OwnBatch {
+ public:
+  const char* name() const override { return "zero3"; }
+  const char* mirrors() const override { return "ZeRO-3, FSDP FULL_SHARD"; }
+  const char* reduces() const override { return "reduce-scatters its gradients bucket by bucket"; }
+  bool takes_buckets() const override { return true; }
+  const char* one_process_only() const override {
+    return "not built across processes yet: its whole model is gathered within one process (for checkpoints, "
+           "--verify and the report)";
+  }
+  int zero_stage() const override { return 3; }
+
+  void step(StepContext& s) const override {
+    {
+      LayerGatherer gather(s);  // forward's layers, then backward's, each gathered and freed in turn
+      BucketReducer reduce(s);
+      forward_backward(s, reduce.ready(), &reduce.blocks(), &gather.blocks());
+      s.close_buckets();
+    }
+    s.phase(Phase::optimizer, [&] {
+      // The device's chunks are all it keeps: the padding steps too, zeros with zero gradients.
+      Replica& rep = s.replica();
+      Ops& ops = s.device().ops();
+      const int64_t owned = s.units().back().owned + s.units().back().chunk;
+      ops.flag_nonfinite(owned, rep.grads.f(), rep.stats.f() + kNonfinite);
+      optimizer_step(ops, s.config(), owned, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step());
+    });
+  }
+
+  bool has_phase(Phase p) const override {
+    return p != Phase::scatter && p != Phase::reduce && p != Phase::gather;
+  }
+  const char* phase_name(Phase p) const override {
+    if (p == Phase::gather_loss) return "loss";
+    if (p == Phase::forward) return "all-gather+forward";
+    if (p == Phase::backward) return "all-gather+backward+reduce-scatter";
+    return Strategy::phase_name(p);
+  }
+  bool communicates(Phase p) const override { return p == Phase::broadcast; }
+
+  // Per unit of c floats (a bucket): an all-gather before forward, another before backward and a
+  // reduce-scatter after it, each of n chunks of ceil(c / n), each device sending and receiving (n-1)
+  // of them. BatchNorm's collectives interleave with them in time; the bytes are the same.
+  std::vector<CollectiveTraffic> step_collectives(const StepShape& s) const override {
+    ByteModel m(s.devices(), s.all_reduce);
+    if (s.devices() == 1) return m.take();
+    const std::vector<ShardUnit> units = shard_units(s.buckets, s.devices());
+    m.batchnorm(s.spec, s.sync_bn, false);
+    m.batchnorm(s.spec, s.sync_bn, true);
+    for (size_t u = units.size(); u-- > 0;)
+      m.sharded(Collective::all_gather, "forward's parameters of bucket " + std::to_string(u), units[u].chunk);
+    for (size_t u = 0; u < units.size(); ++u) {
+      m.sharded(Collective::all_gather, "backward's parameters of bucket " + std::to_string(u), units[u].chunk);
+      m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
+    }
+    return m.take();
+  }
+
+  std::vector<Holding> holdings(const ModelSpec& spec, const EngineConfig& c, int n,
+                                std::string& heading) const override {
+    const int64_t F = sizeof(float);
+    const std::vector<ShardUnit> units = layer_units(spec, n);
+    const int64_t owned = units.back().owned + units.back().chunk;
+    int64_t largest = 0;
+    for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
+    const int b = std::max(1, split_batch(c.batch, n, c.split)[0]);
+    const std::string sn = std::to_string(n);
+    heading = "every device holds the same: activations and workspace for its own " + std::to_string(b) +
+              " images, and";
+    std::vector<Holding> h = batch_holdings(spec, c, n);
+    h.push_back({Category::parameters, (owned + largest) * F,
+                 "its 1/" + sn + " of every layer's parameters, " + commas(owned) +
+                     " floats, and the whole of the largest layer while forward or backward uses it, " +
+                     commas(largest) + " floats (padded)"});
+    h.push_back({Category::gradients, (owned + largest) * F,
+                 "its 1/" + sn + " of every layer's gradient, " + commas(owned) +
+                     " floats, and at most the largest layer's whole while backward writes it, " + commas(largest) +
+                     " floats (padded)"});
+    if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
+      h.push_back({Category::optimizer, states * owned * F,
+                   "1/" + sn + " of every layer's " + optimizer_state_text(c) + ": the chunks it owns and updates"});
+    return h;
+  }
+  std::string memory_note(const EngineConfig&) const override {
+    return "zero3: every device holds its own 1/n of each bucket's parameters, gradients and optimizer state, and "
+           "the layers it is gathering";
+  }
+  bool skewed(const EngineConfig&) const override { return false; }
+};
+
+}  // namespace
+
+const Strategy& zero3_strategy() {
+  static const Zero3 s;
+  return s;
+}
+
+}  // namespace dp
