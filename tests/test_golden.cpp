@@ -126,13 +126,14 @@ TEST_CASE("loss, logits and every gradient match PyTorch, and 3 SGD steps follow
       }
     }
 
-    // Three SGD steps with momentum and weight decay, on 1 device and data-parallel on 3.
+    // Three SGD steps with momentum and weight decay, on 1 device and data-parallel on 3 under every strategy.
     const std::vector<float> want3 = flat(g, spec, "step3.");
     const std::vector<float> loss3 = floats(g.tensors.at("loss3"));
-    for (auto [n_, sync_] :
-         std::vector<std::pair<int, std::string>>{{1, "allreduce"}, {3, "scatter"}, {3, "allreduce"}, {3, "zero1"}}) {
-      const auto n = n_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
-      const auto sync = sync_;
+    std::vector<std::pair<int, std::string>> runs{{1, "allreduce"}};
+    for (const std::string& sync : dp::test::all_strategies()) runs.push_back({3, sync});
+    for (const auto& run : runs) {
+      const int n = run.first;  // not a structured binding: clang 14 cannot capture one (CAPTURE)
+      const std::string sync = run.second;
       CAPTURE(n);
       CAPTURE(sync);
       auto ds = dp::test::make_test_devices("cpu", n);

@@ -95,6 +95,15 @@ TEST_CASE("pytorch: a lenet5 checkpoint from two devices scores in PyTorch what 
   check_model("lenet5", "--batch 64 --epochs 2 --lr 0.5 --devices 2 --sync allreduce", 150);
 }
 
+// ZeRO-3's checkpoint is gathered from every device's chunks of the weights: the same file.
+TEST_CASE("pytorch: a lenet checkpoint from zero3 on three devices scores in PyTorch what it scored in dp") {
+  if (!have_torch()) {
+    MESSAGE("skipped: /usr/bin/python3 has no torch (Debian: apt install python3-torch)");
+    return;
+  }
+  check_model("lenet", "--batch 32 --epochs 2 --lr 0.05 --devices 3 --sync zero3", 200);
+}
+
 TEST_CASE(
     "pytorch: a lenet-bn checkpoint (BatchNorm, SyncBatchNorm on two devices) scores in PyTorch what it did in dp") {
   if (!have_torch()) {

@@ -52,9 +52,7 @@ class Zero3 final : public OwnBatch {
     });
   }
 
-  bool has_phase(Phase p) const override {
-    return p != Phase::scatter && p != Phase::reduce && p != Phase::gather;
-  }
+  bool has_phase(Phase p) const override { return p != Phase::scatter && p != Phase::reduce && p != Phase::gather; }
   const char* phase_name(Phase p) const override {
     if (p == Phase::gather_loss) return "loss";
     if (p == Phase::forward) return "all-gather+forward";
@@ -90,8 +88,8 @@ class Zero3 final : public OwnBatch {
     for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
     const int b = std::max(1, split_batch(c.batch, n, c.split)[0]);
     const std::string sn = std::to_string(n);
-    heading = "every device holds the same: activations and workspace for its own " + std::to_string(b) +
-              " images, and";
+    heading =
+        "every device holds the same: activations and workspace for its own " + std::to_string(b) + " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
     h.push_back({Category::parameters, (owned + largest) * F,
                  "its 1/" + sn + " of every layer's parameters, " + commas(owned) +
