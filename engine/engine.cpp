@@ -47,7 +47,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   if (cfg_.group && cfg_.group->size() > 1) {
     if (const char* why = strategy_.one_process_only())
       throw UsageError("--sync " + std::string(strategy_.name()) + ": " + why +
-                       "; across processes use --sync allreduce, zero1 or zero2");
+                       "; across processes use --sync allreduce or a ZeRO stage (zero1, zero2, zero3)");
     world_ = cfg_.group->size() * n, first_ = cfg_.group->rank() * n;
     comm_ = make_process_communicator(devices_, *cfg_.group);  // NCCL on GPUs, MPI otherwise
   } else {

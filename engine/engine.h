@@ -37,8 +37,8 @@ class Engine {
   ~Engine();
 
   // Host copies of device 0's parameters; setting them places them on device 0 and broadcasts them
-  // to every replica. Under zero3 each device holds its chunks: params() gathers them (every device
-  // of this process takes part) and setting them splits them.
+  // to every replica. Under zero3 each device holds its chunks: params() gathers them (a collective:
+  // every device of every process of the job takes part) and setting them splits them.
   std::vector<float> params(int rank = 0);
   void set_params(const std::vector<float>& host);
   // The optimizer's state (optimizer_state_names: SGD's momentum buffer, Adam's two moments; none

@@ -11,8 +11,9 @@ namespace dp {
 void check_job_options(const TrainOptions& o, int processes) {
   const std::string across = " across processes (mpirun -np " + std::to_string(processes) + ")";
   if (const char* why = find_strategy(o.sync).one_process_only())
-    throw UsageError("--sync " + o.sync + across + ": " + why +
-                     "; across processes use --sync allreduce (as DDP and Horovod do), zero1 or zero2");
+    throw UsageError(
+        "--sync " + o.sync + across + ": " + why +
+        "; across processes use --sync allreduce (as DDP and Horovod do) or a ZeRO stage (zero1, zero2, zero3)");
   if (o.all_reduce != AllReduceAlgorithm::ring)
     throw UsageError("--allreduce naive" + across +
                      ": not supported; the ring is (NCCL's over every GPU of every process on GPUs, the hierarchical "

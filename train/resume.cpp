@@ -128,7 +128,8 @@ Resumed resume_checkpoint(const TrainOptions& o, const ModelSpec& spec, const Ru
 // updated shards all-gathered); under scatter only device 0 runs the optimizer and holds the weights,
 // the others get them by broadcast at the next step. The optimizer state is device 0's, or gathered
 // from every device's shard (Engine::optimizer_state).
-void CheckpointSaver::save(Engine& engine, int64_t global_step, std::vector<std::vector<float>> state) {
+void CheckpointSaver::save(Engine& engine, int64_t global_step, std::vector<float> weights,
+                           std::vector<std::vector<float>> state) {
   if (saved_step_ == global_step) return;
   std::map<std::string, std::string> position(id_.required.begin(), id_.required.end());
   position.insert(id_.exact_only.begin(), id_.exact_only.end());
@@ -138,7 +139,7 @@ void CheckpointSaver::save(Engine& engine, int64_t global_step, std::vector<std:
   position["limit_train"] = std::to_string(o_.limit_train);
   position["dp_version"] = version();  // informational: loading neither needs nor checks it
   Checkpoint c;
-  c.params = engine.params();
+  c.params = std::move(weights);
   const std::vector<std::string> names = optimizer_state_names(engine.config());
   bool finite = all_finite(c.params);
   for (size_t i = 0; i < names.size(); ++i) {

@@ -42,11 +42,12 @@ class CheckpointSaver {
  public:
   CheckpointSaver(const TrainOptions& o, const ModelSpec& spec, const RunIdentity& id, int64_t per_epoch)
       : o_(o), spec_(spec), id_(id), per_epoch_(per_epoch) {}
-  // Between steps only, `global_step` the steps taken; once per step. `optimizer_state` is
-  // engine.optimizer_state(), taken by the caller (under a sharded strategy every process gathers it
-  // together; rank 0 alone saves). Weights that overflowed in the update are never written:
-  // NumericalError, the previous checkpoint kept.
-  void save(Engine& engine, int64_t global_step, std::vector<std::vector<float>> optimizer_state);
+  // Between steps only, `global_step` the steps taken; once per step. `weights` and
+  // `optimizer_state` are engine.params() and engine.optimizer_state(), taken by the caller (under a
+  // sharded strategy every process gathers them together; rank 0 alone saves). Weights that
+  // overflowed in the update are never written: NumericalError, the previous checkpoint kept.
+  void save(Engine& engine, int64_t global_step, std::vector<float> weights,
+            std::vector<std::vector<float>> optimizer_state);
   // What --save holds now, for an error that stops the run: "the last good checkpoint (step 40) in
   // ck.safetensors is kept", "ck.safetensors is left as it was" or "nothing was saved".
   std::string kept() const;

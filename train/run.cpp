@@ -117,10 +117,14 @@ Run::Run(const TrainOptions& o, const Schedule& plan, Engine& engine, Checkpoint
 
 void Run::save() {
   signals_.doing(Activity::save);
-  // A sharded optimizer state is gathered from every process's devices: every rank takes part.
+  // A sharded optimizer state (and zero3's weights) is gathered from every process's devices: every
+  // rank takes part.
+  const int stage = engine_.strategy().zero_stage();
   std::vector<std::vector<float>> state;
-  if (lead() || engine_.strategy().zero_stage() > 0) state = engine_.optimizer_state();
-  if (lead()) io([&] { saver_.save(engine_, step_, std::move(state)); });
+  std::vector<float> weights;
+  if (lead() || stage > 0) state = engine_.optimizer_state();
+  if (lead() || stage == 3) weights = engine_.params();
+  if (lead()) io([&] { saver_.save(engine_, step_, std::move(weights), std::move(state)); });
   if (group_) group_->barrier(Deadline::after(o_.timeout), "the barrier after rank 0's checkpoint");
   signals_.kept(kept());
 }

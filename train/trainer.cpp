@@ -85,7 +85,10 @@ void finish(Run& run, SignalGuard& signals, const TrainOptions& opt, const Prepa
   if (opt.verify) {
     signals.doing(Activity::verify);
     VerifyResult v;
-    if (verify) v = verify->compare(engine, engine.config().batch);  // the batch trained, not --batch
+    // Under zero3 the weights are gathered from every process's devices: every rank takes part.
+    std::vector<float> weights;
+    if (verify || engine.strategy().zero_stage() == 3) weights = engine.params();
+    if (verify) v = verify->compare(weights, engine.config().batch);  // the batch trained, not --batch
     if (g) broadcast_verify(*g, v, opt.timeout);
     result.verify_max_diff = v.max_diff, result.verify_tolerance = v.tolerance, result.verify_ok = v.ok;
   }

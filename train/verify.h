@@ -34,10 +34,10 @@ class Verifier {
   Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state);
   // The step the run just took, on the same batch x (n, C, H, W), labels y (n).
   void step(const float* x, const int32_t* y, int n) { engine_->step(x, y, n); }
-  // The run's weights against the reference's after the same steps, `batch` the batch each step
-  // trained (--batch, or the training set where that is smaller: the bound grows with it); prints
-  // the verify line.
-  VerifyResult compare(Engine& run, int batch);
+  // The run's weights (Engine::params()) against the reference's after the same steps, `batch` the
+  // batch each step trained (--batch, or the training set where that is smaller: the bound grows with
+  // it); prints the verify line.
+  VerifyResult compare(const std::vector<float>& weights, int batch);
 
  private:
   DeviceSet devices_;  // declared before engine_: outlives it

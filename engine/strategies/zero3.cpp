@@ -4,16 +4,14 @@
 // uses them and freed after, and gathered again for backward (LayerGatherer, sharded.h); the
 // gradients are reduce-scattered bucket by bucket as in zero2, and each device steps the optimizer on
 // its chunks, which are all it keeps. An evaluation, a checkpoint, --verify and the report's hashes
-// gather the whole model for the moment they need it (FSDP's summon_full_params).
+// gather the whole model for the moment they need it (FSDP's summon_full_params), every process of
+// a job taking part. Across processes (mpirun) hierarchically, as zero1 and zero2.
 //
 // A device holds its 1/n of the parameters, gradients and optimizer state, plus the layers being
 // gathered (the prefix's convolutions together, each other layer alone) and the bucket backward is
 // writing. Per step each device sends and receives (n-1) chunks of every unit in each of three
 // collectives (two all-gathers, one reduce-scatter): 3(n-1)/n·P and the padding, half as much again
 // as the ring all-reduce, the price the ZeRO paper gives for stage 3.
-//
-// One process only for now: Engine::params() gathers from this process's devices, and across
-// processes rank 0 saves and hashes alone.
 #include <algorithm>
 
 #include "engine/optimizer.h"
@@ -29,10 +27,6 @@ class Zero3 final : public OwnBatch {
   const char* mirrors() const override { return "ZeRO-3, FSDP FULL_SHARD"; }
   const char* reduces() const override { return "reduce-scatters its gradients bucket by bucket"; }
   bool takes_buckets() const override { return true; }
-  const char* one_process_only() const override {
-    return "not built across processes yet: its whole model is gathered within one process (for checkpoints, "
-           "--verify and the report)";
-  }
   int zero_stage() const override { return 3; }
 
   void step(StepContext& s) const override {
