@@ -86,9 +86,11 @@ void device_lanes(Engine& e, int r, TraceBuilder& t, bool job) {
     t.span("evaluate", "evaluate", r, s.start_us, s.end_us, {{"step", s.step}, {"images", s.images}});
   if (e.buckets().empty()) return;  // one all-reduce after backward: the device lane's "all-reduce"
   t.lane(n + r, name + " comm", 2 * r + 1);
+  // The bucket's collective by the strategy's name for its reduction: "all-reduce", "reduce-scatter".
+  const std::string collective = e.strategy().phase_name(Phase::reduce);
   for (const BucketSpan& s : rec.bucket_spans()[r]) {
     const Bucket& b = e.buckets()[size_t(s.bucket)];
-    t.span("all-reduce bucket " + std::to_string(s.bucket), "all-reduce", n + r, s.start_us, s.end_us,
+    t.span(collective + " bucket " + std::to_string(s.bucket), collective.c_str(), n + r, s.start_us, s.end_us,
            {{"step", s.step}, {"bucket", s.bucket}, {"bytes", b.count * int64_t(sizeof(float))}, {"layers", b.layers}});
   }
 }

@@ -60,6 +60,7 @@ class Zero2 final : public OwnBatch {
   bool has_phase(Phase p) const override { return p != Phase::scatter && p != Phase::reduce; }
   const char* phase_name(Phase p) const override {
     if (p == Phase::gather_loss) return "loss";
+    if (p == Phase::reduce) return "reduce-scatter";  // inside backward: the trace's bucket spans
     if (p == Phase::backward) return "backward+reduce-scatter";
     return Strategy::phase_name(p);
   }

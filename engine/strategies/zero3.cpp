@@ -49,6 +49,7 @@ class Zero3 final : public OwnBatch {
   bool has_phase(Phase p) const override { return p != Phase::scatter && p != Phase::reduce && p != Phase::gather; }
   const char* phase_name(Phase p) const override {
     if (p == Phase::gather_loss) return "loss";
+    if (p == Phase::reduce) return "reduce-scatter";  // inside backward: the trace's bucket spans
     if (p == Phase::forward) return "all-gather+forward";
     if (p == Phase::backward) return "all-gather+backward+reduce-scatter";
     return Strategy::phase_name(p);
