@@ -1,6 +1,9 @@
 #include "engine/strategies/sharded.h"
 
+#include <algorithm>
 #include <chrono>
+
+#include "engine/optimizer.h"
 
 namespace dp {
 
@@ -12,6 +15,30 @@ std::vector<ShardUnit> layer_units(const ModelSpec& spec, int n) {
       layers.push_back({w.offset, w.size + (b ? b->size : 0), 1});
     }
   return shard_units(layers, n);
+}
+
+std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig& c, int n, bool parameters) {
+  const int64_t F = sizeof(float);
+  const std::vector<ShardUnit> units = layer_units(spec, n);
+  const int64_t owned = units.back().owned + units.back().chunk;
+  int64_t largest = 0;
+  for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
+  const std::string share = "its 1/" + std::to_string(n) + " of every layer's ", floats = commas(owned) + " floats";
+  std::vector<Holding> h;
+  if (parameters)
+    h.push_back({Category::parameters, (owned + largest) * F,
+                 share + "parameters, " + floats +
+                     ", and the whole of the largest layer while forward or backward uses "
+                     "it, " +
+                     commas(largest) + " floats (padded)"});
+  h.push_back({Category::gradients, (owned + largest) * F,
+               share + "gradient, " + floats + ", and at most the largest layer's whole while backward writes it, " +
+                   commas(largest) + " floats (padded)"});
+  if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
+    h.push_back({Category::optimizer, states * owned * F,
+                 "1/" + std::to_string(n) + " of every layer's " + optimizer_state_text(c) +
+                     ": the chunks it owns and updates"});
+  return h;
 }
 
 BucketReducer::BucketReducer(StepContext& s) : s_(s), bucket_(s.units().size()) {

@@ -17,6 +17,11 @@ namespace dp {
 // models of zero2 and zero3).
 std::vector<ShardUnit> layer_units(const ModelSpec& spec, int n);
 
+// The memory model's lines for what zero2 (and, with `parameters`, zero3) keeps of the model on each
+// of n devices: its 1/n of every layer's gradient (and weights) and optimizer state, plus the whole of
+// the largest layer while a pass uses it.
+std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig& c, int n, bool parameters);
+
 // Backward writes a bucket's gradients into a buffer of that bucket alone, which is reduce-scattered
 // as soon as backward has finished the bucket (on the compute thread, timed as the bucket's span);
 // the device keeps its chunk of the sum in its gradient chunks and frees the buffer. One per step.

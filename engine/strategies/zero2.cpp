@@ -84,23 +84,11 @@ class Zero2 final : public OwnBatch {
 
   std::vector<Holding> holdings(const ModelSpec& spec, const EngineConfig& c, int n,
                                 std::string& heading) const override {
-    const int64_t F = sizeof(float);
-    const std::vector<ShardUnit> units = layer_units(spec, n);
-    const int64_t owned = units.back().owned + units.back().chunk;
-    int64_t largest = 0;
-    for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
     const int b = std::max(1, split_batch(c.batch, n, c.split)[0]);
-    const std::string sn = std::to_string(n);
     heading = "every device holds the same: parameters, activations and workspace for its own " + std::to_string(b) +
               " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
-    h.push_back({Category::gradients, (owned + largest) * F,
-                 "its 1/" + sn + " of every layer's gradient, " + commas(owned) +
-                     " floats, and at most the largest layer's whole while backward writes it, " + commas(largest) +
-                     " floats (padded)"});
-    if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
-      h.push_back({Category::optimizer, states * owned * F,
-                   "1/" + sn + " of every layer's " + optimizer_state_text(c) + ": the chunks it owns and updates"});
+    for (Holding& s : sharded_holdings(spec, c, n, false)) h.push_back(std::move(s));
     return h;
   }
   std::string memory_note(const EngineConfig&) const override {
