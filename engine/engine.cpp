@@ -63,7 +63,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   const int stage = strategy_.zero_stage();
   if (stage > 0) {
     units_ = shard_units(stage == 1 ? std::vector<Bucket>{{0, P, 0}} : buckets_, world_);
-    owned_ = units_.back().owned + units_.back().chunk;
+    owned_ = owned_floats(units_);
   }
   const int64_t flat = stage == 1 ? owned_ * world_ : stage == 3 ? owned_ : P, state = stage > 0 ? owned_ : P;
   const int64_t grads = stage >= 2 ? owned_ : flat;

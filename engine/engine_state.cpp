@@ -14,9 +14,7 @@ Buffer Engine::gather_parameters(int rank) {
   Buffer whole = dev.alloc_floats(spec_.param_count, Category::parameters);
   for (const ShardUnit& u : units_) {
     Buffer unit = dev.alloc_floats(u.chunk * world_, Category::comm);
-    dev.copy(unit.f() + u.chunk * comm_->shard(rank), replicas_[rank]->params.f() + u.owned,
-             size_t(u.chunk) * sizeof(float));
-    comm_->all_gather(rank, unit.f(), u.chunk);
+    gather_unit(*comm_, rank, u, replicas_[rank]->params.f(), unit.f());
     dev.copy(whole.f() + u.offset, unit.f(), size_t(u.count) * sizeof(float));
     dev.synchronize();
   }
@@ -71,9 +69,7 @@ std::vector<std::vector<float>> Engine::optimizer_state() {
     for (const ShardUnit& u : units_) {
       Buffer whole = dev.alloc_floats(u.chunk * world_, Category::comm);
       for (size_t i = 0; i < states; ++i) {
-        dev.copy(whole.f() + u.chunk * comm_->shard(r), replicas_[r]->state[i].f() + u.owned,
-                 size_t(u.chunk) * sizeof(float));
-        comm_->all_gather(r, whole.f(), u.chunk);
+        gather_unit(*comm_, r, u, replicas_[r]->state[i].f(), whole.f());
         if (r == 0) dev.download(host[i].data() + u.offset, whole.f(), size_t(u.count) * sizeof(float));
       }
       dev.synchronize();

@@ -40,6 +40,13 @@ struct ShardUnit {
 };
 // The units of the given contiguous ranges (buckets), in their order, over n devices.
 std::vector<ShardUnit> shard_units(const std::vector<Bucket>& ranges, int n);
+// The floats of a device's chunks, every unit's together: the size of its shard buffers.
+inline int64_t owned_floats(const std::vector<ShardUnit>& units) {
+  return units.empty() ? 0 : units.back().owned + units.back().chunk;
+}
+// Unit u whole on device `rank`: its chunk, from the device's shard buffer `chunks`, to its place in
+// `whole` (u.chunk floats per device of the job), then all-gathered from every device's.
+void gather_unit(Communicator& comm, int rank, const ShardUnit& u, const float* chunks, float* whole);
 
 // A replica's stats buffer: the loss sum, the correct count and, on device 0 after a step, 1 where
 // the step's gradient held a value that is not finite (else 0).

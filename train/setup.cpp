@@ -104,10 +104,10 @@ int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_device
   EngineConfig c;
   c.optimizer = o.optimizer, c.momentum = o.momentum;
   const int64_t P = spec.param_count, states = int64_t(optimizer_state_names(c).size());
-  const int64_t kept = find_strategy(o.sync).zero_stage() > 0 ? shard_chunk(P, job_devices) : P;
+  const int stage = find_strategy(o.sync).zero_stage();
+  const int64_t kept = stage > 0 ? shard_chunk(P, job_devices) : P;
   int64_t per_sample = 0;
   for (const Layer& l : spec.layers) per_sample += l.out_size();
-  const int stage = find_strategy(o.sync).zero_stage();
   const int64_t params = stage >= 3 ? kept : P, grads = stage >= 2 ? kept : P;
   return int64_t(sizeof(float)) * (params + grads + states * kept + 2 * per_sample * share);
 }

@@ -20,7 +20,7 @@ std::vector<ShardUnit> layer_units(const ModelSpec& spec, int n) {
 std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig& c, int n, bool parameters) {
   const int64_t F = sizeof(float);
   const std::vector<ShardUnit> units = layer_units(spec, n);
-  const int64_t owned = units.back().owned + units.back().chunk;
+  const int64_t owned = owned_floats(units);
   int64_t largest = 0;
   for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
   const std::string share = "its 1/" + std::to_string(n) + " of every layer's ", floats = commas(owned) + " floats";
@@ -72,11 +72,8 @@ LayerGatherer::LayerGatherer(StepContext& s) : s_(s), gathered_(s.units().size()
     const size_t u = size_t(s_.layer_bucket(layer));
     const ShardUnit& unit = s_.units()[u];
     if (!gathered_[u]) {
-      Device& dev = s_.device();
-      gathered_[u] = dev.alloc_floats(unit.chunk * s_.comm().world(), Category::parameters);
-      dev.copy(gathered_[u].f() + unit.chunk * s_.shard(), s_.replica().params.f() + unit.owned,
-               size_t(unit.chunk) * sizeof(float));
-      s_.comm().all_gather(s_.rank(), gathered_[u].f(), unit.chunk);
+      gathered_[u] = s_.device().alloc_floats(unit.chunk * s_.comm().world(), Category::parameters);
+      gather_unit(s_.comm(), s_.rank(), unit, s_.replica().params.f(), gathered_[u].f());
     }
     return gathered_[u].f() + (s_.spec().params[size_t(s_.spec().layers[size_t(layer)].weight)].offset - unit.offset);
   };

@@ -42,8 +42,7 @@ class Zero2 final : public OwnBatch {
     Replica& rep = s.replica();
     s.phase(Phase::optimizer, [&] {
       Ops& ops = s.device().ops();
-      const int64_t owned = units.back().owned + units.back().chunk;
-      ops.flag_nonfinite(owned, rep.grads.f(), rep.stats.f() + kNonfinite);  // every chunk it owns
+      ops.flag_nonfinite(owned_floats(units), rep.grads.f(), rep.stats.f() + kNonfinite);  // every chunk it owns
       for (const ShardUnit& u : units) {
         const int64_t first = u.offset + u.chunk * s.shard();
         const int64_t count = std::clamp<int64_t>(u.offset + u.count - first, 0, u.chunk);

@@ -40,7 +40,7 @@ class Zero3 final : public OwnBatch {
       // The device's chunks are all it keeps: the padding steps too, zeros with zero gradients.
       Replica& rep = s.replica();
       Ops& ops = s.device().ops();
-      const int64_t owned = s.units().back().owned + s.units().back().chunk;
+      const int64_t owned = owned_floats(s.units());
       ops.flag_nonfinite(owned, rep.grads.f(), rep.stats.f() + kNonfinite);
       optimizer_step(ops, s.config(), owned, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step());
     });
