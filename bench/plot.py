@@ -38,6 +38,7 @@ CATEGORY_COLORS = {
     "outputs": "#fdae6b",
     "comm": "#756bb1",
     "workspace": "#636363",
+    "gathered": "#9ecae1",
 }
 
 

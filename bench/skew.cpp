@@ -93,9 +93,9 @@ struct Trial {
   int64_t peak0 = 0, peak_others = 0;  // device 0's peak, the largest of the others'
 };
 
-// Builds an engine at global batch b and steps it. The search steps a single sample: every buffer
-// is sized for b when the engine is built, and the one allocated later (the communicator's
-// scratch, at the first reduce or all-reduce) depends on P only. `full` steps the whole batch.
+// Builds an engine at global batch b and steps it. The search steps a single sample: nearly every
+// buffer is sized for b when the engine is built, and the communicator's scratch (allocated at the
+// first reduce or all-reduce) depends on P only. `full` steps the whole batch.
 Trial try_batch(const std::vector<Device*>& devices, const Strategy* strategy, const ModelSpec& spec, int b,
                 const SkewOptions& o, const std::vector<float>& init, bool full) {
   Trial t;
@@ -154,6 +154,19 @@ Search search_batches(const std::vector<Device*>& devices, const Strategy* strat
   s.largest = lo;
   s.past = fail;
   if (lo > 0) s.at_largest = try_batch(devices, strategy, spec, lo, o, init, true);
+  if (lo == 0 || s.at_largest.fits) return s;
+  // What a single sample does not allocate (zero2's gradient buckets alive at once depend on whether
+  // the convolutions run in chunks, as a full batch does): the rest of the search steps full batches.
+  s.past = s.at_largest, s.at_largest = Trial();
+  for (hi = lo, lo = 0; hi - lo > 1;) {
+    const int mid = lo + (hi - lo) / 2;
+    Trial t = try_batch(devices, strategy, spec, mid, o, init, true);
+    if (t.fits)
+      lo = mid, s.at_largest = t;
+    else
+      hi = mid, s.past = t;
+  }
+  s.largest = lo;
   return s;
 }
 
@@ -199,6 +212,7 @@ bool print_strategy(const StrategySkew& s, const std::vector<std::string>& names
   for (auto& nm : names) head.push_back(nm);
   t.row(head);
   for (int c = 0; c < kCategories; ++c) {
+    if (!shown(Category(c), s.ledgers)) continue;
     std::vector<std::string> r{"  " + std::string(category_name(Category(c)))};
     for (auto& l : s.ledgers) r.push_back(format_bytes(l.at_peak[c]));
     t.row(r);

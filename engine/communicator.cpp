@@ -373,6 +373,17 @@ void Communicator::all_reduce_async(int rank, float* buf, int64_t count, Interva
   submit_comm(rank, timing, [this, rank, buf, count] { all_reduce(rank, buf, count); });
 }
 
+void Communicator::reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing) {
+  submit_comm(rank, timing, [this, rank, buf, chunk, out] {
+    reduce_scatter(rank, buf, chunk);
+    devices_[rank]->copy(out, buf + int64_t(shard(rank)) * chunk, size_t(chunk) * sizeof(float));
+  });
+}
+
+void Communicator::all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing) {
+  submit_comm(rank, timing, [this, rank, buf, chunk] { all_gather(rank, buf, chunk); });
+}
+
 void Communicator::wait(int rank) {
   std::exception_ptr first;
   for (auto& f : pending_[rank]) {

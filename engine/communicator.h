@@ -142,11 +142,21 @@ class Communicator {
   // chunks in either (the ring; counted so on every communicator, as nccl-tests counts them).
   virtual void reduce_scatter(int rank, float* buf, int64_t chunk);
   virtual void all_gather(int rank, float* buf, int64_t chunk);
+  // Their asynchronous forms, started on the rank's communication thread after the collectives
+  // started before them (zero2's and zero3's buckets overlapping backward), waited for by wait() as
+  // all_reduce_async is. reduce_scatter_async also leaves the owned chunk of the sum in `out` (chunk
+  // floats outside buf; NCCL writes it there directly). While any is pending, every collective of
+  // the rank goes through this queue, as the bucketed all-reduce's do.
+  virtual void reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing = nullptr);
+  virtual void all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing = nullptr);
   // The devices of the job (this communicator's in one process) and the chunk a device owns: its rank
   // in the job, unless the communicator lays the chunks out otherwise (ProcessCommunicator).
   virtual int world() const { return size(); }
   virtual int shard(int rank) const { return rank; }
 
+  // Grows the rank's ring scratch to `floats` (the largest chunk of the collectives to come), on the
+  // rank's thread while no collective of it runs: allocated there, not on the communication thread.
+  void reserve_scratch(int rank, int64_t floats) { scratch(rank, floats); }
   // Called when a rank fails: every rank waiting in, or later entering, a collective throws Aborted.
   void abort();
   // After a failed step, once every rank has returned (no rank thread uses the communicator): drop

@@ -55,6 +55,11 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   }
   comm_->set_all_reduce_algorithm(cfg_.all_reduce);
   comm_->set_timeout(cfg_.timeout);
+  allocate_replicas();
+}
+
+void Engine::allocate_replicas() {
+  const int n = size();
   const int64_t P = spec_.param_count;
   // The units of a sharded strategy: zero1 the whole model (its flat buffers padded), zero2 and
   // zero3 the gradient buckets; the optimizer state, zero2's and zero3's gradients and zero3's
@@ -93,6 +98,11 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     rep->net = std::make_unique<Network>(spec_, dev, b);
     rep->stats = dev.alloc_floats(kStats, Category::outputs);
     strategy_.allocate(dev, *rep, spec_, cfg_, r, b);
+    // zero2's and zero3's reduce-scatters run on the communication thread: the ring's scratch sized
+    // for the largest unit now, not grown there mid-step, where the ledger's peak would depend on
+    // which thread allocated first.
+    if (stage >= 2)
+      for (const ShardUnit& u : units_) comm_->reserve_scratch(r, u.chunk);
     dev.synchronize();
     replicas_[r] = std::move(rep);
   });

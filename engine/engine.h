@@ -105,6 +105,8 @@ class Engine {
   friend class StepContext;
   void run_all(const std::function<void(int rank)>& fn);
   void make_buckets();
+  // The gradient buckets, the sharded units and every device's Replica (the constructor's second half).
+  void allocate_replicas();
   // The rows of a batch of n that device `rank` uploads (the first and how many), by the strategy.
   std::pair<int, int> upload_rows(int rank, int n) const;
   void upload(int rank, const StagedBatch& b, bool ahead);

@@ -7,9 +7,16 @@
 namespace dp {
 
 const char* category_name(Category c) {
-  static const char* names[kCategories] = {"parameters", "gradients", "optimizer", "activations",
-                                           "inputs",     "outputs",   "comm",      "workspace"};
+  static const char* names[kCategories] = {"parameters", "gradients", "optimizer", "activations", "inputs",
+                                           "outputs",    "comm",      "workspace", "gathered"};
   return names[int(c)];
+}
+
+bool shown(Category c, const std::vector<LedgerSnapshot>& ledgers) {
+  if (c != Category::gathered) return true;
+  for (const LedgerSnapshot& l : ledgers)
+    if (l.peak[int(c)] > 0) return true;
+  return false;
 }
 
 std::string commas(int64_t v) {

@@ -5,11 +5,14 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace dp {
 
-enum class Category { parameters, gradients, optimizer, activations, inputs, outputs, comm, workspace };
-inline constexpr int kCategories = 8;
+// gathered: zero3's layers, all-gathered whole for the pass that uses them (booked by zero3 alone;
+// tables leave it out where no device booked any).
+enum class Category { parameters, gradients, optimizer, activations, inputs, outputs, comm, workspace, gathered };
+inline constexpr int kCategories = 9;
 const char* category_name(Category c);
 
 struct LedgerSnapshot {
@@ -20,6 +23,10 @@ struct LedgerSnapshot {
   int64_t total_peak = 0;
   std::string describe() const;  // "parameters 516.3 KB, gradients ..., total 3.1 MB"
 };
+
+// Whether a table of these ledgers has a row (column) for category c: every category but gathered,
+// which only where some device booked it (its peak).
+bool shown(Category c, const std::vector<LedgerSnapshot>& ledgers);
 
 class Ledger {
  public:

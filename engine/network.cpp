@@ -15,13 +15,19 @@ PoolShape pool_shape(const Layer& l, int n) { return {.n = n, .c = l.in_c, .h = 
 
 }  // namespace
 
+int Network::prefix_layers(const ModelSpec& spec) {
+  int n = 0;
+  while (n < int(spec.layers.size()) && spec.layers[n].kind != LayerKind::flatten &&
+         spec.layers[n].kind != LayerKind::linear && spec.layers[n].kind != LayerKind::batchnorm)
+    ++n;
+  return n;
+}
+
 Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
     : spec_(spec), dev_(dev), max_batch_(max_batch) {
   int64_t widest = spec.input_size();
   size_t ws = 0;
-  while (prefix_ < int(spec.layers.size()) && spec.layers[prefix_].kind != LayerKind::flatten &&
-         spec.layers[prefix_].kind != LayerKind::linear && spec.layers[prefix_].kind != LayerKind::batchnorm)
-    ++prefix_;
+  prefix_ = prefix_layers(spec);
   if (chunk < 0) chunk = dev.ops().preferred_chunk();
   if (chunk > 0 && max_batch > chunk) chunk_ = chunk;
   for (int i = 0; i < prefix_; i += step_layers(i)) steps_.push_back(i);

@@ -59,6 +59,10 @@ class Network {
  public:
   // chunk: samples per chunk of the prefix; 0: the whole batch at once; -1: what the device's Ops prefer.
   Network(const ModelSpec& spec, Device& device, int max_batch, int chunk = -1);
+  // The per-sample prefix: the layers before the first flatten, linear or BatchNorm layer. Chunked,
+  // backward writes the gradients of all its layers from the first chunk on, and each is ready after
+  // the last.
+  static int prefix_layers(const ModelSpec& spec);
 
   // x (n, C, H, W) -> logits (n, classes), which live in this network's activations. A model with
   // BatchNorm needs `bn`; its backward follows a training forward.

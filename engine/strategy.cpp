@@ -61,9 +61,11 @@ int64_t StepContext::optimizer_step() const { return engine_.optimizer_steps() +
 const std::vector<ShardUnit>& StepContext::units() const { return engine_.units_; }
 int StepContext::shard() const { return engine_.comm().shard(rank_); }
 
-void gather_unit(Communicator& comm, int rank, const ShardUnit& u, const float* chunks, float* whole) {
+void gather_unit(Communicator& comm, int rank, const ShardUnit& u, const float* chunks, float* whole, bool queued) {
   comm.device(rank).copy(whole + u.chunk * comm.shard(rank), chunks + u.owned, size_t(u.chunk) * sizeof(float));
-  comm.all_gather(rank, whole, u.chunk);
+  if (!queued) return comm.all_gather(rank, whole, u.chunk);
+  comm.all_gather_async(rank, whole, u.chunk);
+  comm.wait(rank);
 }
 
 std::vector<ShardUnit> shard_units(const std::vector<Bucket>& ranges, int n) {

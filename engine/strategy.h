@@ -45,8 +45,11 @@ inline int64_t owned_floats(const std::vector<ShardUnit>& units) {
   return units.empty() ? 0 : units.back().owned + units.back().chunk;
 }
 // Unit u whole on device `rank`: its chunk, from the device's shard buffer `chunks`, to its place in
-// `whole` (u.chunk floats per device of the job), then all-gathered from every device's.
-void gather_unit(Communicator& comm, int rank, const ShardUnit& u, const float* chunks, float* whole);
+// `whole` (u.chunk floats per device of the job), then all-gathered from every device's; `queued`:
+// on the communication thread after the collectives started there (Communicator::all_gather_async),
+// and waited for.
+void gather_unit(Communicator& comm, int rank, const ShardUnit& u, const float* chunks, float* whole,
+                 bool queued = false);
 
 // A replica's stats buffer: the loss sum, the correct count and, on device 0 after a step, 1 where
 // the step's gradient held a value that is not finite (else 0).

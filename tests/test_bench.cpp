@@ -142,10 +142,10 @@ TEST_CASE("dp_bench compare - measured bytes equal the byte model and the trace 
   const std::set<std::string> allreduce_phases{"load", "forward", "loss", "backward", "all-reduce", "optimizer"};
   const std::set<std::string> zero1_phases{"load",           "forward",   "loss",      "backward",
                                            "reduce-scatter", "optimizer", "all-gather"};
-  const std::set<std::string> zero2_phases{"load",      "forward",   "loss", "backward+reduce-scatter",
-                                           "optimizer", "all-gather"};
-  const std::set<std::string> zero3_phases{"load", "all-gather+forward", "loss", "all-gather+backward+reduce-scatter",
-                                           "optimizer"};
+  const std::set<std::string> zero2_phases{"load",           "forward",   "loss",      "backward",
+                                           "reduce-scatter", "optimizer", "all-gather"};
+  const std::set<std::string> zero3_phases{"load",           "all-gather+forward", "loss", "all-gather+backward",
+                                           "reduce-scatter", "optimizer"};
   for (auto& entry : process) {  // no structured binding: doctest's CAPTURE captures it, which clang 14 refuses
     const int pid = entry.first;
     const std::string& name = entry.second;
@@ -230,11 +230,13 @@ TEST_CASE(
   // P; under zero2 its chunk of every layer, ceil(c / 3) each.
   const dp::ModelSpec spec = dp::make_model("lenet");
   const int64_t P = spec.param_count;
-  int64_t layer_chunks = 0, largest_chunk = 0;
+  int64_t layer_chunks = 0, largest_chunk = 0, conv_chunks = 0, fc1_chunk = 0;
   for (const dp::Layer& l : spec.layers)
     if (l.weight >= 0) {
       const int64_t chunk = dp::shard_chunk(spec.params[size_t(l.weight)].size + spec.params[size_t(l.bias)].size, 3);
       layer_chunks += chunk, largest_chunk = std::max(largest_chunk, chunk);
+      if (l.kind == dp::LayerKind::conv) conv_chunks += chunk;
+      if (l.kind == dp::LayerKind::linear && fc1_chunk == 0) fc1_chunk = chunk;
     }
   const json &ar = j["strategies"][1], &z1 = j["strategies"][2], &z2 = j["strategies"][3], &z3 = j["strategies"][4];
   REQUIRE(z1["strategy"] == "zero1");
@@ -244,13 +246,17 @@ TEST_CASE(
     CHECK(ar["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == P * 4);
     CHECK(z1["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == dp::shard_chunk(P, 3) * 4);
     CHECK(z2["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == layer_chunks * 4);
-    // its chunks and, at its peak, the whole of the largest layer's gradient (fc1: more than
-    // allreduce's P less the other layers), padded to 3 chunks
-    CHECK(z2["devices"][r]["at_peak"]["gradients"].get<int64_t>() == (layer_chunks + 3 * largest_chunk) * 4);
-    // zero3: its chunks of everything, and at its peak the largest layer's weights and gradient whole
+    // its chunks and, at its peak, three layers' gradients whole, padded to 3 chunks: fc1's being
+    // reduce-scattered while backward writes the convolutions'
+    CHECK(z2["devices"][r]["at_peak"]["gradients"].get<int64_t>() ==
+          (layer_chunks + 3 * (fc1_chunk + conv_chunks)) * 4);
+    // zero3: its chunks of everything, and at its peak the largest layer's weights (gathered) and
+    // gradient whole (the bucket before freed as the layer is gathered)
     CHECK(z3["devices"][r]["at_peak"]["optimizer"].get<int64_t>() == layer_chunks * 4);
     CHECK(z3["devices"][r]["at_peak"]["gradients"].get<int64_t>() == (layer_chunks + 3 * largest_chunk) * 4);
-    CHECK(z3["devices"][r]["at_peak"]["parameters"].get<int64_t>() == (layer_chunks + 3 * largest_chunk) * 4);
+    CHECK(z3["devices"][r]["at_peak"]["parameters"].get<int64_t>() == layer_chunks * 4);
+    CHECK(z3["devices"][r]["at_peak"]["gathered"].get<int64_t>() == 3 * largest_chunk * 4);
+    CHECK(z2["devices"][r]["at_peak"]["gathered"] == 0);
   }
 }
 

@@ -81,6 +81,29 @@ TEST_CASE("mpi: P processes x K devices train as one process with P*K devices, r
   }
 }
 
+// Two processes of one device against one process of two: every sum is of two addends, which float
+// addition orders alike, so the runs are the same bits: Adam's weights and both moments, whatever the
+// strategy shards.
+TEST_CASE(
+    "mpi: Adam across 2 processes is one process of 2 devices bit for bit, under every strategy that runs there") {
+  if (!have_mpi()) return;
+  Job job;
+  const ModelSpec spec = make_model("lenet");
+  for (const std::string sync : {"allreduce", "zero1", "zero2", "zero3"}) {
+    CAPTURE(sync);
+    const std::string run = " --steps 6 --sync " + sync + " --optimizer adam --lr 0.001 --save ";
+    CommandResult m = job.mpirun(2, "--devices 1" + run + job.dir / "p.st");
+    INFO(m.output);
+    REQUIRE(m.exit_code == 0);
+    REQUIRE(job.one("--devices 2" + run + job.dir / "o.st").exit_code == 0);
+    const Checkpoint p = load_checkpoint(job.dir / "p.st", spec), o = load_checkpoint(job.dir / "o.st", spec);
+    CHECK(p.params == o.params);
+    CHECK(p.optimizer_state.at("exp_avg") == o.optimizer_state.at("exp_avg"));
+    CHECK(p.optimizer_state.at("exp_avg_sq") == o.optimizer_state.at("exp_avg_sq"));
+    CHECK(max_diff(p.optimizer_state.at("exp_avg"), std::vector<float>(p.params.size())) > 1e-4);  // it moved
+  }
+}
+
 TEST_CASE("mpi: bytes per device equal the hierarchical model, inside the process and across processes") {
   if (!have_mpi()) return;
   Job job;

@@ -54,10 +54,10 @@ Trace parse(const json& t) {
   return out;
 }
 
-Trace train_trace(const std::string& dir, const std::string& extra) {
+Trace train_trace(const std::string& dir, const std::string& extra, const std::string& sync = "allreduce") {
   const std::string path = dir + "/t.json";
   CommandResult r =
-      run_command(kTrain + " --data " + dir + " --backend cpu --devices 2 --sync allreduce --batch " +
+      run_command(kTrain + " --data " + dir + " --backend cpu --devices 2 --sync " + sync + " --batch " +
                   std::to_string(kBatch) + " --steps " + std::to_string(kSteps) + extra + " --quiet --trace " + path);
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
@@ -91,55 +91,62 @@ double end_of(const json& e) { return e["ts"].get<double>() + e["dur"].get<doubl
 
 }  // namespace
 
-TEST_CASE("trace: bucket all-reduces on a comm lane per device, inside the step that made them") {
-  TempDir dir;
-  write_synthetic_dataset(dir.path.string(), 4 * kBatch, kTest);
-  const std::vector<Bucket> buckets = lenet_buckets();
-  REQUIRE(buckets.size() >= 2);  // else nothing could overlap
-  Trace t = train_trace(dir.path.string(), " --bucket-kb " + std::to_string(kBucketKb));
-  int overlapped = 0;
-  for (int r = 0; r < 2; ++r) {
-    CAPTURE(r);
-    const int comm = 2 + r;
-    CHECK(t.lanes[r] == "sim:" + std::to_string(r));
-    CHECK(t.lanes[comm] == "sim:" + std::to_string(r) + " comm");
-    CHECK(t.order[comm] == t.order[r] + 1);  // right below its device
-    for (int64_t s = 0; s < kSteps; ++s) {
-      CAPTURE(s);
-      std::map<std::string, json> phases = step_spans(t, r, s), comms = step_spans(t, comm, s);
-      REQUIRE(phases.count("load"));
-      REQUIRE(phases.count("backward"));
-      REQUIRE(phases.count("all-reduce"));
-      REQUIRE(phases.count("optimizer"));
-      REQUIRE(comms.size() == buckets.size());
-      double prev_end = 0;
-      for (size_t b = 0; b < buckets.size(); ++b) {
-        CAPTURE(b);
-        const json& e = comms["all-reduce bucket " + std::to_string(b)];
-        REQUIRE(e.is_object());
-        CHECK(e["args"]["bucket"] == b);
-        CHECK(e["args"]["bytes"] == buckets[b].count * 4);
-        CHECK(e["args"]["layers"] == buckets[b].layers);
-        // Backward hands the bucket over, and the all-reduce phase waits for it.
-        CHECK(e["ts"].get<double>() >= phases["backward"]["ts"].get<double>());
-        CHECK(end_of(e) <= end_of(phases["all-reduce"]) + kEps);
-        CHECK(end_of(e) <= phases["optimizer"]["ts"].get<double>() + kEps);
-        // One communication thread per device: the buckets run one after another, in order.
-        CHECK(e["ts"].get<double>() >= prev_end - kEps);
-        prev_end = end_of(e);
+// allreduce's buckets and zero2's alike: each bucket's collective on the device's communication lane,
+// started as backward hands the bucket over, the last waited for by the step's phase of that name.
+TEST_CASE("trace: bucket all-reduces and reduce-scatters on a comm lane per device, inside the step that made them") {
+  for (const std::string collective : {"all-reduce", "reduce-scatter"}) {
+    CAPTURE(collective);
+    const std::string sync = collective == "all-reduce" ? "allreduce" : "zero2";
+    TempDir dir;
+    write_synthetic_dataset(dir.path.string(), 4 * kBatch, kTest);
+    const std::vector<Bucket> buckets = lenet_buckets();
+    REQUIRE(buckets.size() >= 2);  // else nothing could overlap
+    Trace t = train_trace(dir.path.string(), " --bucket-kb " + std::to_string(kBucketKb), sync);
+    int overlapped = 0;
+    for (int r = 0; r < 2; ++r) {
+      CAPTURE(r);
+      const int comm = 2 + r;
+      CHECK(t.lanes[r] == "sim:" + std::to_string(r));
+      CHECK(t.lanes[comm] == "sim:" + std::to_string(r) + " comm");
+      CHECK(t.order[comm] == t.order[r] + 1);  // right below its device
+      for (int64_t s = 0; s < kSteps; ++s) {
+        CAPTURE(s);
+        std::map<std::string, json> phases = step_spans(t, r, s), comms = step_spans(t, comm, s);
+        REQUIRE(phases.count("load"));
+        REQUIRE(phases.count("backward"));
+        REQUIRE(phases.count(collective));
+        REQUIRE(phases.count("optimizer"));
+        REQUIRE(comms.size() == buckets.size());
+        double prev_end = 0;
+        for (size_t b = 0; b < buckets.size(); ++b) {
+          CAPTURE(b);
+          const json& e = comms[collective + " bucket " + std::to_string(b)];
+          REQUIRE(e.is_object());
+          CHECK(e["args"]["bucket"] == b);
+          CHECK(e["args"]["bytes"] == buckets[b].count * 4);
+          CHECK(e["args"]["layers"] == buckets[b].layers);
+          // Backward hands the bucket over, and the all-reduce (reduce-scatter) phase waits for it.
+          CHECK(e["ts"].get<double>() >= phases["backward"]["ts"].get<double>());
+          CHECK(end_of(e) <= end_of(phases[collective]) + kEps);
+          CHECK(end_of(e) <= phases["optimizer"]["ts"].get<double>() + kEps);
+          // One communication thread per device: the buckets run one after another, in order.
+          CHECK(e["ts"].get<double>() >= prev_end - kEps);
+          prev_end = end_of(e);
+        }
+        if (comms[collective + " bucket 0"]["ts"].get<double>() < end_of(phases["backward"])) ++overlapped;
       }
-      if (comms["all-reduce bucket 0"]["ts"].get<double>() < end_of(phases["backward"])) ++overlapped;
+      std::map<std::string, json> eval = step_spans(t, r, kSteps);
+      REQUIRE(eval.count("evaluate"));
+      CHECK(eval["evaluate"]["args"]["images"] == kTest / 2);
+      CHECK(eval["evaluate"]["ts"].get<double>() >= end_of(step_spans(t, r, kSteps - 1)["optimizer"]) - kEps);
     }
-    std::map<std::string, json> eval = step_spans(t, r, kSteps);
-    REQUIRE(eval.count("evaluate"));
-    CHECK(eval["evaluate"]["args"]["images"] == kTest / 2);
-    CHECK(eval["evaluate"]["ts"].get<double>() >= end_of(step_spans(t, r, kSteps - 1)["optimizer"]) - kEps);
+    // The overlap itself is likely but not guaranteed: bucket 0 is handed over while the conv layers'
+    // backward still runs, yet on a loaded machine the communication thread may not get a core until
+    // backward is done. Reported, not required (it held in 6 of 6 steps in every run at a load of 8 on
+    // 2 cores).
+    WARN_MESSAGE(overlapped > 0,
+                 "no bucket " << collective << " started before its backward ended, in " << 2 * kSteps << " steps");
   }
-  // The overlap itself is likely but not guaranteed: bucket 0 is handed over while the conv layers'
-  // backward still runs, yet on a loaded machine the communication thread may not get a core until
-  // backward is done. Reported, not required (it held in 6 of 6 steps in every run at a load of 8 on
-  // 2 cores).
-  WARN_MESSAGE(overlapped > 0, "no bucket all-reduce started before its backward ended, in " << 2 * kSteps << " steps");
 }
 
 TEST_CASE("trace: without --bucket-kb the all-reduce is one phase span, and there is no comm lane") {

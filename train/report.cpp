@@ -185,13 +185,17 @@ std::string skew_line(Engine& e) {
 }  // namespace
 
 std::string device_table(Engine& e) {
+  std::vector<LedgerSnapshot> ledgers;
+  for (int r = 0; r < e.size(); ++r) ledgers.push_back(e.device(r).ledger().snapshot());
   std::vector<std::vector<std::string>> rows = {{"device", "peak"}};
-  for (int c = 0; c < kCategories; ++c) rows[0].push_back(category_name(Category(c)));
+  for (int c = 0; c < kCategories; ++c)
+    if (shown(Category(c), ledgers)) rows[0].push_back(category_name(Category(c)));
   rows[0].insert(rows[0].end(), {"sent/step", "received/step"});
   for (int r = 0; r < e.size(); ++r) {
-    LedgerSnapshot s = e.device(r).ledger().snapshot();
+    const LedgerSnapshot& s = ledgers[size_t(r)];
     std::vector<std::string> row = {e.device(r).name(), format_bytes(s.total_peak)};
-    for (int c = 0; c < kCategories; ++c) row.push_back(format_bytes(s.at_peak[c]));
+    for (int c = 0; c < kCategories; ++c)
+      if (shown(Category(c), ledgers)) row.push_back(format_bytes(s.at_peak[c]));
     Traffic t = e.recorder().step_traffic(r);
     row.insert(row.end(), {format_bytes(t.sent), format_bytes(t.received)});
     rows.push_back(row);

@@ -11,6 +11,7 @@
 //   all_reduce_async  — an event recorded on the compute stream right after the bucket's gradients
 //                       were enqueued; the communication thread makes the comm stream wait on it and
 //                       enqueues ncclAllReduce there, so backward keeps going on the compute stream.
+//                       reduce_scatter_async and all_gather_async alike (submit_ordered).
 //   wait              — the compute stream waits on an event recorded on the comm stream after the
 //                       last bucket. No host synchronisation with the GPU.
 // Before each ncclAllReduce the ranks meet at the communicator's host barrier. It costs microseconds
@@ -250,22 +251,14 @@ void NcclCommunicator::enqueue_all_reduce(int rank, float* buf, int64_t count, c
 void NcclCommunicator::reduce_scatter(int rank, float* buf, int64_t chunk) {
   if (world_ == 1 || chunk == 0) return;
   if (!use_nccl(rank)) return Communicator::reduce_scatter(rank, buf, chunk);
-  const int64_t bytes = (world_ - 1) * chunk * int64_t(sizeof(float));
-  tally_ring(rank, Collective::reduce_scatter, {bytes, bytes});
-  meet(rank, Collective::reduce_scatter);
-  float* mine = buf + int64_t(shard(rank)) * chunk;  // NCCL's in-place form: recvbuff = sendbuff + rank·recvcount
-  DP_NCCL_CHECK(enqueued(
-      rank, ncclReduceScatter(buf, mine, size_t(chunk), ncclFloat, ncclSum, comms_[rank], gpu(rank).stream())));
+  // NCCL's in-place form: recvbuff = sendbuff + rank·recvcount.
+  enqueue_reduce_scatter(rank, buf, chunk, buf + int64_t(shard(rank)) * chunk, gpu(rank).stream());
 }
 
 void NcclCommunicator::all_gather(int rank, float* buf, int64_t chunk) {
   if (world_ == 1 || chunk == 0) return;
   if (!use_nccl(rank)) return Communicator::all_gather(rank, buf, chunk);
-  const int64_t bytes = (world_ - 1) * chunk * int64_t(sizeof(float));
-  tally_ring(rank, Collective::all_gather, {bytes, bytes});
-  meet(rank, Collective::all_gather);
-  const float* mine = buf + int64_t(shard(rank)) * chunk;  // in place: sendbuff = recvbuff + rank·sendcount
-  DP_NCCL_CHECK(enqueued(rank, ncclAllGather(mine, buf, size_t(chunk), ncclFloat, comms_[rank], gpu(rank).stream())));
+  enqueue_all_gather(rank, buf, chunk, gpu(rank).stream());
 }
 
 void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
@@ -276,11 +269,27 @@ void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
   enqueue_all_reduce(rank, buf, count, gpu(rank).stream());
 }
 
-// The timing is the host's view: from the communication thread reaching the barrier to ncclAllReduce
+void NcclCommunicator::enqueue_reduce_scatter(int rank, const float* buf, int64_t chunk, float* out,
+                                              cudaStream_t stream) {
+  const int64_t bytes = (world_ - 1) * chunk * int64_t(sizeof(float));
+  tally_ring(rank, Collective::reduce_scatter, {bytes, bytes});
+  meet(rank, Collective::reduce_scatter);
+  DP_NCCL_CHECK(enqueued(rank, ncclReduceScatter(buf, out, size_t(chunk), ncclFloat, ncclSum, comms_[rank], stream)));
+}
+
+void NcclCommunicator::enqueue_all_gather(int rank, float* buf, int64_t chunk, cudaStream_t stream) {
+  const int64_t bytes = (world_ - 1) * chunk * int64_t(sizeof(float));
+  tally_ring(rank, Collective::all_gather, {bytes, bytes});
+  meet(rank, Collective::all_gather);
+  const float* mine = buf + int64_t(shard(rank)) * chunk;  // in place: sendbuff = recvbuff + rank·sendcount
+  DP_NCCL_CHECK(enqueued(rank, ncclAllGather(mine, buf, size_t(chunk), ncclFloat, comms_[rank], stream)));
+}
+
+// The timing is the host's view: from the communication thread reaching the barrier to the NCCL call
 // returning, i.e. when the collective was enqueued, not when the GPU ran it (which follows on the comm
-// stream and ends, at the latest, within the engine's all-reduce phase, which synchronises).
-void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
-  if (world_ == 1 || count == 0) return;
+// stream and ends, at the latest, within the engine's wait for it, which synchronises).
+void NcclCommunicator::submit_ordered(int rank, Interval* timing, std::function<void()> peer,
+                                      std::function<void(cudaStream_t)> nccl) {
   CudaDevice& dev = gpu(rank);
   cudaEvent_t ready = nullptr, finished = nullptr;
   {
@@ -294,18 +303,45 @@ void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Int
     finished = ev.finished[ev.used].get();
     ++ev.used;
   }
-  DP_CUDA_CHECK(cudaEventRecord(ready, dev.stream()));  // after the bucket's gradient kernels
+  DP_CUDA_CHECK(cudaEventRecord(ready, dev.stream()));  // after the kernels that wrote the buffer
   // Whether NCCL or the peer ring runs it is decided on the communication thread, where the clique
   // starts: the compute thread may not read the outcome while rank 0 writes it.
-  submit_comm(rank, timing, [this, rank, buf, count, ready, finished, &dev] {
-    // The peer ring's copies go on the compute stream, after the bucket's gradient kernels.
-    if (!use_nccl(rank)) return Communicator::all_reduce(rank, buf, count);
-    tally_all_reduce(rank, count);
-    meet(rank, Collective::all_reduce);
+  submit_comm(rank, timing, [this, rank, ready, finished, &dev, peer = std::move(peer), nccl = std::move(nccl)] {
+    // The peer ring's copies go on the compute stream, after the kernels that wrote the buffer.
+    if (!use_nccl(rank)) return peer();
     DP_CUDA_CHECK(cudaStreamWaitEvent(dev.comm_stream(), ready, 0));
-    enqueue_all_reduce(rank, buf, count, dev.comm_stream());
+    nccl(dev.comm_stream());  // meets the other ranks first, as the synchronous forms do
     DP_CUDA_CHECK(cudaEventRecord(finished, dev.comm_stream()));  // for a timeout's message
   });
+}
+
+void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
+  if (world_ == 1 || count == 0) return;
+  submit_ordered(
+      rank, timing, [this, rank, buf, count] { Communicator::all_reduce(rank, buf, count); },
+      [this, rank, buf, count](cudaStream_t stream) {
+        tally_all_reduce(rank, count);
+        meet(rank, Collective::all_reduce);
+        enqueue_all_reduce(rank, buf, count, stream);
+      });
+}
+
+void NcclCommunicator::reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing) {
+  if (world_ == 1 || chunk == 0) return Communicator::reduce_scatter_async(rank, buf, chunk, out, timing);
+  submit_ordered(
+      rank, timing,
+      [this, rank, buf, chunk, out] {
+        Communicator::reduce_scatter(rank, buf, chunk);
+        devices_[rank]->copy(out, buf + int64_t(shard(rank)) * chunk, size_t(chunk) * sizeof(float));
+      },
+      [this, rank, buf, chunk, out](cudaStream_t stream) { enqueue_reduce_scatter(rank, buf, chunk, out, stream); });
+}
+
+void NcclCommunicator::all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing) {
+  if (world_ == 1 || chunk == 0) return;
+  submit_ordered(
+      rank, timing, [this, rank, buf, chunk] { Communicator::all_gather(rank, buf, chunk); },
+      [this, rank, buf, chunk](cudaStream_t stream) { enqueue_all_gather(rank, buf, chunk, stream); });
 }
 
 void NcclCommunicator::wait(int rank) {

@@ -6,6 +6,7 @@
 
 #include <nccl.h>
 
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -27,6 +28,10 @@ class NcclCommunicator : public Communicator {
   // ncclReduceScatter and ncclAllGather in place, on the compute stream: NCCL rank r owns chunk r.
   void reduce_scatter(int rank, float* buf, int64_t chunk) override;
   void all_gather(int rank, float* buf, int64_t chunk) override;
+  // On the comm stream, after the compute stream's work so far (submit_ordered); the reduce-scatter
+  // out of place, into `out`.
+  void reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing = nullptr) override;
+  void all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing = nullptr) override;
   int world() const override { return world_; }
 
  protected:
@@ -38,8 +43,15 @@ class NcclCommunicator : public Communicator {
   virtual void tally_all_reduce(int rank, int64_t count);
   // Counts a ring collective's bytes `t` on local rank `rank` under c (the job's form splits them).
   virtual void tally_ring(int rank, Collective c, Traffic t) { tally(rank, c, t.sent, t.received); }
-  // The all-reduce of all_reduce_algorithm(), enqueued on `stream`.
+  // The all-reduce of all_reduce_algorithm(), enqueued on `stream`; the sharded collectives counted,
+  // the ranks met and enqueued on `stream` (the reduce-scatter's owned chunk of the sum into `out`).
   void enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream);
+  void enqueue_reduce_scatter(int rank, const float* buf, int64_t chunk, float* out, cudaStream_t stream);
+  void enqueue_all_gather(int rank, float* buf, int64_t chunk, cudaStream_t stream);
+  // An asynchronous collective: an event on the compute stream now; on the communication thread the
+  // comm stream waits on it and `nccl` enqueues the collective there, or `peer` runs the peer copies
+  // where the clique did not start. wait() orders the compute stream after the comm stream.
+  void submit_ordered(int rank, Interval* timing, std::function<void()> peer, std::function<void(cudaStream_t)> nccl);
   // Whether this all-reduce goes through NCCL; the first call on every rank starts the clique.
   bool use_nccl(int rank);
   // Every local rank calls it at its first collective; it leaves clique_ ready or unavailable (the

@@ -1,7 +1,6 @@
 #include "engine/strategies/sharded.h"
 
 #include <algorithm>
-#include <chrono>
 
 #include "engine/optimizer.h"
 
@@ -17,23 +16,53 @@ std::vector<ShardUnit> layer_units(const ModelSpec& spec, int n) {
   return shard_units(layers, n);
 }
 
+namespace {
+
+// BucketReducer's buckets, one per layer, in backward's order: each allocated when backward first
+// writes it, the one before it freed when it is ready (`gathers`: freed before, as zero3 gathers the
+// layer's weights); the prefix's (Network::prefix_layers) all allocated together. The most floats
+// alive at once.
+int64_t gradient_buckets_alive(const ModelSpec& spec, int n, bool gathers) {
+  const int prefix = Network::prefix_layers(spec);
+  int64_t most = 0, in_flight = 0, writing = 0;
+  for (int i = int(spec.layers.size()) - 1; i >= 0; --i) {
+    const Layer& l = spec.layers[size_t(i)];
+    if (l.weight < 0) continue;
+    const int64_t whole =
+        shard_chunk(spec.params[size_t(l.weight)].size + (l.bias >= 0 ? spec.params[size_t(l.bias)].size : 0), n) * n;
+    writing += whole;
+    most = std::max(most, in_flight + writing);
+    if (i >= prefix) in_flight = gathers ? 0 : whole, writing = 0;  // ready: the bucket before it freed
+  }
+  return most;
+}
+
+}  // namespace
+
 std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig& c, int n, bool parameters) {
   const int64_t F = sizeof(float);
   const std::vector<ShardUnit> units = layer_units(spec, n);
   const int64_t owned = owned_floats(units);
-  int64_t largest = 0;
-  for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
+  // With zero3's gathers, the buckets alive at once are the layers gathered at once: one at a time but
+  // the prefix's, all together.
+  const int64_t alive = gradient_buckets_alive(spec, n, parameters);
   const std::string share = "its 1/" + std::to_string(n) + " of every layer's ", floats = commas(owned) + " floats";
   std::vector<Holding> h;
-  if (parameters)
-    h.push_back({Category::parameters, (owned + largest) * F,
+  if (parameters) {
+    const int64_t R = spec.buffer_count;  // BatchNorm's running statistics, whole on every device
+    h.push_back({Category::parameters, (owned + R) * F,
                  share + "parameters, " + floats +
-                     ", and the whole of the largest layer while forward or backward uses "
-                     "it, " +
-                     commas(largest) + " floats (padded)"});
-  h.push_back({Category::gradients, (owned + largest) * F,
-               share + "gradient, " + floats + ", and at most the largest layer's whole while backward writes it, " +
-                   commas(largest) + " floats (padded)"});
+                     (R > 0 ? ", and BatchNorm's running statistics, " + commas(R) + " floats" : std::string())});
+    h.push_back({Category::gathered, alive * F,
+                 "the layers forward or backward uses at once, whole: the largest, or the convolutions together, " +
+                     commas(alive) + " floats (padded)"});
+  }
+  h.push_back({Category::gradients, (owned + alive) * F,
+               share + "gradient, " + floats +
+                   (parameters ? ", and the buckets backward writes at once"
+                               : ", and the buckets alive at once: the one being reduce-scattered and those "
+                                 "backward writes") +
+                   " (the convolutions' together), " + commas(alive) + " floats (padded)"});
   if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
     h.push_back({Category::optimizer, states * owned * F,
                  "1/" + std::to_string(n) + " of every layer's " + optimizer_state_text(c) +
@@ -45,35 +74,62 @@ BucketReducer::BucketReducer(StepContext& s) : s_(s), bucket_(s.units().size()) 
   for (const Bucket& b : s.buckets()) remaining_.push_back(b.layers);
   blocks_ = [this](int layer) {
     const size_t u = size_t(s_.layer_bucket(layer));
-    const ShardUnit& unit = s_.units()[u];
-    if (!bucket_[u]) {
-      const int64_t whole = unit.chunk * s_.comm().world();
-      bucket_[u] = s_.device().alloc_floats(whole, Category::gradients);
-      s_.device().ops().fill(whole - unit.count, 0.0f, bucket_[u].f() + unit.count);  // the padding
-    }
-    return bucket_[u].f() + (s_.spec().params[size_t(s_.spec().layers[size_t(layer)].weight)].offset - unit.offset);
+    // The prefix's buckets all at once, as its first chunk needs them when the prefix runs in chunks:
+    // what a device holds is then the same whether it does or not.
+    const int prefix = Network::prefix_layers(s_.spec());
+    if (layer < prefix)
+      for (int i = 0; i < prefix; ++i)
+        if (s_.spec().layers[size_t(i)].weight >= 0) allocate(size_t(s_.layer_bucket(i)));
+    allocate(u);
+    return bucket_[u].f() +
+           (s_.spec().params[size_t(s_.spec().layers[size_t(layer)].weight)].offset - s_.units()[u].offset);
   };
   ready_ = [this](int layer) {
     const int u = s_.layer_bucket(layer);
     if (--remaining_[size_t(u)] > 0) return;
+    finish();
     const ShardUnit& unit = s_.units()[size_t(u)];
-    Interval* t = s_.bucket_timing(u);
-    if (t) t->start = std::chrono::steady_clock::now();
-    s_.comm().reduce_scatter(s_.rank(), bucket_[size_t(u)].f(), unit.chunk);
-    s_.device().copy(s_.replica().grads.f() + unit.owned, bucket_[size_t(u)].f() + unit.chunk * s_.shard(),
-                     size_t(unit.chunk) * sizeof(float));
-    if (t) t->end = std::chrono::steady_clock::now();
-    bucket_[size_t(u)] = Buffer();  // the chunk alone is kept
+    s_.comm().reduce_scatter_async(s_.rank(), bucket_[size_t(u)].f(), unit.chunk, s_.replica().grads.f() + unit.owned,
+                                   s_.bucket_timing(u));
+    in_flight_ = u;
   };
 }
 
-LayerGatherer::LayerGatherer(StepContext& s) : s_(s), gathered_(s.units().size()), released_(s.units().size(), 0) {
+void BucketReducer::allocate(size_t u) {
+  if (bucket_[u]) return;
+  const ShardUnit& unit = s_.units()[u];
+  const int64_t whole = unit.chunk * s_.comm().world();
+  bucket_[u] = s_.device().alloc_floats(whole, Category::gradients);
+  s_.device().ops().fill(whole - unit.count, 0.0f, bucket_[u].f() + unit.count);  // the padding
+}
+
+void BucketReducer::finish() {
+  if (in_flight_ < 0) return;
+  s_.comm().wait(s_.rank());
+  bucket_[size_t(in_flight_)] = Buffer();  // its chunk of the sum is in the device's gradient chunks
+  in_flight_ = -1;
+}
+
+// Left with a reduce-scatter in flight only when the step failed: the communicator is aborted (every
+// rank's step fails) and the collective ended before its buffer goes.
+BucketReducer::~BucketReducer() {
+  if (in_flight_ < 0) return;
+  s_.comm().abort();
+  try {
+    s_.comm().wait(s_.rank());
+  } catch (...) {  // the step's own failure is the one reported
+  }
+}
+
+LayerGatherer::LayerGatherer(StepContext& s, BucketReducer* reduce)
+    : s_(s), reduce_(reduce), gathered_(s.units().size()), released_(s.units().size(), 0) {
   blocks_.acquire = [this](int layer) -> const float* {
     const size_t u = size_t(s_.layer_bucket(layer));
     const ShardUnit& unit = s_.units()[u];
     if (!gathered_[u]) {
-      gathered_[u] = s_.device().alloc_floats(unit.chunk * s_.comm().world(), Category::parameters);
-      gather_unit(s_.comm(), s_.rank(), unit, s_.replica().params.f(), gathered_[u].f());
+      if (reduce_) reduce_->finish();
+      gathered_[u] = s_.device().alloc_floats(unit.chunk * s_.comm().world(), Category::gathered);
+      gather_unit(s_.comm(), s_.rank(), unit, s_.replica().params.f(), gathered_[u].f(), /*queued=*/true);
     }
     return gathered_[u].f() + (s_.spec().params[size_t(s_.spec().layers[size_t(layer)].weight)].offset - unit.offset);
   };

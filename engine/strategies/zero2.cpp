@@ -6,15 +6,18 @@
 // its chunk of the sum and frees the buffer. Each device then steps the optimizer on its chunks, and
 // the updated parameters are all-gathered unit by unit.
 //
-// What a device's gradients take at their peak is its chunks, 1/n of the model, plus the buckets
-// backward is writing: at least the largest layer's. The ZeRO paper's P/n holds for a model of many
-// layers of like size; LeNet's fc1 is four fifths of it, so here zero2 holds about as much gradient
-// memory as zero1 (dp_bench skew shows it).
+// What a device's gradients take at their peak is its chunks, 1/n of the model, plus the bucket
+// backward is writing and the one before it being reduce-scattered: at least the largest layer's. The ZeRO paper's P/n
+// holds for a model of many layers of like size; LeNet's fc1 is four fifths of it, so here zero2 holds about as much
+// gradient memory as zero1 (dp_bench skew shows it).
+//
+// The reduce-scatters overlap backward on the communication thread (NCCL's comm stream on GPUs), as
+// allreduce's buckets do, two buckets alive at most (BucketReducer): backward waits for a bucket's
+// reduce-scatter only when the next bucket is ready, and the step's reduce-scatter phase is the wait
+// for the last. The trace shows each as its bucket's span.
 //
 // Per step each device sends and receives (n-1) chunks of every unit in either collective: 2(n-1)/n·P
-// floats and each unit's padding, as zero1. The reduce-scatters run on the compute thread inside
-// backward (the trace shows them as bucket spans), not overlapped with it on the communication thread
-// as allreduce's buckets are: not built yet.
+// floats and each unit's padding, as zero1.
 #include <algorithm>
 
 #include "engine/optimizer.h"
@@ -34,8 +37,9 @@ class Zero2 final : public OwnBatch {
 
   void step(StepContext& s) const override {
     {
-      BucketReducer reduce(s);  // each bucket's gradient buffer freed as soon as it is reduce-scattered
+      BucketReducer reduce(s);  // each bucket's gradient buffer freed once its reduce-scatter is done
       forward_backward(s, reduce.ready(), &reduce.blocks());
+      s.phase(Phase::reduce, [&] { reduce.finish(); });
       s.close_buckets();
     }
     const std::vector<ShardUnit>& units = s.units();
@@ -56,14 +60,15 @@ class Zero2 final : public OwnBatch {
     s.phase(Phase::gather, [&] { gather_parameters(s); });
   }
 
-  bool has_phase(Phase p) const override { return p != Phase::scatter && p != Phase::reduce; }
+  bool has_phase(Phase p) const override { return p != Phase::scatter; }
   const char* phase_name(Phase p) const override {
     if (p == Phase::gather_loss) return "loss";
-    if (p == Phase::reduce) return "reduce-scatter";  // inside backward: the trace's bucket spans
-    if (p == Phase::backward) return "backward+reduce-scatter";
+    if (p == Phase::reduce) return "reduce-scatter";  // the last bucket's; the others' overlap backward
     return Strategy::phase_name(p);
   }
-  bool communicates(Phase p) const override { return p == Phase::gather || p == Phase::broadcast; }
+  bool communicates(Phase p) const override {
+    return p == Phase::reduce || p == Phase::gather || p == Phase::broadcast;
+  }
 
   // Per unit of c floats (a bucket), in backward's order: a reduce-scatter of n chunks of ceil(c / n),
   // each device sending and receiving (n-1) of them; then, after the optimizer, an all-gather of the

@@ -2,14 +2,18 @@
 // FSDP's FULL_SHARD and FSDP2's fully_shard). As zero2, and each device keeps only its chunks of the
 // parameters too: a layer's weights are all-gathered from every device's chunk just before forward
 // uses them and freed after, and gathered again for backward (LayerGatherer, sharded.h); the
-// gradients are reduce-scattered bucket by bucket as in zero2, and each device steps the optimizer on
-// its chunks, which are all it keeps. An evaluation, a checkpoint, --verify and the report's hashes
-// gather the whole model for the moment they need it (FSDP's summon_full_params), every process of
-// a job taking part. Across processes (mpirun) hierarchically, as zero1 and zero2.
+// gradients are reduce-scattered bucket by bucket on the communication thread as in zero2, and each
+// device steps the optimizer on its chunks, which are all it keeps. Backward's gathers queue behind
+// the reduce-scatters there, so a bucket's reduce-scatter overlaps backward only until the next layer
+// needs its weights (its bucket is then freed before the layer is gathered): gathering the next layer
+// ahead (FSDP's backward prefetch) is not built. An evaluation, a
+// checkpoint, --verify and the report's hashes gather the whole model for the moment they need it (FSDP's
+// summon_full_params), every process of a job taking part. Across processes (mpirun) hierarchically, as zero1 and
+// zero2.
 //
 // A device holds its 1/n of the parameters, gradients and optimizer state, plus the layers being
-// gathered (the prefix's convolutions together, each other layer alone) and the bucket backward is
-// writing. Per step each device sends and receives (n-1) chunks of every unit in each of three
+// gathered (the prefix's convolutions together, each other layer alone) and the buckets of zero2's
+// gradients. Per step each device sends and receives (n-1) chunks of every unit in each of three
 // collectives (two all-gathers, one reduce-scatter): 3(n-1)/n·P and the padding, half as much again
 // as the ring all-reduce, the price the ZeRO paper gives for stage 3.
 #include <algorithm>
@@ -31,9 +35,10 @@ class Zero3 final : public OwnBatch {
 
   void step(StepContext& s) const override {
     {
-      LayerGatherer gather(s);  // forward's layers, then backward's, each gathered and freed in turn
       BucketReducer reduce(s);
+      LayerGatherer gather(s, &reduce);  // forward's layers, then backward's, each gathered and freed in turn
       forward_backward(s, reduce.ready(), &reduce.blocks(), &gather.blocks());
+      s.phase(Phase::reduce, [&] { reduce.finish(); });
       s.close_buckets();
     }
     s.phase(Phase::optimizer, [&] {
@@ -46,15 +51,15 @@ class Zero3 final : public OwnBatch {
     });
   }
 
-  bool has_phase(Phase p) const override { return p != Phase::scatter && p != Phase::reduce && p != Phase::gather; }
+  bool has_phase(Phase p) const override { return p != Phase::scatter && p != Phase::gather; }
   const char* phase_name(Phase p) const override {
     if (p == Phase::gather_loss) return "loss";
-    if (p == Phase::reduce) return "reduce-scatter";  // inside backward: the trace's bucket spans
+    if (p == Phase::reduce) return "reduce-scatter";  // the last bucket's; the others' overlap backward
     if (p == Phase::forward) return "all-gather+forward";
-    if (p == Phase::backward) return "all-gather+backward+reduce-scatter";
+    if (p == Phase::backward) return "all-gather+backward";
     return Strategy::phase_name(p);
   }
-  bool communicates(Phase p) const override { return p == Phase::broadcast; }
+  bool communicates(Phase p) const override { return p == Phase::reduce || p == Phase::broadcast; }
 
   // Per unit of c floats (a bucket): an all-gather before forward, another before backward and a
   // reduce-scatter after it, each of n chunks of ceil(c / n), each device sending and receiving (n-1)
