@@ -38,7 +38,7 @@ CATEGORY_COLORS = {
     "outputs": "#fdae6b",
     "comm": "#756bb1",
     "workspace": "#636363",
-    "gathered": "#9ecae1",
+    "gathered": "#e7298a",
 }
 
 
@@ -176,9 +176,10 @@ def skew(d, out):
     if not strategies:
         return
     # What every replica holds at the bottom, what differs on top, so the skew is the top of the bar.
-    order = ["activations", "workspace", "parameters", "gradients", "optimizer", "outputs", "inputs", "comm"]
+    order = ["activations", "workspace", "parameters", "gathered", "gradients", "optimizer", "outputs", "inputs", "comm"]
     cats = [c for c in order if c in d["config"]["categories"]] + [c for c in d["config"]["categories"] if c not in order]
-    fig, axes = plt.subplots(1, len(strategies), figsize=(5.5 * len(strategies), 4.6), sharey=True)
+    width = 5.5 if len(strategies) <= 2 else 3.6
+    fig, axes = plt.subplots(1, len(strategies), figsize=(width * len(strategies), 4.6), sharey=True)
     if len(strategies) == 1:
         axes = [axes]
     top = 0
@@ -206,10 +207,18 @@ def skew(d, out):
         top = max(top, cap / MIB)
     axes[0].set_ylabel("MiB at the device's peak")
     axes[0].set_ylim(0, top * 1.12)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles[::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=9)
+    # Every category some strategy booked (zero3's gathered layers only there), in stacking order.
+    legend = {}
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, h)
+    labels = [c for c in cats if c in legend] + [lb for lb in legend if lb not in cats]
+    fig.legend([legend[lb] for lb in labels][::-1], labels[::-1], loc="center left", bbox_to_anchor=(1.0, 0.5),
+               frameon=False, fontsize=9)
     cfg = d["config"]
-    fig.suptitle(f"memory per device by category: {cfg['model']}, global batch {cfg['batch']}\n{device_kind(d)}")
+    model = cfg["model"] + (f" at width {cfg['width']}" if cfg.get("width", 1) > 1 else "")
+    optimizer = f", {cfg['optimizer']}" if "optimizer" in cfg else ""
+    fig.suptitle(f"memory per device by category: {model}{optimizer}, global batch {cfg['batch']}\n{device_kind(d)}")
     fig.tight_layout()
     save(fig, out, "skew_memory.png")
 
