@@ -164,6 +164,29 @@ TEST_CASE("dp_train --verify compares with one device and passes for both strate
   }
 }
 
+// Adam's bound is per weight (AdamTolerance): a correct run passes under every strategy, and a weight
+// moved past its bound (the test build's hook) fails.
+TEST_CASE("dp_train --verify with Adam and AdamW: per weight, on every strategy") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --steps 8 --devices 3";
+  for (std::string sync : dp::test::all_strategies()) {
+    CAPTURE(sync);
+    CommandResult r = run_command(base + " --sync " + sync + " --optimizer " + (sync == "zero2" ? "adamw" : "adam") +
+                                  " --verify --report " + dir / "r.json");
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+    CHECK(r.output.find("Adam's bound is per weight") != std::string::npos);
+    CHECK(r.output.find(" ok;") != std::string::npos);
+    CHECK(read_json(dir / "r.json")["verify"]["ok"] == true);
+  }
+  CommandResult r = run_command("DP_TEST_VERIFY_OFFSET=0.01 " + base + " --sync zero3 --optimizer adam --verify");
+  INFO(r.output);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find("differs from 1 device by 0.01") != std::string::npos);
+  CHECK(r.output.find(" FAILED;") != std::string::npos);
+}
+
 TEST_CASE("dp_train: a non-finite loss stops with exit 3 naming the step and the layer") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 64);

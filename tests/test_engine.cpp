@@ -14,6 +14,7 @@
 #include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
 #include "train/trainer.h"
+#include "train/verify.h"
 
 using namespace dp;
 using dp::test::all_strategies;
@@ -98,32 +99,9 @@ TEST_CASE("every strategy equals one device on the full batch, within the summat
 
 namespace {
 
-// How far two Adam runs that differ only in the order their gradients were summed can end apart,
-// element by element, from the reference run's own moments after each step. A gradient element
-// differs by at most delta = 2 B u between two orders (summation_tolerance's argument), so the first
-// moment by dm <- beta1 dm + (1 - beta1) delta and the second by dv <- beta2 dv + (1 - beta2) (2 |g| delta
-// + delta^2), with |g| <= sqrt(v / (1 - beta2)) from the reference's own v (v >= (1 - beta2) g^2). The update s m / D,
-// D = sqrt(v) / b + eps, then moves by at most s (dm / D + |m| dD / (D (D - dD))) with dD <= min(dv / (b sqrt(v)),
-// sqrt(dv) / b); where dD reaches half of D (a moment about as small as its own uncertainty) no bound is claimed.
-// Summed over the steps and doubled for the dynamics, as summation_tolerance does.
-struct AdamBound {
-  std::vector<double> dm, dv, dw;
-  AdamBound(size_t n) : dm(n, 0.0), dv(n, 0.0), dw(n, 0.0) {}
-  void step(const EngineConfig& c, int t, double delta, const std::vector<float>& m, const std::vector<float>& v) {
-    const double s = c.lr / (1 - std::pow(c.beta1, t)), b = std::sqrt(1 - std::pow(c.beta2, t));
-    for (size_t i = 0; i < dw.size(); ++i) {
-      dm[i] = c.beta1 * dm[i] + (1 - c.beta1) * delta;
-      const double root = std::sqrt(double(v[i])), g = root / std::sqrt(1 - c.beta2), D = root / b + c.eps;
-      dv[i] = c.beta2 * dv[i] + (1 - c.beta2) * (2 * g * delta + delta * delta);
-      const double dD = std::min(root > 0 ? dv[i] / (b * root) : INFINITY, std::sqrt(dv[i]) / b);
-      dw[i] += dD >= D / 2 ? INFINITY : s * (dm[i] / D + std::fabs(m[i]) * dD / (D * (D - dD)));
-    }
-  }
-  double tolerance(size_t i) const { return 2 * dw[i]; }
-};
-
 // The elements of got outside the bound, of those it bounds.
-size_t outside(const std::vector<float>& got, const std::vector<float>& want, const AdamBound& bound) {
+// Adam's bound per element: dp::AdamTolerance (train/verify.h, derived there).
+size_t outside(const std::vector<float>& got, const std::vector<float>& want, const dp::AdamTolerance& bound) {
   size_t bad = 0;
   for (size_t i = 0; i < got.size(); ++i) bad += std::fabs(double(got[i]) - double(want[i])) > bound.tolerance(i);
   return bad;
@@ -142,7 +120,7 @@ TEST_CASE("every strategy with Adam equals one device on the full batch, within 
   auto ref_devs = dp::test::make_test_devices("cpu", 1);
   Engine ref(raw(ref_devs), spec, rc);
   ref.set_params(init);
-  AdamBound bound(size_t(spec.param_count));
+  dp::AdamTolerance bound(size_t(spec.param_count));
   for (int s = 0; s < K; ++s) {
     ref.step(data.x[s].data(), data.y[s].data(), B);
     const auto state = ref.optimizer_state();  // exp_avg, exp_avg_sq

@@ -20,9 +20,28 @@ double summation_tolerance(int64_t steps, int batch, float lr, float momentum);
 // rounding differences beyond it, and a failed --verify says so.
 inline constexpr int kVerifiedSteps = 20;
 
+// How far two Adam (AdamW) runs that differ only in the order their gradients were summed can end
+// apart, element by element, from the reference run's own moments after each step (verify.cpp has
+// the derivation). Adam normalises each gradient element by its own size: where an element is about
+// as small as its summation noise no bound holds, and tolerance(i) is infinite there.
+class AdamTolerance {
+ public:
+  explicit AdamTolerance(size_t n) : dm_(n, 0.0), dv_(n, 0.0), dw_(n, 0.0) {}
+  // After the reference's step t (1 on the first), a gradient element differing by at most delta
+  // between the orders, m and v the reference's moments after it.
+  void step(const EngineConfig& c, int64_t t, double delta, const std::vector<float>& m, const std::vector<float>& v);
+  double tolerance(size_t i) const { return 2 * dw_[i]; }
+
+ private:
+  std::vector<double> dm_, dv_, dw_;
+};
+
 struct VerifyResult {
   int64_t steps = 0;
+  // SGD: the largest weight difference and the bound; Adam: those of the weight nearest its own bound
+  // (the largest difference / bound), among the `bounded` ones (SGD: every weight).
   double max_diff = 0, tolerance = 0;
+  int64_t bounded = 0;
   bool ok = true;
 };
 
@@ -33,15 +52,18 @@ class Verifier {
   // where there is one, running statistics).
   Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state);
   // The step the run just took, on the same batch x (n, C, H, W), labels y (n).
-  void step(const float* x, const int32_t* y, int n) { engine_->step(x, y, n); }
+  void step(const float* x, const int32_t* y, int n);
   // The run's weights (Engine::params()) against the reference's after the same steps, `batch` the
   // batch each step trained (--batch, or the training set where that is smaller: the bound grows with
   // it); prints the verify line.
   VerifyResult compare(const std::vector<float>& weights, int batch);
 
  private:
+  VerifyResult compare_adam(const std::vector<float>& a, const std::vector<float>& b) const;
+
   DeviceSet devices_;  // declared before engine_: outlives it
   std::unique_ptr<Engine> engine_;
+  std::unique_ptr<AdamTolerance> adam_;  // under Adam and AdamW
 };
 
 }  // namespace dp
