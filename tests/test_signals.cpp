@@ -182,6 +182,21 @@ TEST_CASE("signals: the grace deadline during a save removes the temporary file,
   CHECK(f.temp_files().empty());
 }
 
+// coreutils' timeout signals the child, then its process group (the child again); a batch scheduler
+// signals every process of a job: one request, delivered twice at once.
+TEST_CASE("signals: the same signal twice at once is one request: the checkpoint is saved, exit 143") {
+  Fixture f;
+  const std::string ck = f.dir / "ck";
+  CommandResult r = f.train("DP_TEST_AT=final-eval:SIGTERM,final-eval:SIGTERM", "--save " + ck);
+  INFO(r.output);
+  CHECK(r.exit_code == 143);
+  CHECK(r.output.find("again: exiting at once") == std::string::npos);
+  CHECK(r.output.find("terminated (SIGTERM) after the last step (step 8); checkpoint saved to " + ck) !=
+        std::string::npos);
+  CHECK(global_step(ck) == 8);
+  CHECK(f.temp_files().empty());
+}
+
 TEST_CASE("signals: a second signal during a save or the path probe exits at once and leaves no temporary file") {
   Fixture f;
   const std::string ck = f.dir / "ck";

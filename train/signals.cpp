@@ -24,8 +24,20 @@ namespace dp {
 
 namespace {
 
-std::atomic<int> g_signal{0};  // the one process-wide flag: the first signal, set by the handler
-sem_t g_wake;                  // posted by the handler (sem_post is async-signal-safe) to start the watchdog
+std::atomic<int> g_signal{0};        // the one process-wide flag: the first signal, set by the handler
+std::atomic<int64_t> g_first_ns{0};  // when it came, CLOCK_MONOTONIC
+sem_t g_wake;                        // posted by the handler (sem_post is async-signal-safe) to start the watchdog
+
+// The same signal again within this long of the first is the same request delivered twice (coreutils'
+// timeout signals the child and then its process group; batch schedulers signal every process of a
+// job at once), not a person asking a second time.
+constexpr int64_t kRepeatNs = 200'000'000;
+
+int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
 
 const char* signal_name(int sig) {
   switch (sig) {
@@ -42,8 +54,15 @@ const char* signal_name(int sig) {
 
 extern "C" void on_signal(int sig) {
   const int saved_errno = errno;
+  const int64_t now = monotonic_ns();
   int none = 0;
-  if (!g_signal.compare_exchange_strong(none, sig)) {
+  if (g_signal.compare_exchange_strong(none, sig)) {
+    g_first_ns = now;
+  } else if (const int64_t first = g_first_ns.load();
+             none == sig && (first == 0 || now - first < kRepeatNs)) {  // 0: the first is being recorded
+    errno = saved_errno;  // the first one's delivery again: already being handled
+    return;
+  } else {
     // A second signal: leave at once, but never leave a half-written temporary file behind.
     remove_temp_files();
     clear_line_signal_safe();

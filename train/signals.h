@@ -13,7 +13,9 @@ namespace dp {
 enum class Activity { setup, step, evaluation, verify, save, report, trace };
 
 // While alive, SIGINT, SIGTERM and SIGHUP only set a flag that the run reads at its safe points
-// (between steps, between its outputs). A second one exits at once with 128 + signal, removing any
+// (between steps, between its outputs). A second one (but the same signal again within 0.2 s of the
+// first: one request delivered twice, as coreutils' timeout and batch schedulers do) exits at once
+// with 128 + signal, removing any
 // temporary file in flight (remove_temp_files). After the first, a watchdog thread gives the run
 // `grace_seconds` to stop on its own; past that it prints what is lost and kept, removes the
 // temporary file in flight and _exits with 128 + signal, so a step hung in a library cannot outlast
