@@ -164,6 +164,19 @@ TEST_CASE("dp_train --verify compares with one device and passes for both strate
   }
 }
 
+TEST_CASE("dp_train --verify over more steps than its bound holds for is refused before training") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 8 --devices 2 --verify";
+  CommandResult r = run_command(base + " --epochs 1");  // 32 steps
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("--verify: this run trains 32 steps") != std::string::npos);
+  CHECK(r.output.find("(--steps 20)") != std::string::npos);
+  CHECK(r.output.find("epoch") == std::string::npos);  // nothing trained
+  CHECK(run_command(base + " --steps 20 --quiet").exit_code == 0);
+}
+
 // Adam's bound is per weight (AdamTolerance): a correct run passes under every strategy, and a weight
 // moved past its bound (the test build's hook) fails.
 TEST_CASE("dp_train --verify with Adam and AdamW: per weight, on every strategy") {

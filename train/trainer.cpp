@@ -60,6 +60,7 @@ Prepared prepare(const TrainOptions& opt, ProcessGroup* g) {
   // Step 0 and no weights without --resume. Across processes rank 0 alone reads the checkpoint; the
   // others get its step now and its state from broadcast_state.
   Resumed resumed = g ? resume_on_rank0(*g, opt, spec, id) : resume_checkpoint(opt, spec, id);
+  check_verified_steps(opt, plan, resumed.global_step);
   Prepared p{spec, std::move(data), plan, std::move(devs), std::move(id), std::move(resumed)};
   if (g) check_job_agreement(*g, opt, p);
   return p;
