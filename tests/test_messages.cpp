@@ -87,3 +87,28 @@ TEST_CASE("inputs: dp_train and dp_bench refuse --device-memory 0.5 with exit 2 
       CHECK(r.output.find("K, M, G or T") != std::string::npos);
     }
 }
+
+// As git does: an option that is not one, with the nearest that is (dp_train's and a dp_bench
+// subcommand's), and nothing suggested where none is near.
+TEST_CASE("inputs: a mistyped option is named with the nearest real one, exit 2") {
+  struct Case {
+    std::string command, args, words;
+  };
+  std::vector<Case> cases = {
+      {DP_TRAIN_BIN, "--epoch 1", "--epoch is not an option; did you mean --epochs?"},
+      {DP_TRAIN_BIN, "--gpu 0,1", "--gpu is not an option; did you mean --gpus?"},
+      {DP_TRAIN_BIN, "--bucket_kb 64", "--bucket_kb is not an option; did you mean --bucket-kb?"},
+      {DP_TRAIN_BIN, "--steps 1 --frobnicate", "--frobnicate is not an option (see --help)"},
+      {DP_TRAIN_BIN, "--steps 1 stray", "unexpected argument 'stray'"},
+  };
+#ifdef DP_BENCH_BIN
+  cases.push_back({DP_BENCH_BIN, "skew --bach 3", "--bach is not an option; did you mean --batch?"});
+#endif
+  for (const Case& c : cases) {
+    CommandResult r = run_command(c.command + " " + c.args);
+    CAPTURE(c.args);
+    INFO(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK(r.output.find(c.words) != std::string::npos);
+  }
+}

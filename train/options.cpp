@@ -91,6 +91,42 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
   return c;
 }
 
+namespace {
+
+// Edits (insertions, deletions, substitutions) between a and b.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      diagonal = std::exchange(row[j], std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])}));
+  }
+  return row[b.size()];
+}
+
+// An argument CLI11 did not expect, as git says it: the first that looks like an option, with the
+// long option of the app (or of its subcommand) nearest to it where one is near (underscores read as
+// hyphens: --bucket_kb is --bucket-kb); else the first argument.
+std::string unexpected(const CLI::App& app, const std::vector<std::string>& extras) {
+  auto flag = std::find_if(extras.begin(), extras.end(), [](const std::string& a) { return a.rfind("--", 0) == 0; });
+  if (flag == extras.end()) return "unexpected argument '" + (extras.empty() ? std::string() : extras.front()) + "'";
+  std::string given = flag->substr(2, flag->find('=') == std::string::npos ? std::string::npos : flag->find('=') - 2);
+  std::replace(given.begin(), given.end(), '_', '-');
+  std::string best;
+  size_t best_distance = given.size() / 3 + 1;  // no nearer: no suggestion
+  std::vector<const CLI::App*> apps{&app};
+  for (const CLI::App* sub : app.get_subcommands()) apps.push_back(sub);
+  for (const CLI::App* a : apps)
+    for (const CLI::Option* o : a->get_options())
+      for (const std::string& name : o->get_lnames())
+        if (const size_t d = edit_distance(given, name); d < best_distance) best_distance = d, best = name;
+  return *flag + " is not an option" + (best.empty() ? std::string() : "; did you mean --" + best + "?");
+}
+
+}  // namespace
+
 bool run_parser(CLI::App& app, int argc, const char* const* argv) {
   try {
     app.parse(argc, argv);
@@ -103,6 +139,8 @@ bool run_parser(CLI::App& app, int argc, const char* const* argv) {
   } catch (const CLI::CallForVersion& e) {
     std::printf("%s\n", e.what());
     return false;
+  } catch (const CLI::ExtrasError&) {
+    throw UsageError(unexpected(app, app.remaining(true)) + " (see --help)");
   } catch (const CLI::ParseError& e) {
     throw UsageError(std::string(e.what()) + " (see --help)");
   }
