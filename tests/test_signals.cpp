@@ -266,3 +266,19 @@ TEST_CASE("signals: a run that diverges from weight decay is told to lower --wei
   CHECK(lr.exit_code == 3);
   CHECK(lr.output.find("try a smaller --lr") != std::string::npos);
 }
+
+// Past the file size limit (ulimit -f) SIGXFSZ would kill the process mid-write, leaving the temporary
+// file: it is ignored, the write fails with EFBIG, and that is handled as a full disk is.
+TEST_CASE("signals: a save past the file size limit exits 1 naming it, no temporary file, the old checkpoint kept") {
+  Fixture f;
+  const std::string ck = f.dir / "ck";
+  REQUIRE(f.train("", "--steps 1 --save " + ck).exit_code == 0);
+  const std::string before = slurp(ck);
+  REQUIRE(before.size() > 200 * 1024);  // lenet's weights and momentum: past the limit below
+  CommandResult r = run_command("ulimit -f 200 && timeout -s KILL 60 " + kTrain + f.args + " --steps 2 --save " + ck);
+  INFO(r.output);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find(ck + ": writing failed: File too large") != std::string::npos);
+  CHECK(slurp(ck) == before);
+  CHECK(f.temp_files().empty());
+}

@@ -77,6 +77,10 @@ int main(int argc, char** argv) {
   // fails with EPIPE instead; the trainer stops printing and trains, saves and reports as asked, with
   // the exit code it would have had. (stderr likewise: its lines are lost, the run goes on.)
   std::signal(SIGPIPE, SIG_IGN);
+  // SIGXFSZ likewise: past the file size limit (ulimit -f) a write fails with EFBIG, handled as a full
+  // disk is (exit 1 naming the reason, the temporary file removed, the previous file kept), where the
+  // signal's default would kill the process mid-write and leave the temporary file.
+  std::signal(SIGXFSZ, SIG_IGN);
   // Started by mpirun (or another MPI launcher): join the job's other processes. Only rank 0 speaks on
   // stdout; every rank's errors go to stderr, prefixed with its rank and host.
   std::unique_ptr<dp::ProcessGroup> group = dp::join_if_launched("dp_train");
