@@ -130,6 +130,8 @@ class Device {
 // Where there is no GPU, "every device" (--gpus all, dp_train's default) means this many simulated
 // devices: the fewest that show data parallelism.
 inline constexpr int kDefaultSimulatedDevices = 2;
+// The most devices one process runs (--devices, --gpus): a simulated device is two threads.
+inline constexpr int kMaxDevices = 4096;
 
 struct DeviceConfig {
   std::string backend = "auto";  // auto | cpu | cuda

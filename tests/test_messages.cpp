@@ -112,3 +112,20 @@ TEST_CASE("inputs: a mistyped option is named with the nearest real one, exit 2"
     CHECK(r.output.find(c.words) != std::string::npos);
   }
 }
+
+// A device count dp cannot run is refused at once, not after minutes of making threads and buffers.
+TEST_CASE("inputs: --devices past what one process runs, or past its memory, exits 2 before any device is made") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 8);
+  const std::string base = std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir.path.string() + " --steps 1";
+  CommandResult r = run_command("timeout -s KILL 20 " + base + " --devices 2147483647");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("--devices: 2147483647 devices in one process are more than dp runs (4096") != std::string::npos);
+  // 4000 devices of lenet at width 16 with Adam: terabytes, more than any machine this runs on.
+  r = run_command("timeout -s KILL 20 " + base + " --devices 4000 --width 16 --optimizer adam");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("--devices 4000: each simulated device is a thread") != std::string::npos);
+  CHECK(r.output.find(" fit") != std::string::npos);
+}

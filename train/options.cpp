@@ -79,6 +79,10 @@ DeviceConfig DeviceFlags::finish(const CLI::App& app) const {
   if (app.count("--devices")) {
     if (devices <= 0)
       throw UsageError("--devices: " + std::to_string(devices) + " is not a device count; give at least 1");
+    if (devices > kMaxDevices)
+      throw UsageError("--devices: " + std::to_string(devices) + " devices in one process are more than dp runs (" +
+                       std::to_string(kMaxDevices) + ": a simulated device is a thread, a GPU a device of this " +
+                       "machine); give at most " + std::to_string(kMaxDevices) + ", or spread them over processes");
     c.ids.clear();
     for (int i = 0; i < devices; ++i) c.ids.push_back(i);
   } else if (gpus == "all") {

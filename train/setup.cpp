@@ -99,8 +99,8 @@ namespace {
 // Less than what one device holds for the model: its parameters and gradients (its chunk of the
 // gradients under zero2, of both under zero3), the optimizer state it keeps (all of it, or its chunk under a sharded
 // strategy; under scatter device 0 keeps all of it), and every layer's output and its gradient for its share of the
-// batch (no workspace, no batch, no scratch).
-int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_devices, int64_t share) {
+// batch (no workspace, no batch, no scratch). Without `state`: less the optimizer state.
+int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_devices, int64_t share, bool state = true) {
   EngineConfig c;
   c.optimizer = o.optimizer, c.momentum = o.momentum;
   const int64_t P = spec.param_count, states = int64_t(optimizer_state_names(c).size());
@@ -109,10 +109,36 @@ int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_device
   int64_t per_sample = 0;
   for (const Layer& l : spec.layers) per_sample += l.out_size();
   const int64_t params = stage >= 3 ? kept : P, grads = stage >= 2 ? kept : P;
-  return int64_t(sizeof(float)) * (params + grads + states * kept + 2 * per_sample * share);
+  return int64_t(sizeof(float)) * (params + grads + (state ? states * kept : 0) + 2 * per_sample * share);
 }
 
 }  // namespace
+
+void check_simulated_devices(const TrainOptions& o, const ModelSpec& spec, int processes, int64_t train_count) {
+  const DeviceConfig& d = o.devices;
+  const int64_t n = d.all ? 0 : int64_t(d.ids.size());
+  if (n <= kDefaultSimulatedDevices || d.backend == "cuda" || (d.backend == "auto" && probe_cuda().count > 0)) return;
+  const int64_t batch = std::min<int64_t>(o.batch, std::max<int64_t>(train_count, 1));
+  // k devices of this process, each at least model_bytes (under scatter device 0 alone the optimizer state).
+  const bool every_state = find_strategy(o.sync).steps_optimizer(1);
+  auto total = [&](int64_t k) {
+    const int64_t job = k * processes, share = (batch + job - 1) / job;
+    const int j = int(std::min<int64_t>(job, std::numeric_limits<int>::max()));
+    return model_bytes(o, spec, j, share) + (k - 1) * model_bytes(o, spec, j, share, every_state);
+  };
+  const HostMemory host = host_memory();
+  if (total(n) <= host.bound()) return;
+  int64_t fits = 1;
+  for (int64_t hi = n; hi - fits > 1;) {
+    const int64_t mid = fits + (hi - fits) / 2;
+    (total(mid) <= host.bound() ? fits : hi) = mid;
+  }
+  throw UsageError("--devices " + std::to_string(n) +
+                   ": each simulated device is a thread of this process holding at least " +
+                   format_bytes(total(n) / n) + " of its memory (" + spec.name +
+                   "'s parameters, gradients, optimizer state and activations), " + format_bytes(total(n)) +
+                   " in all, more than " + host.describe() + "; at most " + std::to_string(fits) + " fit");
+}
 
 void check_model_fits(const TrainOptions& o, const ModelSpec& spec, const DeviceSet& devs, int job_devices,
                       int64_t train_count) {

@@ -43,6 +43,9 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count);
 // the largest --width that fits, before any device allocates.
 void check_model_fits(const TrainOptions& o, const ModelSpec& spec, const DeviceSet& devs, int job_devices,
                       int64_t train_count);
+// Before any device is made: more simulated devices than this process's memory holds (each a thread
+// holding at least the model's state), UsageError naming how many fit. `processes`: of the job.
+void check_simulated_devices(const TrainOptions& o, const ModelSpec& spec, int processes, int64_t train_count);
 void check_batchnorm(const TrainOptions& o, const ModelSpec& spec, const Schedule& plan, int64_t train_count,
                      int devices);
 std::vector<Device*> pointers(const DeviceSet& set);

@@ -52,6 +52,7 @@ Prepared prepare(const TrainOptions& opt, ProcessGroup* g) {
   DataSets data = load_data(opt, spec);
   // Refuses a step count it cannot run before any device starts.
   const Schedule plan = schedule(opt, data.train.count);
+  check_simulated_devices(opt, spec, g ? g->size() : 1, data.train.count);
   DeviceSet devs = make_devices(opt.devices);
   const int job_devices = int(devs.devices.size()) * (g ? g->size() : 1);
   check_model_fits(opt, spec, devs, job_devices, data.train.count);
