@@ -3,11 +3,14 @@
 // --report, and the options of a training run refused by name.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <regex>
 
+#include "models/model.h"
 #include "tests/util.h"
+#include "train/checkpoint.h"
 
 using namespace dp::test;
 
@@ -74,4 +77,24 @@ TEST_CASE("eval: --eval without --load, or with the options of a training run, e
       {"--eval --load " + ck + " --model lenet5", "lenet5"},
   };
   check_refusals(base, cases, "test acc");
+}
+
+// Weights every one of which is finite, whose logits are not: --eval ends as training would, exit 3.
+TEST_CASE("eval: finite weights whose test loss overflows exit 3 naming the checkpoint") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 32);
+  const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --devices 2";
+  const std::string ck = dir / "ck.st", huge = dir / "huge.st";
+  REQUIRE(run_command(base + " --steps 1 --quiet --save " + ck).exit_code == 0);
+  const dp::ModelSpec spec = dp::make_model("lenet");
+  dp::Checkpoint c = dp::load_checkpoint(ck, spec);
+  const dp::Param& fc1 =
+      *std::find_if(spec.params.begin(), spec.params.end(), [](const dp::Param& p) { return p.name == "fc1.weight"; });
+  std::fill(c.params.begin() + fc1.offset, c.params.begin() + fc1.offset + fc1.size, 3e38f);
+  dp::save_checkpoint(huge, spec, c);
+  CommandResult r = run_command(base + " --eval --load " + huge);
+  INFO(r.output);
+  CHECK(r.exit_code == 3);
+  CHECK(r.output.find("--eval: the test loss of " + huge + " is not finite") != std::string::npos);
+  CHECK(run_command(base + " --eval --load " + ck).exit_code == 0);
 }

@@ -1,4 +1,5 @@
 // --eval: a checkpoint evaluated on the test set by the devices and engine a run would train on.
+#include <cmath>
 #include <cstdio>
 
 #include "engine/error.h"
@@ -67,6 +68,11 @@ EvalResult evaluate_checkpoint(const TrainOptions& opt) {
     throw Interrupted(sig, describe_signal(sig) + " after the evaluation" +
                                (opt.report.empty() ? "" : "; report " + opt.report + " not written"));
   if (!opt.report.empty()) write_json(opt.report, eval_report(opt, spec, engine, result));
+  // Finite weights (the checkpoint's were checked) whose logits overflow: exit 3, as training would.
+  if (!std::isfinite(result.test_loss))
+    throw NumericalError("--eval: the test loss of " + opt.load + " is not finite (" +
+                         std::to_string(result.test_loss) +
+                         "): its weights are finite, but the logits they give overflow float");
   return result;
 }
 
