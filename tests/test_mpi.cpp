@@ -154,6 +154,14 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   r = job.mpirun(2, "--steps 2 --allreduce naive");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("--allreduce naive across processes") != std::string::npos);
+
+  // --eval evaluates in one process: across processes it was accepted, every rank writing the report.
+  REQUIRE(job.one("--steps 1 --save " + job.dir / "one.st").exit_code == 0);
+  r = job.mpirun(2, "--eval --load " + job.dir / "one.st" + " --report " + job.dir / "e.json");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("--eval across processes (mpirun -np 2): evaluate in one process") != std::string::npos);
+  CHECK(!std::filesystem::exists(job.dir / "e.json"));
 }
 
 TEST_CASE("mpi: a process that stops answering trips --timeout, one that is killed ends the job, no process left") {

@@ -41,10 +41,12 @@ int run(int argc, char** argv, dp::ProcessGroup* group) {
     dp::TrainOptions opt;
     if (!dp::parse_train_args(argc, argv, opt)) return 0;
     bool ok = true;
-    if (opt.eval)  // --eval --load FILE: the checkpoint on the test set, nothing trained
+    if (opt.eval) {  // --eval --load FILE: the checkpoint on the test set, nothing trained
+      if (job) dp::check_job_options(opt, group->size());  // refuses --eval across processes
       dp::evaluate_checkpoint(opt);
-    else
+    } else {
       ok = dp::train(opt, group).verify_ok;
+    }
     // A signal after the run's last safe point, as it was returning: everything had been written.
     if (int sig = dp::signal_received()) {
       std::fprintf(stderr, "%sdp_train: %s as the run ended; every output was written\n", who.c_str(),

@@ -10,6 +10,7 @@ namespace dp {
 
 void check_job_options(const TrainOptions& o, int processes) {
   const std::string across = " across processes (mpirun -np " + std::to_string(processes) + ")";
+  if (o.eval) throw UsageError("--eval" + across + ": evaluate in one process (dp_train --eval --load FILE)");
   if (const char* why = find_strategy(o.sync).one_process_only())
     throw UsageError(
         "--sync " + o.sync + across + ": " + why +
@@ -18,7 +19,6 @@ void check_job_options(const TrainOptions& o, int processes) {
     throw UsageError("--allreduce naive" + across +
                      ": not supported; the ring is (NCCL's over every GPU of every process on GPUs, the hierarchical "
                      "ring over MPI on simulated devices): drop --allreduce");
-  if (o.eval) throw UsageError("--eval" + across + ": evaluate in one process (dp_train --eval --load FILE)");
 }
 
 void check_agreement(ProcessGroup& g, const Settings& mine, double timeout) {
