@@ -300,7 +300,18 @@ CudaProbe probe_cuda() {
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
-      return {0, std::string("no CUDA driver or device: ") + cudaGetErrorString(err)};
+      // cudaDriverGetVersion answers 0 where no driver is installed: the runtime's "CUDA driver version
+      // is insufficient" would then blame a driver that is not there.
+      int driver = 0, runtime = 0;
+      if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+      if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = 0;
+      (void)cudaGetLastError();
+      auto version = [](int v) { return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10); };
+      if (driver == 0) return {0, "no CUDA driver installed (no libcuda)"};
+      if (err == cudaErrorInsufficientDriver)
+        return {0, "the CUDA driver supports CUDA " + version(driver) + ", older than this build's runtime (" +
+                       version(runtime) + ")"};
+      return {0, std::string("no CUDA device: ") + cudaGetErrorString(err)};
     }
     if (count <= 0) return {0, "no CUDA device found"};
     return {count, ""};
