@@ -288,3 +288,18 @@ TEST_CASE("release binaries: no failpoint, no DP_TEST_ string in dp_train or dp_
   INFO(release.output);
   CHECK(release.exit_code == 0);
 }
+
+// A missing checkpoint to start from is refused before any device starts, as --eval's is.
+TEST_CASE("dp_train --load and --resume of a missing file exit 2 before the devices start") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 16);
+  for (const std::string flag : {"--load", "--resume"}) {
+    CAPTURE(flag);
+    CommandResult r = run_command(kTrain + " --backend cpu --data " + dir.path.string() + " --steps 1 " + flag + " " +
+                                  dir / "none.st");
+    INFO(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK(r.output.find(dir / "none.st" + ": no such checkpoint file") != std::string::npos);
+    CHECK(r.output.find("backend:") == std::string::npos);
+  }
+}

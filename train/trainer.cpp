@@ -5,6 +5,7 @@
 #include "train/trainer.h"
 
 #include <cstdio>
+#include <filesystem>
 #include <optional>
 
 #include "engine/failpoint.h"
@@ -53,6 +54,11 @@ Prepared prepare(const TrainOptions& opt, ProcessGroup* g) {
   // Refuses a step count it cannot run before any device starts.
   const Schedule plan = schedule(opt, data.train.count);
   check_simulated_devices(opt, spec, g ? g->size() : 1, data.train.count);
+  // A missing checkpoint to start from, before the devices start (in a job rank 0 alone reads it, and
+  // every process learns its refusal from it: resume_on_rank0, starting_state).
+  for (const std::string* in : {&opt.load, &opt.resume})
+    if (std::error_code ec; !g && !in->empty() && !std::filesystem::exists(*in, ec))
+      throw UsageError(*in + ": no such checkpoint file");
   DeviceSet devs = make_devices(opt.devices);
   const int job_devices = int(devs.devices.size()) * (g ? g->size() : 1);
   check_model_fits(opt, spec, devs, job_devices, data.train.count);
