@@ -303,3 +303,19 @@ TEST_CASE("dp_train --load and --resume of a missing file exit 2 before the devi
     CHECK(r.output.find("backend:") == std::string::npos);
   }
 }
+
+// A run that --steps ends inside an epoch says so on the epoch's line; a full epoch's line does not.
+TEST_CASE("dp_train: an epoch --steps cut short says how many of its steps ran") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 16);
+  const std::string base = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32";  // 8 steps an epoch
+  CommandResult r = run_command(base + " --steps 3");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("epoch 1/1 ") != std::string::npos);
+  CHECK(r.output.find("(3 of the epoch's 8 steps)\n") != std::string::npos);
+  r = run_command(base + " --epochs 1");
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.output.find("epoch 1/1 ") != std::string::npos);
+  CHECK(r.output.find(" of the epoch's ") == std::string::npos);
+}

@@ -17,11 +17,16 @@
 namespace dp {
 namespace {
 
-void print_epoch(const EpochRecord& rec, int epochs) {
+// An epoch that ran fewer steps than an epoch has (--steps ended it, or a resumed run began mid-way)
+// says how many, so that it does not read as a full pass over the data.
+void print_epoch(const EpochRecord& rec, int epochs, int64_t per_epoch) {
   char test[48] = "n/a (empty test set)";
   if (!std::isnan(rec.test_accuracy)) std::snprintf(test, sizeof test, "%.4f", rec.test_accuracy);
-  std::printf("epoch %d/%d  train loss %.4f  train acc %.4f  test acc %s  %.0f img/s  %.1f s\n", rec.epoch, epochs,
-              rec.train_loss, rec.train_accuracy, test, rec.images_per_second, rec.seconds);
+  const std::string part = rec.steps < per_epoch ? "  (" + std::to_string(rec.steps) + " of the epoch's " +
+                                                       std::to_string(per_epoch) + " steps)"
+                                                 : "";
+  std::printf("epoch %d/%d  train loss %.4f  train acc %.4f  test acc %s  %.0f img/s  %.1f s%s\n", rec.epoch, epochs,
+              rec.train_loss, rec.train_accuracy, test, rec.images_per_second, rec.seconds, part.c_str());
 }
 
 // What went wrong in a step whose loss or gradients are not finite; "" for a good step. The check
@@ -218,7 +223,9 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);
     const double start_us = engine_.recorder().now_us();
-    progress.begin_epoch(meter.epoch(), plan_.epochs, plan_.per_epoch, step_ % plan_.per_epoch);
+    // The bar counts to the epoch's last step this run takes: --steps may end it early.
+    const int64_t last = std::min(plan_.per_epoch, plan_.total_steps - epoch * plan_.per_epoch);
+    progress.begin_epoch(meter.epoch(), plan_.epochs, last, step_ % plan_.per_epoch);
     // A resumed run starts mid-epoch; every later epoch starts at a multiple of per_epoch, at step 0.
     for (int64_t s = step_ % plan_.per_epoch; s < plan_.per_epoch && step_ < plan_.total_steps; ++s)
       step(staging, meter, progress, verify, epoch, s);
@@ -265,7 +272,7 @@ void Run::end_epoch(EpochMeter& meter, double start_us, const DataSets& data, Pr
   const double eval_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - eval_start).count();
   if (log_) io([&] { log_->epoch(rec, step_, eval_seconds); });
   progress.clear();
-  if (speak()) print_epoch(rec, plan_.epochs);
+  if (speak()) print_epoch(rec, plan_.epochs, plan_.per_epoch);
   std::fflush(stdout);
   result.epochs.push_back(rec);
   result.load_wait_seconds = load_wait_us_ / 1e6;
