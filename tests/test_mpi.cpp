@@ -111,6 +111,23 @@ TEST_CASE("mpi: Adam across processes: 2x1 is one process of 2 devices bit for b
   }
 }
 
+// Rank 0 says what the job is, and its table and skew cover every process's devices, as the report does.
+TEST_CASE("mpi: the job in a line first, every process's devices in the end-of-run table and its skew") {
+  if (!have_mpi()) return;
+  Job job;
+  CommandResult m = run_command(kMpirun + " -np 2 " + kTrain + " --data " + job.dir / "data" +
+                                " --sync zero1 --devices 2 --batch 24 --steps 2");
+  INFO(m.output);
+  REQUIRE(m.exit_code == 0);
+  CHECK(m.output.find("job: 2 processes x 2 devices = 4 replicas, on host") != std::string::npos);
+  for (const std::string device : {"p0 sim:0 ", "p0 sim:1 ", "p1 sim:0 ", "p1 sim:1 "}) {
+    CAPTURE(device);
+    CHECK(m.output.find("\n" + device) != std::string::npos);
+  }
+  CHECK(m.output.find("skew: p0 sim:0's peak / the mean of the others' = 1.000 (zero1") != std::string::npos);
+  CHECK(m.output.find("job: ") == m.output.rfind("job: "));  // rank 0 alone
+}
+
 TEST_CASE("mpi: bytes per device equal the hierarchical model, inside the process and across processes") {
   if (!have_mpi()) return;
   Job job;

@@ -8,6 +8,22 @@
 
 namespace dp {
 
+void print_world(const ProcessGroup& g, int local_devices) {
+  std::vector<std::pair<std::string, int>> hosts;  // in rank order, with their process counts
+  for (const std::string& h : g.hosts()) {
+    auto it = std::find_if(hosts.begin(), hosts.end(), [&](const auto& e) { return e.first == h; });
+    if (it == hosts.end())
+      hosts.push_back({h, 1});
+    else
+      ++it->second;
+  }
+  std::string where;
+  for (const auto& [host, n] : hosts)
+    where += (where.empty() ? "" : ", ") + host + " (" + std::to_string(n) + (n == 1 ? " process)" : " processes)");
+  std::printf("job: %d processes x %d device%s = %d replicas, on host%s %s\n", g.size(), local_devices,
+              local_devices == 1 ? "" : "s", g.size() * local_devices, hosts.size() == 1 ? "" : "s", where.c_str());
+}
+
 void check_job_options(const TrainOptions& o, int processes) {
   const std::string across = " across processes (mpirun -np " + std::to_string(processes) + ")";
   if (o.eval) throw UsageError("--eval" + across + ": evaluate in one process (dp_train --eval --load FILE)");

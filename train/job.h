@@ -27,6 +27,10 @@ struct JobMismatch : UsageError {
   using UsageError::UsageError;
 };
 
+// The job in a line, printed first: "job: 2 processes x 2 devices = 4 replicas, on host node7 (2
+// processes)".
+void print_world(const ProcessGroup& g, int local_devices);
+
 // Refuses (UsageError) what does not run across processes, naming what does.
 void check_job_options(const TrainOptions& o, int processes);
 

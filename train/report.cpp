@@ -166,43 +166,45 @@ nlohmann::json device_report(Engine& e) {
   return out;
 }
 
-namespace {
-
-// Device 0's peak over the mean peak of the others: nn.DataParallel's burden in one number.
-std::string skew_line(Engine& e) {
-  if (e.size() < 2) return "";
-  double others = 0;
-  for (int r = 1; r < e.size(); ++r) others += double(e.device(r).ledger().snapshot().total_peak);
-  others /= e.size() - 1;
-  const double skew = others > 0 ? double(e.device(0).ledger().snapshot().total_peak) / others : 0;
-  const std::string why = " (" + e.strategy().memory_note(e.config()) + ")";
-  char line[320];
-  std::snprintf(line, sizeof line, "skew: %s's peak / the mean of the others' = %.3f%s\n", e.device(0).name().c_str(),
-                skew, why.c_str());
-  return line;
-}
-
-}  // namespace
-
-std::string device_table(Engine& e) {
-  std::vector<LedgerSnapshot> ledgers;
-  for (int r = 0; r < e.size(); ++r) ledgers.push_back(e.device(r).ledger().snapshot());
+std::string device_table(const nlohmann::json& devices, const std::string& memory_note) {
+  const bool job = !devices.empty() && devices[0].contains("process");
+  auto bytes = [](const nlohmann::json& d, const char* key, int c) {
+    return d[key][category_name(Category(c))].get<int64_t>();
+  };
+  auto booked = [&](int c) {  // gathered only where some device booked it (shown(), for records)
+    if (Category(c) != Category::gathered) return true;
+    return std::any_of(devices.begin(), devices.end(),
+                       [&](const nlohmann::json& d) { return bytes(d, "category_peaks", c) > 0; });
+  };
   std::vector<std::vector<std::string>> rows = {{"device", "peak"}};
   for (int c = 0; c < kCategories; ++c)
-    if (shown(Category(c), ledgers)) rows[0].push_back(category_name(Category(c)));
+    if (booked(c)) rows[0].push_back(category_name(Category(c)));
   rows[0].insert(rows[0].end(), {"sent/step", "received/step"});
-  for (int r = 0; r < e.size(); ++r) {
-    const LedgerSnapshot& s = ledgers[size_t(r)];
-    std::vector<std::string> row = {e.device(r).name(), format_bytes(s.total_peak)};
+  for (const nlohmann::json& d : devices) {
+    // In a job: "p1 sim:0", the process (mpirun's rank) before its device.
+    const std::string name =
+        (job ? "p" + std::to_string(d["process"].get<int>()) + " " : "") + d["name"].get<std::string>();
+    std::vector<std::string> row = {name, format_bytes(d["peak_bytes"].get<int64_t>())};
     for (int c = 0; c < kCategories; ++c)
-      if (shown(Category(c), ledgers)) row.push_back(format_bytes(s.at_peak[c]));
-    Traffic t = e.recorder().step_traffic(r);
-    row.insert(row.end(), {format_bytes(t.sent), format_bytes(t.received)});
+      if (booked(c)) row.push_back(format_bytes(bytes(d, "peak_by_category", c)));
+    row.insert(row.end(), {format_bytes(d["bytes_sent_per_step"].get<int64_t>()),
+                           format_bytes(d["bytes_received_per_step"].get<int64_t>())});
     rows.push_back(row);
   }
-  return columns(rows) + "(memory by category at each device's peak: the categories add up to the peak)\n" +
-         skew_line(e);
+  std::string out = columns(rows) + "(memory by category at each device's peak: the categories add up to the peak)\n";
+  // Device 0's peak over the mean peak of the others: nn.DataParallel's burden in one number.
+  if (devices.size() < 2) return out;
+  double others = 0;
+  for (size_t r = 1; r < devices.size(); ++r) others += devices[r]["peak_bytes"].get<double>();
+  others /= double(devices.size() - 1);
+  const double skew = others > 0 ? devices[0]["peak_bytes"].get<double>() / others : 0;
+  char line[400];
+  std::snprintf(line, sizeof line, "skew: %s's peak / the mean of the others' = %.3f (%s)\n", rows[1][0].c_str(), skew,
+                memory_note.c_str());
+  return out + line;
 }
+
+std::string device_table(Engine& e) { return device_table(device_report(e), e.strategy().memory_note(e.config())); }
 
 void write_json(const std::string& path, const nlohmann::json& j) {
   std::string text = j.dump(2) + "\n";

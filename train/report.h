@@ -41,7 +41,10 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
 nlohmann::json device_report(Engine& engine);
 // The per-device table dp_train prints at the end: the peak and, in one column per category, the
 // bytes at that moment (peak_by_category: the columns add up to the peak), then bytes per step.
+// In a job, every process's devices (gather_devices' records, named "p<process> <device>") and the skew
+// over all of them.
 std::string device_table(Engine& engine);
+std::string device_table(const nlohmann::json& devices, const std::string& memory_note);
 // Writes beside the target then renames (write_file_atomically), so a reader never sees half a file.
 void write_json(const std::string& path, const nlohmann::json& j);
 

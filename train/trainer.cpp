@@ -106,7 +106,10 @@ void finish(Run& run, SignalGuard& signals, const TrainOptions& opt, const Prepa
   const nlohmann::json job_devices_json = g ? gather_devices(*g, engine, opt.timeout) : nlohmann::json();
   const nlohmann::json job_trace =
       g && trace ? job_trace_json(*g, engine, trace_offset_us, opt.timeout) : nlohmann::json();
-  if (run.speak()) std::printf("%s", device_table(engine).c_str());
+  if (run.speak())
+    std::printf("%s", (g ? device_table(job_devices_json, engine.strategy().memory_note(engine.config()))
+                         : device_table(engine))
+                          .c_str());
   if (!opt.save.empty()) {
     signals.doing(Activity::save);
     failpoint::at("final-save");
@@ -157,6 +160,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   const Prepared p = prepare(opt, g);
 
   if (!opt.quiet) std::printf("%s\n", p.devs.notice.c_str());
+  if (!opt.quiet && g) print_world(*g, int(p.devs.devices.size()));
   EngineConfig ec = engine_config(opt, p.data.train.count);
   ec.group = g;
   Engine engine(pointers(p.devs), p.spec, ec);
