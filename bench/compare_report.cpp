@@ -88,7 +88,7 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
   const char* kind = run.kind == DeviceKind::cuda ? "CUDA" : "simulated";
   std::printf(
       "\n%s (P = %s parameters), global batch %d = %s over %d %s device%s (%s), %d measured steps after %d "
-      "warm-up, seed %llu%s\n\n",
+      "warm-up, seed %llu%s; no prefetch (dp_train --no-prefetch: each step's upload is its load phase)\n\n",
       spec.title().c_str(), commas(spec.param_count).c_str(), o.batch, sizes_text(run.sizes).c_str(), n, kind,
       n > 1 ? "s" : "", device_range(run.names).c_str(), o.steps, o.warmup, (unsigned long long)o.seed,
       o.bucket_kb > 0 ? (", naive and allreduce buckets of " + std::to_string(o.bucket_kb) + " KiB").c_str() : "");

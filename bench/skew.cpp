@@ -192,7 +192,8 @@ void print_header(const ModelSpec& spec, const SkewOptions& o, int n) {
   const int64_t cap = o.devices.memory_cap;
   std::printf(
       "\nmemory per device at its peak, by category (%s, P = %s parameters, global batch %d = %s over %d devices, "
-      "%s, %d steps%s)\n",
+      "%s, %d steps%s; no prefetch: dp_train's default also holds the next step's batch, on device 0 alone under "
+      "scatter, as dp_train --no-prefetch does not)\n",
       spec.title().c_str(), commas(spec.param_count).c_str(), o.batch, sizes.c_str(), n,
       o.optimizer == Optimizer::adam ? "Adam"
       : o.momentum != 0              ? "SGD with momentum"
