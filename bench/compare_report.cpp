@@ -19,7 +19,10 @@ std::string device_range(const std::vector<std::string>& names) {
 
 std::string sizes_text(const std::vector<int>& sizes) {
   std::string s;
-  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? "+" : "") + std::to_string(sizes[i]);
+  for (size_t i = 0; i < sizes.size(); ++i) {  // two appends: GCC 12 warns (-Wrestrict) at "+" + to_string
+    if (i) s += '+';
+    s += std::to_string(sizes[i]);
+  }
   return s;
 }
 

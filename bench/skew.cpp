@@ -188,7 +188,10 @@ nlohmann::json ledger_json(const LedgerSnapshot& l) {
 
 void print_header(const ModelSpec& spec, const SkewOptions& o, int n) {
   std::string sizes;
-  for (int v : split_batch(o.batch, n, o.split)) sizes += (sizes.empty() ? "" : "+") + std::to_string(v);
+  for (int v : split_batch(o.batch, n, o.split)) {  // two appends: GCC 12 warns (-Wrestrict) at "+" + to_string
+    if (!sizes.empty()) sizes += '+';
+    sizes += std::to_string(v);
+  }
   const int64_t cap = o.devices.memory_cap;
   std::printf(
       "\nmemory per device at its peak, by category (%s, P = %s parameters, global batch %d = %s over %d devices, "
