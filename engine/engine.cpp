@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <numeric>
 #include <stdexcept>
@@ -272,7 +273,8 @@ StepResult Engine::step() {
   }
   // Each device flags what it checked: device 0 the whole gradient, or each device its own shard.
   for (const auto& s : stats) res.finite_gradients = res.finite_gradients && s[kNonfinite] == 0.0f;
-  if (spec_.has_batchnorm()) ++batches_tracked_;
+  // Saturates at 2^63 - 1 rather than wrapping to a negative count, which a checkpoint could not hold.
+  if (spec_.has_batchnorm() && batches_tracked_ < std::numeric_limits<int64_t>::max()) ++batches_tracked_;
   ++optimizer_steps_;
   recorder_.after(*comm_, traffic_before, b.n == cfg_.batch);
   ++step_;

@@ -52,7 +52,8 @@ class Engine {
   void set_optimizer_steps(int64_t n) { optimizer_steps_ = n; }
   // BatchNorm's running statistics (ModelSpec::buffers; empty without BatchNorm): device 0's, which
   // a checkpoint keeps; setting them places them on every replica. batches_tracked is PyTorch's
-  // num_batches_tracked: training steps taken, counted on from what set_batches_tracked gave.
+  // num_batches_tracked: training steps taken, counted on from what set_batches_tracked gave (and
+  // held at 2^63 - 1 once there).
   std::vector<float> running_stats(int rank = 0);
   void set_running_stats(const std::vector<float>& host);
   int64_t batches_tracked() const { return batches_tracked_; }

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "engine/engine.h"
 #include "engine/error.h"
@@ -339,3 +340,23 @@ TEST_CASE("lenet-bn: dp_bench compare's byte model counts the running statistics
         std::string::npos);
 }
 #endif
+
+// PyTorch's num_batches_tracked is an int64 that a step adds one to; at 2^63 - 1 it would wrap to a
+// negative count that a checkpoint cannot hold (and --eval and --resume refuse): it stays there.
+TEST_CASE("lenet-bn: num_batches_tracked stays at 2^63 - 1 rather than wrapping negative") {
+  const ModelSpec spec = make_model("lenet-bn");
+  Batches data = make_batches(2, 8, 7);
+  EngineConfig c;
+  c.batch = 8;
+  auto devs = dp::test::make_test_devices("cpu", 1);
+  Engine e(raw(devs), spec, c);
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 3, init.data());
+  e.set_params(init);
+  const int64_t top = std::numeric_limits<int64_t>::max();
+  e.set_batches_tracked(top - 1);
+  e.step(data.x[0].data(), data.y[0].data(), 8);
+  CHECK(e.batches_tracked() == top);
+  e.step(data.x[1].data(), data.y[1].data(), 8);
+  CHECK(e.batches_tracked() == top);
+}
