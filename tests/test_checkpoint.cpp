@@ -200,6 +200,10 @@ TEST_CASE("the model-level checks run on a parsed file: foreign tensors, partial
   expect(with("optimizer.conv1.weight"), "unexpected tensor");
   expect(with("state.step"), "unexpected tensor 'state.step'");
   expect(with("conv1.weight.extra"), "unexpected tensor");
+  // metadata that names no model: said so, not "this checkpoint is , (use --model )"
+  SafeTensors unnamed = good;
+  unnamed.metadata["model"] = "";
+  expect(unnamed, "its metadata names no model");
   // weights only (a --momentum 0 run, or a PyTorch state_dict): fine, no momentum
   SafeTensors plain = good;
   for (auto& p : spec.params) erase(plain, "optimizer." + p.name + ".momentum_buffer");

@@ -269,6 +269,10 @@ TEST_CASE("overflow: a float flag that float cannot hold is named as such, not a
   CHECK_THROWS_WITH_AS(parse_float("1e39", "--lr"), doctest::Contains("too large"), UsageError);
   CHECK_THROWS_WITH_AS(parse_float("abc", "--lr"), doctest::Contains("not a number"), UsageError);
   CHECK_THROWS_WITH_AS(parse_float("0.1x", "--weight-decay"), doctest::Contains("--weight-decay"), UsageError);
+  // One number syntax, decimal: strtold's hexadecimal floats, inf and nan are refused by name.
+  for (const char* other : {"0x1p-3", "inf", "nan", "-infinity"})
+    CHECK_THROWS_WITH_AS(parse_float(other, "--lr"), doctest::Contains("is not a decimal number"), UsageError);
+  CHECK(parse_float("1.25e-1", "--lr") == 0.125f);
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
   CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --steps 1 --quiet --lr 1e-46");

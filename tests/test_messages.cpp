@@ -129,3 +129,14 @@ TEST_CASE("inputs: --devices past what one process runs, or past its memory, exi
   CHECK(r.output.find("--devices 4000: each simulated device is a thread") != std::string::npos);
   CHECK(r.output.find(" fit") != std::string::npos);
 }
+
+// --momentum 0.99999999 is below 1 as written and 1 as a float: the refusal says which.
+TEST_CASE("inputs: a momentum that rounds to 1 in float is refused saying so") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 64, 8);
+  CommandResult r = run_command(std::string(DP_TRAIN_BIN) + " --backend cpu --data " + dir.path.string() +
+                                " --steps 1 --momentum 0.99999999");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("--momentum: must be in [0, 1) as a float, and it rounds to 1") != std::string::npos);
+}

@@ -233,7 +233,7 @@ TEST_CASE("signals: a failed save after SIGTERM names the signal and the OS's re
 
 TEST_CASE("signals: DP_GRACE_SECONDS must be a positive number of seconds") {
   Fixture f;
-  for (std::string bad : {"abc", "0", "-1", "inf", "nan", "1e9", "''", "5s"}) {
+  for (std::string bad : {"abc", "0", "-1", "inf", "nan", "1e9", "''", "5s", "0x10", "' 5'", "'5 '"}) {
     CAPTURE(bad);
     CommandResult r = f.train("DP_GRACE_SECONDS=" + bad, "--steps 1");
     CHECK(r.exit_code == 2);

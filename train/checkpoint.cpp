@@ -337,6 +337,12 @@ Checkpoint checkpoint_from_safetensors(const SafeTensors& file, const ModelSpec&
   std::string note;
   const SafeTensors st = strip_module_prefix(file, path, note);
   auto m = st.metadata.find("model");
+  if (m != st.metadata.end() && m->second.empty()) {
+    std::string names;
+    for (const std::string& n : model_names()) names += (names.empty() ? "" : ", ") + n;
+    throw UsageError(path + ": its metadata names no model (\"model\" is empty); dp's checkpoints name one of " +
+                     names);
+  }
   if (m != st.metadata.end() && m->second != spec.name)
     throw UsageError(path + ": this checkpoint is " + m->second + ", you asked for " + spec.name + " (use --model " +
                      m->second + ")");

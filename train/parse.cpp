@@ -88,6 +88,9 @@ float parse_float(const std::string& text, const std::string& flag) {
   long double v = std::strtold(first, &end);
   if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || end != first + text.size())
     throw bad("is not a number");
+  // One syntax, decimal (strtold also reads hexadecimal floats, inf and nan): digits, a point, an exponent.
+  if (text.find_first_not_of("0123456789+-.eE") != std::string::npos)
+    throw bad("is not a decimal number (write it as 0.125 or 1.25e-1)");
   const bool range = errno == ERANGE;
   const float f = float(v);
   // A value float cannot hold is refused rather than rounded to 0 or infinity, where the checks after

@@ -24,7 +24,9 @@ void check_options(const TrainOptions& o, bool lead) {
   if (o.steps < 0) throw UsageError("--steps: must be positive");
   if (!std::isfinite(o.lr) || o.lr <= 0) throw UsageError("--lr: must be a positive finite number, e.g. 0.1");
   if (!std::isfinite(o.momentum) || o.momentum < 0 || o.momentum >= 1)
-    throw UsageError("--momentum: must be in [0, 1)");
+    throw UsageError(
+        std::string("--momentum: must be in [0, 1)") +
+        (o.momentum == 1.0f ? " as a float, and it rounds to 1 (the largest float below 1 is 0.99999994)" : ""));
   for (float beta : {o.beta1, o.beta2})
     if (!std::isfinite(beta) || beta < 0 || beta >= 1)
       throw UsageError("--betas: each must be in [0, 1), as PyTorch's Adam requires; e.g. 0.9,0.999");
