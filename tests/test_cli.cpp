@@ -59,7 +59,7 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
       {"--limit-train -1", "--limit-train"},
       {"--timeout 0", "--timeout: '0' is not a timeout; give a positive number of seconds"},
       {"--timeout -5", "--timeout: '-5' is not a timeout"},
-      {"--timeout inf", "--timeout: 'inf' is not a timeout"},
+      {"--timeout inf", "--timeout: 'inf' is not a decimal number"},
       {"--timeout soon", "--timeout: 'soon' is not a number"},
   };
   for (auto& c : cases) {
