@@ -121,6 +121,22 @@ TEST_CASE("loading validates model, names, shapes, dtypes and offsets") {
   write_file(dir / "json", notjson, false);
   expect_load_error(dir / "json", lenet5, "JSON");
   expect_load_error(dir / "absent", lenet5, "no such");
+
+  // The data section is the tensors' bytes back to back: bytes after them, or a hole, are refused.
+  write_file(dir / "trailing", good + "junk", false);
+  expect_load_error(dir / "trailing", lenet5, "4 bytes after the last tensor's data");
+  auto raw = [](const std::string& header, size_t data) {
+    std::string s(8, '\0');
+    for (int i = 0; i < 8; ++i) s[size_t(i)] = char((uint64_t(header.size()) >> (8 * i)) & 0xff);
+    return s + header + std::string(data, '\0');
+  };
+  write_file(dir / "hole", raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), false);
+  expect_load_error(dir / "hole", lenet5, "bytes 0 to 4 of the data section belong to no tensor");
+  // The header is checked against the file's size before the data is read: a 64 GiB sparse file
+  // (more than this machine's memory: reading it whole would fail otherwise) is refused by its header.
+  write_file(dir / "sparse", raw(R"({"a":{}})", 0), false);
+  std::filesystem::resize_file(dir / "sparse", uint64_t(64) << 30);
+  expect_load_error(dir / "sparse", lenet5, "tensor 'a' lacks dtype");
 }
 
 TEST_CASE("a failed save leaves the previous checkpoint intact") {

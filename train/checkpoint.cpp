@@ -77,14 +77,18 @@ Tensor parse_tensor(const std::string& name, const nlohmann::json& v, const unsi
   if (e - b != numel * uint64_t(dtype_size(t.dtype)))
     throw fail("tensor '" + name + "' holds " + std::to_string(e - b) + " bytes, its shape " + shape_str(t.shape) +
                " of " + t.dtype + " needs " + std::to_string(numel * dtype_size(t.dtype)));
-  t.data.assign(data + b, data + e);
+  if (data) t.data.assign(data + b, data + e);  // null: the header alone is being checked
   range = {b, e};
   return t;
 }
 
 }  // namespace
 
-SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std::string& path) {
+namespace {
+
+// A file of `size` bytes of which the first `available` are at `bytes`: all of them (the tensors' data
+// copied), or the length and the header alone (everything checked, nothing copied).
+SafeTensors parse(const unsigned char* bytes, size_t available, size_t size, const std::string& path) {
   const Refusal fail = [&](const std::string& why) {
     return UsageError(path + ": not a valid safetensors file: " + why);
   };
@@ -103,7 +107,7 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
   }
   if (!h.is_object()) throw fail("header is not a JSON object");
   const uint64_t data_size = size - 8 - hlen;
-  const unsigned char* data = bytes + 8 + hlen;
+  const unsigned char* data = available == size ? bytes + 8 + hlen : nullptr;
   SafeTensors st;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (auto& [name, v] : h.items()) {
@@ -120,10 +124,25 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
     st.order.push_back(name);
     st.tensors[name] = std::move(t);
   }
+  // The format's data section is the tensors' bytes back to back: no overlap, no hole, nothing after.
   std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i)
-    if (ranges[i].first < ranges[i - 1].second) throw fail("two tensors' data overlap");
+  uint64_t end = 0;
+  for (const auto& [b, e] : ranges) {
+    if (b < end) throw fail("two tensors' data overlap");
+    if (b > end)
+      throw fail("bytes " + std::to_string(end) + " to " + std::to_string(b) +
+                 " of the data section belong to no tensor");
+    end = e;
+  }
+  if (end != data_size)
+    throw fail(std::to_string(data_size - end) + " bytes after the last tensor's data, which belong to no tensor");
   return st;
+}
+
+}  // namespace
+
+SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std::string& path) {
+  return parse(bytes, size, size, path);
 }
 
 SafeTensors read_safetensors(const std::string& path) {
@@ -133,7 +152,27 @@ SafeTensors read_safetensors(const std::string& path) {
     throw UsageError(path + ": not a checkpoint file (a directory or a device)");
   std::ifstream f(path, std::ios::binary);
   if (!f) throw UsageError(path + ": cannot open: " + std::strerror(errno));
+  // The header first, checked against the file's size, before the data is read: a damaged or huge
+  // file is refused without reading it whole.
+  const uint64_t size = std::filesystem::file_size(path, ec);
+  if (ec) throw UsageError(path + ": cannot read its size: " + ec.message());
+  std::vector<unsigned char> head(size_t(std::min<uint64_t>(size, 8)));
+  f.read(reinterpret_cast<char*>(head.data()), std::streamsize(head.size()));
+  if (head.size() == 8) {
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; --i) hlen = hlen << 8 | head[size_t(i)];
+    if (hlen <= size - 8 && hlen <= (uint64_t(100) << 20)) {
+      head.resize(size_t(8 + hlen));
+      f.read(reinterpret_cast<char*>(head.data() + 8), std::streamsize(hlen));
+    }
+  }
+  if (!f) throw UsageError(path + ": reading failed: " + std::strerror(errno));
+  parse(head.data(), head.size(), size_t(size), path);  // throws what is wrong, having read no data
+  f.seekg(0);
   std::vector<unsigned char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (bytes.size() != size)
+    throw UsageError(path + ": changed while it was read (" + std::to_string(size) + " bytes, then " +
+                     std::to_string(bytes.size()) + ")");
   return parse_safetensors(bytes.data(), bytes.size(), path);
 }
 
