@@ -130,11 +130,10 @@ Search search_batches(const std::vector<Device*>& devices, const Strategy* strat
   s.strategy = strategy;
   constexpr int kLimit = 1 << 24;  // a cap this generous is not a demo
   int lo = 0, hi = 1;
-  Trial fail;
   for (;;) {
     Trial t = try_batch(devices, strategy, spec, hi, o, init, false);
     if (!t.fits) {
-      fail = t;
+      s.past = t;
       break;
     }
     lo = hi;
@@ -143,30 +142,26 @@ Search search_batches(const std::vector<Device*>& devices, const Strategy* strat
                        " per device fits a batch of over " + commas(kLimit) + "; give a smaller cap");
     hi *= 2;
   }
-  while (hi - lo > 1) {
-    int mid = lo + (hi - lo) / 2;
-    Trial t = try_batch(devices, strategy, spec, mid, o, init, false);
-    if (t.fits)
-      lo = mid;
-    else
-      hi = mid, fail = t;
-  }
-  s.largest = lo;
-  s.past = fail;
+  // Narrows lo (fits) and hi (does not) to neighbours, the trials at either end in s.
+  auto bisect = [&](bool full) {
+    while (hi - lo > 1) {
+      const int mid = lo + (hi - lo) / 2;
+      Trial t = try_batch(devices, strategy, spec, mid, o, init, full);
+      if (t.fits)
+        lo = mid, s.at_largest = t;
+      else
+        hi = mid, s.past = t;
+    }
+    s.largest = lo;
+  };
+  bisect(false);
   if (lo > 0) s.at_largest = try_batch(devices, strategy, spec, lo, o, init, true);
   if (lo == 0 || s.at_largest.fits) return s;
   // What a single sample does not allocate (zero2's gradient buckets alive at once depend on whether
   // the convolutions run in chunks, as a full batch does): the rest of the search steps full batches.
   s.past = s.at_largest, s.at_largest = Trial();
-  for (hi = lo, lo = 0; hi - lo > 1;) {
-    const int mid = lo + (hi - lo) / 2;
-    Trial t = try_batch(devices, strategy, spec, mid, o, init, true);
-    if (t.fits)
-      lo = mid, s.at_largest = t;
-    else
-      hi = mid, s.past = t;
-  }
-  s.largest = lo;
+  hi = lo, lo = 0;
+  bisect(true);
   return s;
 }
 
@@ -216,7 +211,9 @@ bool print_strategy(const StrategySkew& s, const std::vector<std::string>& names
   for (auto& nm : names) head.push_back(nm);
   t.row(head);
   for (int c = 0; c < kCategories; ++c) {
-    if (!shown(Category(c), s.ledgers)) continue;
+    int64_t largest = 0;
+    for (const LedgerSnapshot& l : s.ledgers) largest = std::max(largest, l.peak[c]);
+    if (!shown(Category(c), largest)) continue;
     std::vector<std::string> r{"  " + std::string(category_name(Category(c)))};
     for (auto& l : s.ledgers) r.push_back(format_bytes(l.at_peak[c]));
     t.row(r);

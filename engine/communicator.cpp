@@ -376,8 +376,12 @@ void Communicator::all_reduce_async(int rank, float* buf, int64_t count, Interva
 void Communicator::reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing) {
   submit_comm(rank, timing, [this, rank, buf, chunk, out] {
     reduce_scatter(rank, buf, chunk);
-    devices_[rank]->copy(out, buf + int64_t(shard(rank)) * chunk, size_t(chunk) * sizeof(float));
+    copy_owned_chunk(rank, buf, chunk, out);
   });
+}
+
+void Communicator::copy_owned_chunk(int rank, const float* buf, int64_t chunk, float* out) {
+  devices_[rank]->copy(out, buf + int64_t(shard(rank)) * chunk, size_t(chunk) * sizeof(float));
 }
 
 void Communicator::all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing) {

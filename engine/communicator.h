@@ -212,6 +212,9 @@ class Communicator {
   void meet(int rank, Collective c);
   void meet(int rank, const std::string& what, const Deadline& deadline);
   void sync_and_wait(int rank, Collective c);  // finish the rank's queued copies, then meet
+  // After an in-place reduce_scatter of buf: the rank's owned chunk of the sum into out (the
+  // asynchronous form's result where it runs the in-place one).
+  void copy_owned_chunk(int rank, const float* buf, int64_t chunk, float* out);
   // broadcast and reduce, counting their bytes under `as` (the naive all-reduce is both, counted
   // as an all_reduce); ring_all_reduce is the ring.
   void broadcast_as(Collective as, int rank, float* buf, int64_t count, int root);

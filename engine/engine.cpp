@@ -102,8 +102,11 @@ void Engine::allocate_replicas() {
     // zero2's and zero3's reduce-scatters run on the communication thread: the ring's scratch sized
     // for the largest unit now, not grown there mid-step, where the ledger's peak would depend on
     // which thread allocated first.
-    if (stage >= 2)
-      for (const ShardUnit& u : units_) comm_->reserve_scratch(r, u.chunk);
+    if (stage >= 2) {
+      int64_t largest = 0;
+      for (const ShardUnit& u : units_) largest = std::max(largest, u.chunk);
+      comm_->reserve_scratch(r, largest);
+    }
     dev.synchronize();
     replicas_[r] = std::move(rep);
   });

@@ -12,13 +12,6 @@ const char* category_name(Category c) {
   return names[int(c)];
 }
 
-bool shown(Category c, const std::vector<LedgerSnapshot>& ledgers) {
-  if (c != Category::gathered) return true;
-  for (const LedgerSnapshot& l : ledgers)
-    if (l.peak[int(c)] > 0) return true;
-  return false;
-}
-
 std::string commas(int64_t v) {
   std::string digits = std::to_string(v < 0 ? -v : v), out;
   for (size_t i = 0; i < digits.size(); ++i) {

@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
-#include <vector>
 
 namespace dp {
 
@@ -24,9 +23,9 @@ struct LedgerSnapshot {
   std::string describe() const;  // "parameters 516.3 KB, gradients ..., total 3.1 MB"
 };
 
-// Whether a table of these ledgers has a row (column) for category c: every category but gathered,
-// which only where some device booked it (its peak).
-bool shown(Category c, const std::vector<LedgerSnapshot>& ledgers);
+// Whether a table of devices has a row (column) for category c, the largest of their peaks of it:
+// every category but gathered, which only where some device booked it.
+inline bool shown(Category c, int64_t largest_peak) { return c != Category::gathered || largest_peak > 0; }
 
 class Ledger {
  public:

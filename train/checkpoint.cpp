@@ -145,11 +145,16 @@ SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std
   return parse(bytes, size, size, path);
 }
 
-SafeTensors read_safetensors(const std::string& path) {
+void require_checkpoint_file(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) throw UsageError(path + ": no such checkpoint file");
   if (!std::filesystem::is_regular_file(path, ec))
     throw UsageError(path + ": not a checkpoint file (a directory or a device)");
+}
+
+SafeTensors read_safetensors(const std::string& path) {
+  require_checkpoint_file(path);
+  std::error_code ec;
   std::ifstream f(path, std::ios::binary);
   if (!f) throw UsageError(path + ": cannot open: " + std::strerror(errno));
   // The header first, checked against the file's size, before the data is read: a damaged or huge

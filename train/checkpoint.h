@@ -30,6 +30,9 @@ struct SafeTensors {
 // Validates the header length, the JSON, dtypes, shapes and that every tensor's byte range lies
 // inside the file, matches its shape and overlaps no other; throws UsageError naming the file.
 SafeTensors read_safetensors(const std::string& path);
+// UsageError unless path is a regular file: the first check of read_safetensors, for a front end to
+// make before the devices start.
+void require_checkpoint_file(const std::string& path);
 SafeTensors parse_safetensors(const unsigned char* bytes, size_t size, const std::string& name);
 // Writes beside the target, fsyncs, renames over it (write_file_atomically): a crash leaves the old
 // file or the new one. Throws IoError where the system refuses the write.

@@ -171,10 +171,10 @@ std::string device_table(const nlohmann::json& devices, const std::string& memor
   auto bytes = [](const nlohmann::json& d, const char* key, int c) {
     return d[key][category_name(Category(c))].get<int64_t>();
   };
-  auto booked = [&](int c) {  // gathered only where some device booked it (shown(), for records)
-    if (Category(c) != Category::gathered) return true;
-    return std::any_of(devices.begin(), devices.end(),
-                       [&](const nlohmann::json& d) { return bytes(d, "category_peaks", c) > 0; });
+  auto booked = [&](int c) {
+    int64_t largest = 0;
+    for (const nlohmann::json& d : devices) largest = std::max(largest, bytes(d, "category_peaks", c));
+    return shown(Category(c), largest);
   };
   std::vector<std::vector<std::string>> rows = {{"device", "peak"}};
   for (int c = 0; c < kCategories; ++c)

@@ -5,7 +5,6 @@
 #include "train/trainer.h"
 
 #include <cstdio>
-#include <filesystem>
 #include <optional>
 
 #include "engine/failpoint.h"
@@ -57,8 +56,7 @@ Prepared prepare(const TrainOptions& opt, ProcessGroup* g) {
   // A missing checkpoint to start from, before the devices start (in a job rank 0 alone reads it, and
   // every process learns its refusal from it: resume_on_rank0, starting_state).
   for (const std::string* in : {&opt.load, &opt.resume})
-    if (std::error_code ec; !g && !in->empty() && !std::filesystem::exists(*in, ec))
-      throw UsageError(*in + ": no such checkpoint file");
+    if (!g && !in->empty()) require_checkpoint_file(*in);
   DeviceSet devs = make_devices(opt.devices);
   const int job_devices = int(devs.devices.size()) * (g ? g->size() : 1);
   check_model_fits(opt, spec, devs, job_devices, data.train.count);

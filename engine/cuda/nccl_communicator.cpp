@@ -332,7 +332,7 @@ void NcclCommunicator::reduce_scatter_async(int rank, float* buf, int64_t chunk,
       rank, timing,
       [this, rank, buf, chunk, out] {
         Communicator::reduce_scatter(rank, buf, chunk);
-        devices_[rank]->copy(out, buf + int64_t(shard(rank)) * chunk, size_t(chunk) * sizeof(float));
+        copy_owned_chunk(rank, buf, chunk, out);
       },
       [this, rank, buf, chunk, out](cudaStream_t stream) { enqueue_reduce_scatter(rank, buf, chunk, out, stream); });
 }

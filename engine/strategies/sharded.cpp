@@ -70,15 +70,15 @@ std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig&
   return h;
 }
 
-BucketReducer::BucketReducer(StepContext& s) : s_(s), bucket_(s.units().size()) {
+BucketReducer::BucketReducer(StepContext& s)
+    : s_(s), bucket_(s.units().size()), prefix_(Network::prefix_layers(s.spec())) {
   for (const Bucket& b : s.buckets()) remaining_.push_back(b.layers);
   blocks_ = [this](int layer) {
     const size_t u = size_t(s_.layer_bucket(layer));
     // The prefix's buckets all at once, as its first chunk needs them when the prefix runs in chunks:
     // what a device holds is then the same whether it does or not.
-    const int prefix = Network::prefix_layers(s_.spec());
-    if (layer < prefix)
-      for (int i = 0; i < prefix; ++i)
+    if (layer < prefix_)
+      for (int i = 0; i < prefix_; ++i)
         if (s_.spec().layers[size_t(i)].weight >= 0) allocate(size_t(s_.layer_bucket(i)));
     allocate(u);
     return bucket_[u].f() +

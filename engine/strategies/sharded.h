@@ -47,6 +47,7 @@ class BucketReducer {
   std::vector<Buffer> bucket_;
   std::vector<int> remaining_;  // per bucket: its layers backward has not finished
   int in_flight_ = -1;          // the bucket whose reduce-scatter was started last and not waited for
+  int prefix_;                  // Network::prefix_layers: their buckets are allocated together
   GradientBlocks blocks_;
   std::function<void(int)> ready_;
 };
