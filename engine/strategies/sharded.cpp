@@ -24,12 +24,12 @@ namespace {
 // alive at once.
 int64_t gradient_buckets_alive(const ModelSpec& spec, int n, bool gathers) {
   const int prefix = Network::prefix_layers(spec);
+  const std::vector<ShardUnit> units = layer_units(spec, n);  // the parameterised layers, in this loop's order
+  size_t next = 0;
   int64_t most = 0, in_flight = 0, writing = 0;
   for (int i = int(spec.layers.size()) - 1; i >= 0; --i) {
-    const Layer& l = spec.layers[size_t(i)];
-    if (l.weight < 0) continue;
-    const int64_t whole =
-        shard_chunk(spec.params[size_t(l.weight)].size + (l.bias >= 0 ? spec.params[size_t(l.bias)].size : 0), n) * n;
+    if (spec.layers[size_t(i)].weight < 0) continue;
+    const int64_t whole = units[next++].chunk * n;
     writing += whole;
     most = std::max(most, in_flight + writing);
     if (i >= prefix) in_flight = gathers ? 0 : whole, writing = 0;  // ready: the bucket before it freed
