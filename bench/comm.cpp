@@ -9,6 +9,7 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
+#include "train/job.h"
 #include "train/output_files.h"
 #include "train/report.h"
 
@@ -120,17 +121,29 @@ void check_memory(const CommSweep& sw, int n, bool simulated) {
                                            : "even --min-bytes does not fit; give fewer devices");
 }
 
+void check_counts(const CommOptions& o) {
+  if (o.iters < 1) throw UsageError("--iters: must be at least 1");
+  if (o.repeats < 1) throw UsageError("--repeats: " + std::to_string(o.repeats) + " sweeps; give at least 1");
+}
+
+// Under mpirun: the options checked on every process, a refusal anywhere every process's.
+int run_across_processes(const CommOptions& o, ProcessGroup& group) {
+  CommSweep sw;
+  refuse_together(group, kDefaultTimeout, [&] {
+    check_counts(o);
+    if (!o.plot.empty())
+      throw UsageError("--plot: comm across processes prints its table and writes --json; it does not plot");
+    if (group.rank() == 0) check_output_file("--json", o.json);
+    sw = sweep_of(o);
+  });
+  return run_comm_processes(o, sw, group);
+}
+
 }  // namespace
 
 int run_comm(const CommOptions& o) {
-  if (o.iters < 1) throw UsageError("--iters: must be at least 1");
-  if (o.repeats < 1) throw UsageError("--repeats: " + std::to_string(o.repeats) + " sweeps; give at least 1");
-  if (o.group) {
-    if (!o.plot.empty())
-      throw UsageError("--plot: comm across processes prints its table and writes --json; it does not plot");
-    if (o.group->rank() == 0) check_output_file("--json", o.json);
-    return run_comm_processes(o, sweep_of(o), *o.group);
-  }
+  if (o.group) return run_across_processes(o, *o.group);
+  check_counts(o);
   check_output_file("--json", o.json);
   check_output_directory("--plot", o.plot);
   if (!o.plot.empty()) check_plotting();

@@ -264,13 +264,27 @@ void check_job(ProcessGroup& group, const CommSweep& sw, const CommOptions& o, c
     throw UsageError(
         "comm across processes: GPUs across processes go through NCCL, which this measurement does not cover yet; "
         "use --backend cpu (simulated devices)");
+  // Every process on this host holds K device buffers of --max-bytes, MPI's host buffer of it and the
+  // all-reduce's staging (measured here: K + 1.5 buffers' worth of resident memory, so K + 2 is the bound).
+  // Refused on any host, refused everywhere (run_comm_processes asks every process at once).
+  const int64_t here = std::count(group.hosts().begin(), group.hosts().end(), group.hosts()[size_t(group.rank())]);
+  auto need = [&](int64_t max_bytes) { return here * (K + 2) * std::max(sw.min_bytes, max_bytes); };
+  const int64_t fits = largest_fitting(sw.max_bytes, host_memory().bound(), need) / 4 * 4;
+  require_host_memory(host_memory(), need(sw.max_bytes),
+                      std::to_string(here) + " processes on " + group.hosts()[size_t(group.rank())] + ", each " +
+                          std::to_string(K + 2) + " buffers of --max-bytes: its " + std::to_string(K) +
+                          " simulated devices', MPI's and the staging",
+                      "--max-bytes " + format_bytes(sw.max_bytes),
+                      fits >= sw.min_bytes ? "give --max-bytes " + std::to_string(fits) + " or less"
+                                           : "even --min-bytes does not fit; run fewer processes on a host");
 }
 
 }  // namespace
 
 int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& group) {
   DeviceSet set = make_devices(o.devices);
-  check_job(group, sw, o, set);
+  // A refusal on any process (its host's memory) is every process's, said once by rank 0.
+  refuse_together(group, kDefaultTimeout, [&] { check_job(group, sw, o, set); });
   std::vector<Device*> devices;
   for (auto& d : set.devices) devices.push_back(d.get());
   std::printf("%s\n", set.notice.c_str());

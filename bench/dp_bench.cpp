@@ -23,6 +23,7 @@
 #include "bench/commands.h"
 #include "engine/error.h"
 #include "train/cli.h"
+#include "train/job.h"
 #include "train/options.h"
 #include "train/report.h"
 
@@ -268,23 +269,31 @@ int run(int argc, char** argv, ProcessGroup* group) {
   app.set_version_flag("--version", std::string("dp_bench ") + dp::version());
   app.require_subcommand(1);
   const Subcommand subcommands[] = {add_compare(app), add_comm(app, group), add_skew(app), add_bn(app), add_ops(app)};
-  if (!run_parser(app, argc, argv)) return 0;
-  for (const Subcommand& s : subcommands)
-    if (s.app->parsed()) {
-      if (group && s.app->get_name() != "comm")
-        throw UsageError(s.app->get_name() +
-                         " measures the devices of one process; under mpirun only comm measures across processes "
-                         "(mpirun -np 2 dp_bench comm --devices 1)");
-      return s.run(shell_command_line(argc, argv));
-    }
-  return 0;  // unreachable: CLI11 requires one subcommand
+  bool parsed = false;
+  const Subcommand* chosen = subcommands;  // CLI11 requires one
+  auto read = [&] {
+    parsed = run_parser(app, argc, argv);
+    for (const Subcommand& s : subcommands)
+      if (s.app->parsed()) chosen = &s;
+    if (parsed && group && chosen->app->get_name() != "comm")
+      throw UsageError(chosen->app->get_name() +
+                       " measures the devices of one process; under mpirun only comm measures across processes "
+                       "(mpirun -np 2 dp_bench comm --devices 1)");
+  };
+  // Under mpirun a mistyped option is every process's refusal, said once by rank 0.
+  if (group)
+    refuse_together(*group, kDefaultTimeout, read);
+  else
+    read();
+  return parsed ? chosen->run(shell_command_line(argc, argv)) : 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Under mpirun (comm across processes) rank 0 alone prints; an error on any rank ends the job with
-  // its exit code (MPI_Abort), since the others may be waiting for it in a collective.
+  // Under mpirun (comm across processes) rank 0 alone prints; a refusal every process met together
+  // (refuse_together) ends each normally, any other error on any rank ends the job with its exit code
+  // (MPI_Abort), since the others may be waiting for it in a collective.
   std::unique_ptr<dp::ProcessGroup> group = dp::join_if_launched("dp_bench");
   const std::string who = group && group->size() > 1 ? group->who() + ": " : "";
   auto fail = [&](int code, const char* prefix, const char* what) {
@@ -297,6 +306,9 @@ int main(int argc, char** argv) {
   };
   try {
     return run(argc, argv, group.get());
+  } catch (const dp::JobMismatch& e) {  // every process refused alike: rank 0 says why, no MPI_Abort
+    if (group->rank() == 0) std::fprintf(stderr, "%sdp_bench: %s\n", who.c_str(), e.what());
+    return 2;
   } catch (const dp::UsageError& e) {
     return fail(2, "", e.what());
   } catch (const dp::bench::PlotUnavailable& e) {

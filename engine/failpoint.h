@@ -4,7 +4,8 @@
 // shipped dp_train or dp_bench has no DP_TEST_ string in it); the test build's binaries (dp_tests,
 // dp_train_failpoints) link tests/failpoint/failpoints.cpp, which arms them from the tests' own calls
 // (tests/failpoint/failpoints.h) and from the environment of a dp_train a test starts:
-//   DP_TEST_AT=point:action,...      at(): raise SIGINT, SIGTERM or SIGHUP at this process, or hang
+//   DP_TEST_AT=point:action,...      at(): raise SIGINT, SIGTERM or SIGHUP at this process, hang, or
+//                                    fail (throw IoError, as a refused write)
 //   DP_TEST_STALL=<collective>:<rank> collective(): that rank of every communicator never arrives in its
 //                                    first such collective (names as collective_name gives them)
 //   DP_TEST_STALL_RANK=<process>     across_processes(): that process stops answering at its first
@@ -25,7 +26,7 @@ class Device;
 namespace failpoint {
 
 // A moment of the run (train/): "start", "step" with n the global step it is about to run, "final-eval",
-// "final-save", "report", "trace", "temp-file", "probe".
+// "final-save", "report", "trace", "temp-file", "probe", "log" with n the step of the --log record.
 void at(const char* point, int64_t n = -1);
 // A device's kernel work, where it may throw an injected fault (DeviceError naming the device).
 void device_call(const Device& dev, const char* where);

@@ -159,3 +159,59 @@ TEST_CASE("log: a write failure mid-run exits 1 naming the file and the reason, 
   CHECK(lines.size() >= 1);
   CHECK(lines.size() < 8);
 }
+
+TEST_CASE("log: a failed record stops the log, not the run: the checkpoint is saved, then exit 1 saying so") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 128, 32);
+  const std::string log = dir / "run.jsonl", saved = dir / "c.st";
+  CommandResult r =
+      run_command("timeout -s KILL 60 env DP_TEST_AT=log-4:fail " + kTrain + " --backend cpu --data " +
+                  dir.path.string() + " --batch 32 --steps 8 --quiet --log-every 2 --log " + log + " --save " + saved);
+  INFO(r.output);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find("warning: DP_TEST_AT: log-4: the write failed on purpose; the log stopped after step 2; "
+                      "training goes on") != std::string::npos);
+  CHECK(r.output.find("every other output was written") != std::string::npos);
+  std::vector<int64_t> steps;
+  for (const nlohmann::json& j : read_lines(log)) steps.push_back(j["step"].get<int64_t>());
+  CHECK(steps == std::vector<int64_t>{2});
+  // The trained weights were kept (they were lost with the failed write): a whole checkpoint.
+  REQUIRE(std::filesystem::exists(saved));
+  CHECK(run_command(kTrain + " --backend cpu --data " + dir.path.string() + " --eval --load " + saved).exit_code == 0);
+}
+
+TEST_CASE("log: --resume with the same --log keeps the records up to the checkpoint's step and goes on after them") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 128, 32);  // 4 steps an epoch
+  const std::string log = dir / "run.jsonl", saved = dir / "c.st", at5 = dir / "c5.st";
+  const std::string run =
+      "timeout -s KILL 60 " + kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --steps 10 --quiet";
+  REQUIRE(run_command("env DP_TEST_AT=step-5:SIGINT " + run + " --log-every 2 --log " + log + " --save " + saved)
+              .exit_code == 130);
+  std::filesystem::copy_file(saved, at5);  // step 5: the second epoch's first
+  auto records = [&] {
+    std::vector<std::pair<std::string, int64_t>> out;
+    double elapsed = 0;
+    for (const nlohmann::json& j : read_lines(log)) {
+      out.push_back({j["kind"].get<std::string>(), j["step"].get<int64_t>()});
+      if (j["kind"] == "step") {
+        CHECK(j["elapsed_s"].get<double>() >= elapsed);  // training time, going on across the resume
+        elapsed = j["elapsed_s"].get<double>();
+      }
+    }
+    return out;
+  };
+  using R = std::vector<std::pair<std::string, int64_t>>;
+  CHECK(records() == R{{"step", 2}, {"step", 4}, {"epoch", 4}, {"step", 5}});
+  CommandResult r = run_command(run + " --log-every 2 --log " + log + " --save " + saved + " --resume " + saved);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  const R whole{{"step", 2}, {"step", 4},  {"epoch", 4}, {"step", 5},  {"step", 6},
+                {"step", 8}, {"epoch", 8}, {"step", 10}, {"epoch", 10}};
+  CHECK(records() == whole);
+  // Resumed again from step 5: the records of steps 6 to 10 are the rerun's, not a second copy.
+  r = run_command(run + " --log-every 2 --log " + log + " --save " + saved + " --resume " + at5);
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  CHECK(records() == whole);
+}

@@ -162,18 +162,51 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   CHECK(r.output.find("has 24, rank 1 (") != std::string::npos);
   CHECK(r.output.find("has 12") != std::string::npos);
 
+  // Options that add collectives on some processes only: refused at the start-up check, naming the
+  // option and each process's value (they ran mismatched collectives: a bad_alloc, a 600 s hang).
+  REQUIRE(job.one("--steps 1 --save " + job.dir / "one.st").exit_code == 0);
+  for (const auto& [extra, option] : {std::pair<std::string, std::string>{" --load " + job.dir / "one.st", "load: "},
+                                      {" --save " + job.dir / "s1.st", "save: "},
+                                      {" --save " + job.dir / "s2.st" + " --save-every 1", "save: "}}) {
+    r = run_command(kMpirun + " -np 1 " + kTrain + same + " --batch 24" + extra + " : -np 1 " + kTrain + same +
+                    " --batch 24");
+    INFO(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK(r.output.find("disagree: " + option + "rank 0 (") != std::string::npos);
+  }
+  CHECK(!std::filesystem::exists(job.dir / "s1.st"));
+  CHECK(!std::filesystem::exists(job.dir / "s2.st"));
+
+  // A refusal every process meets is said once, by rank 0, and ends the job without MPI_Abort's banner.
+  auto count = [](const std::string& text, const std::string& what) {
+    size_t n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+    return n;
+  };
   r = run_command(kMpirun + " -np 2 " + kTrain + " --data " + job.dir / "data" + " --batch 24 --steps 2 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 2);
-  CHECK(r.output.find("nn.DataParallel is one process by design") != std::string::npos);
+  CHECK(count(r.output, "nn.DataParallel is one process by design") == 1);
   CHECK(r.output.find("use --sync allreduce") != std::string::npos);
+  CHECK(r.output.find("MPI_ABORT") == std::string::npos);
+  r = job.mpirun(3, "--steps 2 --epoch 1");  // a typo: CLI11's refusal, before any option is read
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(count(r.output, "did you mean --epochs?") == 1);
+  CHECK(r.output.find("MPI_ABORT") == std::string::npos);
+  // Refused on one process only (rank 1's batch is not a number): that process's refusal, named.
+  r = run_command(kMpirun + " -np 1 " + kTrain + same + " --batch 24 : -np 1 " + kTrain + same + " --batch 0");
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK(count(r.output, "--batch: 0 is not a batch size") == 1);
+  CHECK(r.output.find("rank 1 (") != std::string::npos);
+  CHECK(r.output.find("the other processes accepted their options") != std::string::npos);
 
   r = job.mpirun(2, "--steps 2 --allreduce naive");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("--allreduce naive across processes") != std::string::npos);
 
   // --eval evaluates in one process: across processes it was accepted, every rank writing the report.
-  REQUIRE(job.one("--steps 1 --save " + job.dir / "one.st").exit_code == 0);
   r = job.mpirun(2, "--eval --load " + job.dir / "one.st" + " --report " + job.dir / "e.json");
   INFO(r.output);
   CHECK(r.exit_code == 2);

@@ -82,6 +82,15 @@ TEST_CASE("mpi: dp_bench comm measures the all-reduce across processes beside MP
   CommandResult c = run_command(kMpirun + " -np 2 " + DP_BENCH_BIN + " compare --backend cpu --devices 2");
   CHECK(c.exit_code == 2);
   CHECK(c.output.find("only comm measures across processes") != std::string::npos);
+  CHECK(c.output.find("MPI_ABORT") == std::string::npos);  // said once, by rank 0
+  // Sizes that cannot fit the host's memory (two processes' buffers) are refused before any buffer is
+  // allocated; they ran until the OOM killer ended the job.
+  CommandResult big = run_command(kMpirun + " -np 2 " + bench + " --devices 1 --min-bytes 4K --max-bytes 4096G");
+  INFO(big.output);
+  CHECK(big.exit_code == 2);
+  CHECK(big.output.find("--max-bytes 4096.00 GiB: this run needs about") != std::string::npos);
+  CHECK(big.output.find("give --max-bytes ") != std::string::npos);
+  CHECK(big.output.find("MPI_ABORT") == std::string::npos);
 }
 
 TEST_CASE("mpi: --trace is one file, a process per rank, a lane per device named by its job rank, clocks aligned") {
@@ -218,8 +227,8 @@ TEST_CASE("mpi: --resume and --load are read by rank 0 alone and broadcast, a re
   const std::string fresh = job.dir / "fresh.st";  // and the load mattered: from --seed's weights it ends elsewhere
   REQUIRE(job.mpirun(2, "--devices 2 --steps 3 --save " + fresh).exit_code == 0);
   CHECK(max_diff(weights(loaded), weights(fresh)) > 0.01);
-  r = run_command(kMpirun + " -np 1 " + kTrain + job.with("--devices 2 --steps 3 --load " + corrupt) + " : -np 1 " +
-                  kTrain + load + loaded);
+  r = run_command(kMpirun + " -np 1 " + kTrain + job.with("--devices 2 --steps 3 --load " + corrupt + " --save ") +
+                  loaded + " : -np 1 " + kTrain + load + loaded);
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find(corrupt + ": not a valid safetensors file: ") != std::string::npos);

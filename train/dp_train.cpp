@@ -1,7 +1,8 @@
 // dp_train: the command-line front end. Exit codes: 0 done, 1 --verify failed or a device failed,
 // 2 bad input, 3 non-finite loss or gradients, 128 + signal when stopped by SIGHUP, SIGINT or SIGTERM
 // (129, 130, 143; also when the grace deadline after one ends the process); 1 also when the system
-// refuses a write (disk full, permission): the command line was fine, the OS's reason is printed.
+// refuses a write (disk full, permission): the command line was fine, the OS's reason is printed. A
+// refused --log record stops the log, not the run: it trains and writes the rest, then exits 1.
 // Under mpirun (README "Across processes and hosts") every process exits with these codes; a failure on
 // one process ends the job with its code (MPI_Abort).
 #include <csignal>
@@ -39,19 +40,35 @@ int run(int argc, char** argv, dp::ProcessGroup* group) {
   };
   try {
     dp::TrainOptions opt;
-    if (!dp::parse_train_args(argc, argv, opt)) return 0;
+    bool parsed = false;
+    auto read_options = [&] {
+      parsed = dp::parse_train_args(argc, argv, opt);
+      if (parsed && opt.eval && job) dp::check_job_options(opt, group->size());  // refuses --eval across processes
+    };
+    // Across processes a mistyped option is every process's refusal, said once by rank 0 (exit 2 on
+    // every process, no MPI_Abort); the options' own --timeout is not read yet.
+    if (job)
+      dp::refuse_together(*group, dp::kDefaultTimeout, read_options);
+    else
+      read_options();
+    if (!parsed) return 0;
     bool ok = true;
+    std::string log_failure;
     if (opt.eval) {  // --eval --load FILE: the checkpoint on the test set, nothing trained
-      if (job) dp::check_job_options(opt, group->size());  // refuses --eval across processes
       dp::evaluate_checkpoint(opt);
     } else {
-      ok = dp::train(opt, group).verify_ok;
+      const dp::TrainResult r = dp::train(opt, group);
+      ok = r.verify_ok, log_failure = r.log_failure;
     }
     // A signal after the run's last safe point, as it was returning: everything had been written.
     if (int sig = dp::signal_received()) {
       std::fprintf(stderr, "%sdp_train: %s as the run ended; every output was written\n", who.c_str(),
                    dp::describe_signal(sig).c_str());
       return 128 + sig;
+    }
+    if (!log_failure.empty()) {  // the run went on without its log: the outputs are whole, the log is not
+      std::fprintf(stderr, "%sdp_train: error: %s; every other output was written\n", who.c_str(), log_failure.c_str());
+      return 1;
     }
     return ok ? 0 : 1;
   } catch (const dp::JobMismatch& e) {

@@ -37,6 +37,27 @@ void check_job_options(const TrainOptions& o, int processes) {
                      "ring over MPI on simulated devices): drop --allreduce");
 }
 
+void refuse_together(ProcessGroup& g, double timeout, const std::function<void()>& check) {
+  std::string mine;
+  try {
+    check();
+  } catch (const UsageError& e) {
+    mine = e.what();
+    if (mine.empty()) mine = "refused";
+  }
+  const std::vector<std::string> all =
+      g.all_gather(mine, Deadline::after(timeout), "the start-up check of the options");
+  if (std::all_of(all.begin(), all.end(), [](const std::string& s) { return s.empty(); })) return;
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == all[0]; })) throw JobMismatch(all[0]);
+  std::string msg;
+  for (int r = 0; r < g.size(); ++r)
+    if (!all[size_t(r)].empty())
+      msg += (msg.empty() ? "" : "; ") + g.who(r) + " refuses its options: " + all[size_t(r)];
+  throw JobMismatch(msg +
+                    " (the other processes accepted their options: start every process with the same options; "
+                    "mpirun runs one command line)");
+}
+
 void check_agreement(ProcessGroup& g, const Settings& mine, double timeout) {
   std::string line;
   for (const auto& [k, v] : mine) line += k + "=" + v + "\n";

@@ -34,6 +34,12 @@ void print_world(const ProcessGroup& g, int local_devices);
 // Refuses (UsageError) what does not run across processes, naming what does.
 void check_job_options(const TrainOptions& o, int processes);
 
+// Runs `check` (a check of the options, which throws UsageError) on every process, then tells every
+// process how it went everywhere: a refusal on any process is thrown on every process as a JobMismatch,
+// so that every process exits 2, rank 0 alone says why and no MPI_Abort ends the job. The message is
+// the refusal where every process refused alike; otherwise each refusing process's, named. Collective.
+void refuse_together(ProcessGroup& g, double timeout, const std::function<void()>& check);
+
 using Settings = std::vector<std::pair<std::string, std::string>>;
 // Every process's settings, gathered, against rank 0's: a difference is a JobMismatch naming each
 // differing setting with every process's value. Collective.

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/error.h"
+#include "engine/failpoint.h"
 #include "train/report.h"
 
 namespace dp {
@@ -33,10 +34,31 @@ nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& bef
 }  // namespace
 
 TrainLog::TrainLog(const std::string& path, int64_t every, float lr, const Strategy& strategy,
-                   const PhaseSeconds& phases)
+                   const PhaseSeconds& phases, int64_t resumed)
     : path_(path), every_(every), lr_(json_float(lr)), strategy_(strategy), interval_phases_(phases) {
-  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | (resumed > 0 ? 0 : O_TRUNC) | O_CLOEXEC, 0666);
   if (fd_ < 0) throw IoError(path + ": cannot open the log: " + std::strerror(errno));
+  if (resumed > 0) keep_records_through(resumed);
+}
+
+// The whole lines at the file's start that are records of steps up to `step`: kept, the rest cut.
+void TrainLog::keep_records_through(int64_t step) {
+  std::string text;
+  char buf[1 << 16];
+  for (ssize_t got; (got = ::read(fd_, buf, sizeof buf)) != 0;) {
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) throw IoError(path_ + ": cannot read the log to resume it: " + std::strerror(errno));
+    text.append(buf, size_t(got));
+  }
+  for (size_t end; (end = text.find('\n', size_t(written_))) != std::string::npos; written_ = off_t(end + 1)) {
+    const nlohmann::json j = nlohmann::json::parse(text.begin() + written_, text.begin() + off_t(end), nullptr, false);
+    if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer() || j["step"].get<int64_t>() > step)
+      break;
+    if (j.value("kind", "") == "step" && j.contains("elapsed_s") && j["elapsed_s"].is_number())
+      elapsed_before_ = j["elapsed_s"].get<double>(), recorded_step_ = j["step"].get<int64_t>();
+  }
+  if (::ftruncate(fd_, written_) != 0 || ::lseek(fd_, written_, SEEK_SET) < 0)
+    throw IoError(path_ + ": cannot cut the log back to step " + std::to_string(step) + ": " + std::strerror(errno));
 }
 
 TrainLog::~TrainLog() { ::close(fd_); }
@@ -73,9 +95,10 @@ void TrainLog::flush(const PhaseSeconds& phases) {
                               {"epoch", epoch_},
                               {"loss", images_ ? loss_sum_ / double(images_) : 0.0},
                               {"images_per_second", seconds > 0 ? double(images_) / seconds : 0.0},
-                              {"elapsed_s", std::chrono::duration<double>(now - start_).count()},
+                              {"elapsed_s", elapsed_before_ + std::chrono::duration<double>(now - start_).count()},
                               {"lr", lr_},
                               {"phase_ms", phase_ms(phases, interval_phases_, steps_, strategy_)}};
+  failpoint::at("log", last_step_);
   write_line(j.dump() + "\n");
   recorded_step_ = last_step_;
   steps_ = images_ = 0;

@@ -24,7 +24,11 @@ class TrainLog {
  public:
   // Opens `path`, truncating it; the clock of elapsed_s starts here, and the phase times count from
   // `phases`. Throws IoError naming the path and the OS's reason where the system refuses.
-  TrainLog(const std::string& path, int64_t every, float lr, const Strategy& strategy, const PhaseSeconds& phases);
+  // A run resumed at global step `resumed` > 0 keeps the file's records up to that step (the run it
+  // resumes wrote them; those after it are of steps that run again, and go), and its elapsed_s goes on
+  // from the last kept step record's; the rest of the file (a line cut short, another file) goes too.
+  TrainLog(const std::string& path, int64_t every, float lr, const Strategy& strategy, const PhaseSeconds& phases,
+           int64_t resumed = 0);
   ~TrainLog();
   TrainLog(const TrainLog&) = delete;
   TrainLog& operator=(const TrainLog&) = delete;
@@ -42,6 +46,7 @@ class TrainLog {
   int64_t last_step() const { return recorded_step_; }  // of the last step record; 0 before the first
 
  private:
+  void keep_records_through(int64_t step);
   void write_line(const std::string& line);
 
   using Clock = std::chrono::steady_clock;
@@ -58,6 +63,7 @@ class TrainLog {
   int64_t steps_ = 0, images_ = 0, last_step_ = 0, recorded_step_ = 0;
   int epoch_ = 0;
   double loss_sum_ = 0, paused_ = 0;
+  double elapsed_before_ = 0;  // a resumed run's: the kept records' training time
 };
 
 }  // namespace dp

@@ -157,6 +157,19 @@ void Run::io(const std::function<void()>& work) {
   }
 }
 
+void Run::log(const std::function<void(TrainLog&)>& write) {
+  if (!log_) return;
+  try {
+    write(*log_);
+  } catch (const IoError& e) {
+    log_failure_ = std::string(e.what()) + "; the log stopped after step " + std::to_string(log_->last_step());
+    log_ = nullptr;
+    std::fprintf(stderr,
+                 "dp_train: warning: %s; training goes on (dp_train will exit 1 once it has written the rest)\n",
+                 log_failure_.c_str());
+  }
+}
+
 std::string Run::position() const {
   if (step_ == first_step_) return "before the first step";
   return step_ >= plan_.total_steps ? "after the last step (step " + std::to_string(step_) + ")"
@@ -201,11 +214,13 @@ Interrupted Run::interrupted(int sig) {
       skipped.push_back(std::string(name) + " " + *path);
   }
   if (!skipped.empty()) what += "; " + skipped[0] + (skipped.size() > 1 ? " and " + skipped[1] : "") + " not written";
-  if (log_) {  // its records are on disk as they come; the steps since the last one get theirs now
-    io([&] { log_->flush(engine_.recorder().phase_seconds()); });
+  // The log's records are on disk as they come; the steps since the last one get theirs now.
+  log([&](TrainLog& l) { l.flush(engine_.recorder().phase_seconds()); });
+  if (log_)
     what += "; log " + log_->path() +
             (log_->last_step() > 0 ? " kept up to step " + std::to_string(log_->last_step()) : " has no step records");
-  }
+  else if (!log_failure_.empty())
+    what += "; " + log_failure_;
   return Interrupted(sig, what);
 }
 
@@ -254,8 +269,9 @@ void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier
   }
   meter.add(r);
   progress.update(s + 1, r.n, meter.loss());
-  if (log_)
-    io([&] { log_->step(step_, meter.epoch(), r, engine_.recorder().phase_seconds(), step_ >= plan_.total_steps); });
+  log([&](TrainLog& l) {
+    l.step(step_, meter.epoch(), r, engine_.recorder().phase_seconds(), step_ >= plan_.total_steps);
+  });
   if (o_.save_every > 0 && step_ % o_.save_every == 0) save();
   stop_if_signalled();
 }
@@ -270,7 +286,7 @@ void Run::end_epoch(EpochMeter& meter, double start_us, const DataSets& data, Pr
   const auto eval_start = std::chrono::steady_clock::now();
   evaluate(engine_, data.test, rec, group_);
   const double eval_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - eval_start).count();
-  if (log_) io([&] { log_->epoch(rec, step_, eval_seconds); });
+  log([&](TrainLog& l) { l.epoch(rec, step_, eval_seconds); });
   progress.clear();
   if (speak()) print_epoch(rec, plan_.epochs, plan_.per_epoch);
   std::fflush(stdout);

@@ -51,6 +51,9 @@ class Run {
   // Across processes only the signal the step's collective agreed on counts, so that every process
   // stops after the same step.
   void stop_if_signalled();
+  // Why the --log stopped before the run ended (a write the system refused), or empty: training went
+  // on and every other output was written; dp_train exits 1 saying so.
+  const std::string& log_failure() const { return log_failure_; }
 
  private:
   class Staging;
@@ -61,6 +64,9 @@ class Run {
   void end_epoch(EpochMeter& meter, double start_us, const DataSets& data, Progress& progress, TrainResult& result);
   // An I/O error while a signal is pending names both; the exit stays 1, a failed write's.
   void io(const std::function<void()>& work);
+  // A --log record: a write the system refuses stops the log (a warning on stderr, log_failure()) and
+  // not the run, whose weights are worth more than its log.
+  void log(const std::function<void(TrainLog&)>& write);
   std::string position() const;
   std::string kept() const;
   Interrupted interrupted(int sig);
@@ -71,7 +77,8 @@ class Run {
   Engine& engine_;
   CheckpointSaver& saver_;
   SignalGuard& signals_;
-  TrainLog* log_;  // null without --log
+  TrainLog* log_;  // null without --log, and once a write to it failed
+  std::string log_failure_;
   int64_t first_step_, step_;
   bool report_written_ = false, trace_written_ = false;
   double load_wait_us_ = 0;

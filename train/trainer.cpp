@@ -39,7 +39,11 @@ void check_job_agreement(ProcessGroup& g, const TrainOptions& opt, const Prepare
                      {"devices_per_process", std::to_string(p.devs.devices.size())},
                      {"steps", std::to_string(p.plan.total_steps)},
                      {"test_samples", std::to_string(p.data.test.count)},
+                     // Each adds collectives: rank 0's state broadcast, the gather of the weights to save.
                      {"resume", opt.resume.empty() ? "none" : "a checkpoint"},
+                     {"load", opt.load.empty() ? "none" : "a checkpoint"},
+                     {"save", opt.save.empty() ? "none" : "a file"},
+                     {"save_every", std::to_string(opt.save_every)},
                      // Each adds collectives at the end (verify's result, the trace's gather).
                      {"verify", opt.verify ? "on" : "off"},
                      {"trace", opt.trace.empty() ? "off" : "on"},
@@ -153,8 +157,14 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   // at its next safe point with 128 + signal and a line saying what was saved.
   SignalGuard signals(grace_seconds());
   failpoint::at("start");  // a test build reads DP_TEST_AT here: a malformed value is refused before anything runs
-  check_options(opt, lead);
-  if (g) check_job_options(opt, g->size());
+  // Across processes a refusal anywhere is every process's, said once by rank 0.
+  if (g)
+    refuse_together(*g, opt.timeout, [&] {
+      check_options(opt, lead);
+      check_job_options(opt, g->size());
+    });
+  else
+    check_options(opt, lead);
   const Prepared p = prepare(opt, g);
 
   if (!opt.quiet) std::printf("%s\n", p.devs.notice.c_str());
@@ -173,15 +183,17 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
 
   if (!opt.resume.empty() && !opt.quiet) print_resuming(opt, p.plan, p.resumed.global_step);
   CheckpointSaver saver(opt, p.spec, p.id, p.plan.per_epoch);
-  std::optional<TrainLog> log;  // opened (truncated) as training starts; rank 0's alone
+  std::optional<TrainLog> log;  // opened as training starts (truncated; resumed: kept up to its step); rank 0's alone
   if (!opt.log.empty() && lead)
-    log.emplace(opt.log, opt.log_every, opt.lr, engine.strategy(), engine.recorder().phase_seconds());
+    log.emplace(opt.log, opt.log_every, opt.lr, engine.strategy(), engine.recorder().phase_seconds(),
+                opt.resume.empty() ? 0 : p.resumed.global_step);
   Run run(opt, p.plan, engine, saver, signals, log ? &*log : nullptr, p.resumed.global_step, g);
   run.stop_if_signalled();  // one that came during the setup: nothing trained, nothing saved
   TrainResult result;
   run.epochs(p.data, verify ? &*verify : nullptr, result);
   summarize(result);
   finish(run, signals, opt, p, engine, g, verify ? &*verify : nullptr, trace_offset_us, result);
+  result.log_failure = run.log_failure();
   return result;
 }
 

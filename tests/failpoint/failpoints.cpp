@@ -38,11 +38,13 @@ Armed& armed() {
   return *a;
 }
 
-// DP_TEST_AT="point:action,...": raise a signal at this process (SIGINT, SIGTERM, SIGHUP) or hang for
-// good (after a line on stderr) the first time the run reaches `point`.
+// DP_TEST_AT="point:action,...": raise a signal at this process (SIGINT, SIGTERM, SIGHUP), hang for
+// good (after a line on stderr) or fail as a refused write does (IoError) the first time the run
+// reaches `point`.
+constexpr int kHang = 0, kFail = -1;
 struct AtHook {
   std::string point;
-  int action = 0;  // a signal number, 0 for hang
+  int action = kHang;  // a signal number, kHang or kFail
   bool fired = false;
 };
 std::vector<AtHook> parse_at(const std::string& spec) {
@@ -55,8 +57,10 @@ std::vector<AtHook> parse_at(const std::string& spec) {
     AtHook hook{item.substr(0, colon)};
     if (action == "SIGINT" || action == "SIGTERM" || action == "SIGHUP")
       hook.action = action == "SIGINT" ? SIGINT : action == "SIGTERM" ? SIGTERM : SIGHUP;
+    else if (action == "fail")
+      hook.action = kFail;
     else if (action != "hang")
-      throw UsageError("DP_TEST_AT=" + spec + ": " + item + " is not point:SIGINT|SIGTERM|SIGHUP|hang");
+      throw UsageError("DP_TEST_AT=" + spec + ": " + item + " is not point:SIGINT|SIGTERM|SIGHUP|hang|fail");
     hooks.push_back(hook);
     at = comma + 1;
   }
@@ -87,7 +91,8 @@ void at(const char* point, int64_t n) {
       if (!hook.fired && hook.point == name) hook.fired = true, actions.push_back(hook.action);
   }
   for (int action : actions) {
-    if (action != 0) {
+    if (action == kFail) throw IoError("DP_TEST_AT: " + name + ": the write failed on purpose");
+    if (action != kHang) {
       std::raise(action);
       continue;
     }
