@@ -81,6 +81,11 @@ BnRun train_run(const BnOptions& o, const ModelSpec& spec, const BnData& data, c
     const auto t0 = clock::now();
     const StepResult r = engine.step(x.data(), y.data(), o.batch);
     run.step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+    // A diverged run has nothing to compare: the comparison stops, as dp_train does (exit 3).
+    if (!std::isfinite(r.loss))
+      throw NumericalError("bn: the " + mode + " run (" + std::to_string(n) + " devices x " +
+                           std::to_string(per_device) + " images) diverged: loss " + std::to_string(r.loss) +
+                           " at step " + std::to_string(step + 1) + "; try a smaller --lr");
     losses.push_back(r.loss);
   }
   const size_t last = std::min<size_t>(10, losses.size());

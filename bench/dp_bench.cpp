@@ -11,7 +11,7 @@
 //   ops      where one training step's time goes on one simulated CPU device: per kernel op and layer,
 //            calls, microseconds and share of the step, GFLOP/s, and the host's part outside every op
 // Exit codes: 0 done, 1 a check failed (bytes off the model, skew out of bounds) or a device failed
-// or --plot could not plot, 2 bad arguments.
+// or --plot could not plot, 2 bad arguments, 3 a run diverged (a non-finite loss: bn).
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -311,6 +311,8 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const dp::UsageError& e) {
     return fail(2, "", e.what());
+  } catch (const dp::NumericalError& e) {  // a run diverged: its figures would be NaN
+    return fail(3, "", e.what());
   } catch (const dp::bench::PlotUnavailable& e) {
     return fail(1, "", e.what());
   } catch (const std::exception& e) {

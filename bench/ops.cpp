@@ -190,6 +190,10 @@ nlohmann::json print_rows(const std::vector<Row>& rows, double steps, double ste
 int run_ops(const OpsOptions& o) {
   check_options(o);
   const ModelSpec spec = make_model(o.model);
+  if (spec.has_batchnorm() && o.batch == 1)  // as dp_train refuses it (check_batchnorm), before any step
+    throw UsageError("--model " + spec.name +
+                     ": a batch of 1 sample, and BatchNorm needs more than 1 value per channel in training "
+                     "(PyTorch's rule); give --batch 2 or more");
   EngineConfig ec;
   ec.sync = "allreduce", ec.batch = o.batch;  // one device: no collective, only the step
   const int batches = std::min(o.warmup + o.steps, 8);

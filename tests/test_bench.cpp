@@ -331,7 +331,7 @@ TEST_CASE("dp_bench ops - the ops' microseconds fit in the step and conv and lin
   CHECK(j["ops_us"].get<double>() == doctest::Approx(sum).epsilon(1e-9));
   CHECK(j["host_us"].get<double>() >= 0);
   for (const char* args : {"ops --steps 0", "ops --warmup -1", "ops --batch 0", "ops --backend cuda",
-                           "ops --model resnet", "ops --frobnicate"}) {
+                           "ops --model resnet", "ops --model lenet-bn --batch 1", "ops --frobnicate"}) {
     CAPTURE(args);
     CHECK(bench(args, log) == 2);
     CHECK(slurp(log).rfind("dp_bench: ", 0) == 0);

@@ -208,6 +208,13 @@ TEST_CASE("dp_bench bn - bad input exits 2 naming why before anything runs") {
   // A missing data directory: load_idx's refusal, before any device is made.
   dp::test::check_refusals("'" + std::string(DP_BENCH_BIN) + "' bn --backend cpu " + ok,
                            {{"--data '" + f.dir / "nowhere" + "'", f.dir / "nowhere"}}, "run 1/");
+  // A learning rate that diverges: exit 3 naming the run and the step, no NaN table or conclusion.
+  const dp::test::CommandResult r = dp::test::run_command(f.base + ok + "--lr 1e38");
+  INFO(r.output);
+  CHECK(r.exit_code == 3);
+  CHECK(r.output.find("diverged: loss ") != std::string::npos);
+  CHECK(r.output.find("try a smaller --lr") != std::string::npos);
+  CHECK(r.output.find("bytes: measured") == std::string::npos);
 }
 
 TEST_CASE("dp_bench bn - the plot says in its title that the devices were simulated") {

@@ -132,6 +132,19 @@ TEST_CASE("loading validates model, names, shapes, dtypes and offsets") {
   };
   write_file(dir / "hole", raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), false);
   expect_load_error(dir / "hole", lenet5, "bytes 0 to 4 of the data section belong to no tensor");
+  // A name given twice: JSON keeps the last, the format forbids it (a tensor, and a metadata key).
+  write_file(dir / "twice",
+             raw(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],)"
+                 R"("data_offsets":[0,4]}})",
+                 4),
+             false);
+  expect_load_error(dir / "twice", lenet5, "the header names 'a' twice");
+  write_file(dir / "meta_twice",
+             raw(R"({"__metadata__":{"model":"lenet","model":"lenet5"},"a":{"dtype":"F32","shape":[1],)"
+                 R"("data_offsets":[0,4]}})",
+                 4),
+             false);
+  expect_load_error(dir / "meta_twice", lenet5, "the header names 'model' twice");
   // The header is checked against the file's size before the data is read: a 64 GiB sparse file
   // (more than this machine's memory: reading it whole would fail otherwise) is refused by its header.
   write_file(dir / "sparse", raw(R"({"a":{}})", 0), false);

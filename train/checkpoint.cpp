@@ -100,11 +100,23 @@ SafeTensors parse(const unsigned char* bytes, size_t available, size_t size, con
                " bytes)");
   if (hlen > (uint64_t(100) << 20)) throw fail("header length " + std::to_string(hlen) + " exceeds 100 MB");
   nlohmann::json h;
+  // A name given twice in one object (a tensor, a metadata key): JSON parsers keep the last, the format
+  // forbids it, and which one a reader took would be a guess.
+  std::vector<std::set<std::string>> keys;  // of each object open at this point of the parse
+  std::string twice;
+  const nlohmann::json::parser_callback_t note_keys = [&](int, nlohmann::json::parse_event_t e, nlohmann::json& j) {
+    using E = nlohmann::json::parse_event_t;
+    if (e == E::object_start) keys.emplace_back();
+    if (e == E::object_end) keys.pop_back();
+    if (e == E::key && !keys.back().insert(j.get<std::string>()).second && twice.empty()) twice = j.get<std::string>();
+    return true;
+  };
   try {
-    h = nlohmann::json::parse(bytes + 8, bytes + 8 + hlen);
+    h = nlohmann::json::parse(bytes + 8, bytes + 8 + hlen, note_keys);
   } catch (const std::exception& e) {
     throw fail(std::string("header is not JSON: ") + e.what());
   }
+  if (!twice.empty()) throw fail("the header names '" + twice + "' twice; each name must be unique");
   if (!h.is_object()) throw fail("header is not a JSON object");
   const uint64_t data_size = size - 8 - hlen;
   const unsigned char* data = available == size ? bytes + 8 + hlen : nullptr;
