@@ -46,6 +46,36 @@ DeviceSet make_replicas(bool cuda, int gpus, int n) {
   return make_devices(c);
 }
 
+// The run's steps on the data in --seed's order: each step's time, and the train loss (the mean of the
+// last 10 steps'). A diverged run has nothing to compare: the comparison stops, as dp_train does (exit 3).
+void train_steps(const BnOptions& o, const ModelSpec& spec, const BnData& data, Engine& engine, BnRun& run) {
+  using clock = std::chrono::steady_clock;
+  const int64_t D = spec.input_size();
+  std::vector<float> x(size_t(o.batch * D));  // (B, 1, 28, 28)
+  std::vector<int32_t> y(size_t(o.batch));    // (B)
+  std::vector<int64_t> order;
+  std::vector<double> losses;
+  for (int step = 0; step < o.steps; ++step) {
+    const int64_t epoch = step / data.per_epoch, at = step % data.per_epoch * o.batch;
+    if (at == 0) order = epoch_order(data.train.count, o.seed, epoch, true);
+    for (int i = 0; i < o.batch; ++i) {
+      const int64_t s = order[size_t(at + i)];
+      std::copy_n(data.train.images.data() + s * D, D, x.data() + int64_t(i) * D);
+      y[size_t(i)] = data.train.labels[size_t(s)];
+    }
+    const auto t0 = clock::now();
+    const StepResult r = engine.step(x.data(), y.data(), o.batch);
+    run.step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
+    if (!std::isfinite(r.loss))
+      throw NumericalError("bn: the " + run.mode + " run (" + std::to_string(run.devices) + " devices x " +
+                           std::to_string(run.per_device) + " images) diverged: loss " + std::to_string(r.loss) +
+                           " at step " + std::to_string(step + 1) + "; try a smaller --lr");
+    losses.push_back(r.loss);
+  }
+  const size_t last = std::min<size_t>(10, losses.size());
+  for (size_t i = losses.size() - last; i < losses.size(); ++i) run.train_loss += losses[i] / double(last);
+}
+
 BnRun train_run(const BnOptions& o, const ModelSpec& spec, const BnData& data, const std::vector<float>& init,
                 int per_device, const std::string& mode, bool cuda, int gpus) {
   using clock = std::chrono::steady_clock;
@@ -65,31 +95,7 @@ BnRun train_run(const BnOptions& o, const ModelSpec& spec, const BnData& data, c
   init_buffers(spec, buffers.data());
   engine.set_running_stats(buffers);
 
-  const int64_t D = spec.input_size();
-  std::vector<float> x(size_t(o.batch * D));  // (B, 1, 28, 28)
-  std::vector<int32_t> y(size_t(o.batch));    // (B)
-  std::vector<int64_t> order;
-  std::vector<double> losses;
-  for (int step = 0; step < o.steps; ++step) {
-    const int64_t epoch = step / data.per_epoch, at = step % data.per_epoch * o.batch;
-    if (at == 0) order = epoch_order(data.train.count, o.seed, epoch, true);
-    for (int i = 0; i < o.batch; ++i) {
-      const int64_t s = order[size_t(at + i)];
-      std::copy_n(data.train.images.data() + s * D, D, x.data() + int64_t(i) * D);
-      y[size_t(i)] = data.train.labels[size_t(s)];
-    }
-    const auto t0 = clock::now();
-    const StepResult r = engine.step(x.data(), y.data(), o.batch);
-    run.step_ms.push_back(std::chrono::duration<double, std::milli>(clock::now() - t0).count());
-    // A diverged run has nothing to compare: the comparison stops, as dp_train does (exit 3).
-    if (!std::isfinite(r.loss))
-      throw NumericalError("bn: the " + mode + " run (" + std::to_string(n) + " devices x " +
-                           std::to_string(per_device) + " images) diverged: loss " + std::to_string(r.loss) +
-                           " at step " + std::to_string(step + 1) + "; try a smaller --lr");
-    losses.push_back(r.loss);
-  }
-  const size_t last = std::min<size_t>(10, losses.size());
-  for (size_t i = losses.size() - last; i < losses.size(); ++i) run.train_loss += losses[i] / double(last);
+  train_steps(o, spec, data, engine, run);
 
   for (int r = 0; r < n; ++r) run.measured.push_back(engine.recorder().step_traffic(r));
   run.predicted = total_traffic(

@@ -86,6 +86,29 @@ Tensor parse_tensor(const std::string& name, const nlohmann::json& v, const unsi
 
 namespace {
 
+// The header's JSON object. A name given twice in one object (a tensor, a metadata key) is refused:
+// JSON parsers keep the last, the format forbids it, and which one a reader took would be a guess.
+nlohmann::json parse_header(const unsigned char* text, uint64_t length, const Refusal& fail) {
+  std::vector<std::set<std::string>> keys;  // of each object open at this point of the parse
+  std::string twice;
+  const nlohmann::json::parser_callback_t note_keys = [&](int, nlohmann::json::parse_event_t e, nlohmann::json& j) {
+    using E = nlohmann::json::parse_event_t;
+    if (e == E::object_start) keys.emplace_back();
+    if (e == E::object_end) keys.pop_back();
+    if (e == E::key && !keys.back().insert(j.get<std::string>()).second && twice.empty()) twice = j.get<std::string>();
+    return true;
+  };
+  nlohmann::json h;
+  try {
+    h = nlohmann::json::parse(text, text + length, note_keys);
+  } catch (const std::exception& e) {
+    throw fail(std::string("header is not JSON: ") + e.what());
+  }
+  if (!twice.empty()) throw fail("the header names '" + twice + "' twice; each name must be unique");
+  if (!h.is_object()) throw fail("header is not a JSON object");
+  return h;
+}
+
 // A file of `size` bytes of which the first `available` are at `bytes`: all of them (the tensors' data
 // copied), or the length and the header alone (everything checked, nothing copied).
 SafeTensors parse(const unsigned char* bytes, size_t available, size_t size, const std::string& path) {
@@ -99,25 +122,7 @@ SafeTensors parse(const unsigned char* bytes, size_t available, size_t size, con
     throw fail("header length " + std::to_string(hlen) + " runs past the end of the file (" + std::to_string(size) +
                " bytes)");
   if (hlen > (uint64_t(100) << 20)) throw fail("header length " + std::to_string(hlen) + " exceeds 100 MB");
-  nlohmann::json h;
-  // A name given twice in one object (a tensor, a metadata key): JSON parsers keep the last, the format
-  // forbids it, and which one a reader took would be a guess.
-  std::vector<std::set<std::string>> keys;  // of each object open at this point of the parse
-  std::string twice;
-  const nlohmann::json::parser_callback_t note_keys = [&](int, nlohmann::json::parse_event_t e, nlohmann::json& j) {
-    using E = nlohmann::json::parse_event_t;
-    if (e == E::object_start) keys.emplace_back();
-    if (e == E::object_end) keys.pop_back();
-    if (e == E::key && !keys.back().insert(j.get<std::string>()).second && twice.empty()) twice = j.get<std::string>();
-    return true;
-  };
-  try {
-    h = nlohmann::json::parse(bytes + 8, bytes + 8 + hlen, note_keys);
-  } catch (const std::exception& e) {
-    throw fail(std::string("header is not JSON: ") + e.what());
-  }
-  if (!twice.empty()) throw fail("the header names '" + twice + "' twice; each name must be unique");
-  if (!h.is_object()) throw fail("header is not a JSON object");
+  const nlohmann::json h = parse_header(bytes + 8, hlen, fail);
   const uint64_t data_size = size - 8 - hlen;
   const unsigned char* data = available == size ? bytes + 8 + hlen : nullptr;
   SafeTensors st;
