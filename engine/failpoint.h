@@ -11,6 +11,8 @@
 //   DP_TEST_STALL_RANK=<process>     across_processes(): that process stops answering at its first
 //                                    all-reduce across processes
 //   DP_TEST_VERIFY_OFFSET=<x>        verify_offset(): --verify's reference moved by x
+//   DP_TEST_DESYNC=<process>:<step>  recorded_bytes(): that process's first collective of the step is
+//                                    recorded 4 bytes larger
 #pragma once
 
 #include <chrono>
@@ -41,6 +43,10 @@ void collective(const Communicator& comm, int rank, Collective c, const std::fun
 void across_processes(const Communicator& comm, int process, int rank, double timeout);
 // What --verify adds to its reference's first weight before comparing (0 in a release binary).
 double verify_offset();
+// The bytes a collective's flight record says (flight_recorder.h): `bytes`, but DP_TEST_DESYNC=<process>:
+// <step> makes that process record its first collective of that step 4 bytes larger, once: a process
+// that disagrees with the others, for the desync check to find.
+int64_t recorded_bytes(int process, int64_t step, int64_t bytes);
 
 }  // namespace failpoint
 }  // namespace dp

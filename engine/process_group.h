@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/flight_recorder.h"
 #include "engine/wait.h"
 
 namespace dp {
@@ -41,6 +42,15 @@ class ProcessGroup {
   std::string who() const { return who(rank_); }
   // The host name of every rank, gathered when the group was joined.
   const std::vector<std::string>& hosts() const { return hosts_; }
+
+  // The last collectives across processes (flight_recorder.h), written as JSON to flight_path() when
+  // the job fails: a wait past its deadline, or abort(). The directory defaults to $TMPDIR (or /tmp)
+  // /dp-flight-<host of rank 0>-<its pid>, one file per rank; dp_train's --flight-dir sets it.
+  FlightRecorder& flight() { return flight_; }
+  void set_flight_dir(const std::string& dir) { flight_dir_ = dir; }
+  std::string flight_path() const;
+  // Writes this rank's records, with `why` the job failed; returns the path, or why it could not.
+  std::string write_flight_record(const std::string& why);
 
   // Opens channels 0..n-1 (n local devices; the same n on every process, which the trainer's start-up
   // check makes sure of before calling this, since a mismatch would leave the others waiting).
@@ -81,6 +91,8 @@ class ProcessGroup {
   int rank_ = 0, size_ = 1;
   std::string host_;
   std::vector<std::string> hosts_;
+  FlightRecorder flight_;
+  std::string flight_dir_;  // set when the group is joined, from rank 0's host and pid
 };
 
 // Initialises MPI (MPI_THREAD_MULTIPLE: every device thread calls it) and joins the job's processes.

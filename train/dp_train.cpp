@@ -21,11 +21,49 @@
 
 namespace {
 
+// The options read (across processes, a refusal anywhere every process's), then the training or the
+// evaluation; the exit code of a run that ended without an error.
+int train_or_evaluate(int argc, char** argv, dp::ProcessGroup* group, const std::string& who) {
+  const bool job = group && group->size() > 1;
+  dp::TrainOptions opt;
+  bool parsed = false;
+  auto read_options = [&] {
+    parsed = dp::parse_train_args(argc, argv, opt);
+    if (parsed && opt.eval && job) dp::check_job_options(opt, group->size());  // refuses --eval across processes
+  };
+  // Across processes a mistyped option is every process's refusal, said once by rank 0 (exit 2 on
+  // every process, no MPI_Abort); the options' own --timeout is not read yet.
+  if (job)
+    dp::refuse_together(*group, dp::kDefaultTimeout, read_options);
+  else
+    read_options();
+  if (!parsed) return 0;
+  bool ok = true;
+  std::string log_failure;
+  if (opt.eval) {  // --eval --load FILE: the checkpoint on the test set, nothing trained
+    dp::evaluate_checkpoint(opt);
+  } else {
+    const dp::TrainResult r = dp::train(opt, group);
+    ok = r.verify_ok, log_failure = r.log_failure;
+  }
+  // A signal after the run's last safe point, as it was returning: everything had been written.
+  if (int sig = dp::signal_received()) {
+    std::fprintf(stderr, "%sdp_train: %s as the run ended; every output was written\n", who.c_str(),
+                 dp::describe_signal(sig).c_str());
+    return 128 + sig;
+  }
+  if (!log_failure.empty()) {  // the run went on without its log: the outputs are whole, the log is not
+    std::fprintf(stderr, "%sdp_train: error: %s; every other output was written\n", who.c_str(), log_failure.c_str());
+    return 1;
+  }
+  return ok ? 0 : 1;
+}
+
 // The run, and its exit code. In a job of several processes (mpirun), an error is said with the
 // process's rank and host; the errors every process meets alike at the same point (settings that
-// disagree, a signal, which the processes agree on at a step) end each process normally, rank 0 alone
-// saying why; any other ends the whole job at once (MPI_Abort with this exit code), since the other
-// processes may be waiting for this one in a collective.
+// disagree, a signal, which the processes agree on at a step, collectives that differ) end each process
+// normally, rank 0 alone saying why; any other ends the whole job at once (MPI_Abort with this exit
+// code), since the other processes may be waiting for this one in a collective.
 int run(int argc, char** argv, dp::ProcessGroup* group) {
   const bool job = group && group->size() > 1;
   const std::string who = job ? group->who() + ": " : "";
@@ -39,40 +77,11 @@ int run(int argc, char** argv, dp::ProcessGroup* group) {
     return code;
   };
   try {
-    dp::TrainOptions opt;
-    bool parsed = false;
-    auto read_options = [&] {
-      parsed = dp::parse_train_args(argc, argv, opt);
-      if (parsed && opt.eval && job) dp::check_job_options(opt, group->size());  // refuses --eval across processes
-    };
-    // Across processes a mistyped option is every process's refusal, said once by rank 0 (exit 2 on
-    // every process, no MPI_Abort); the options' own --timeout is not read yet.
-    if (job)
-      dp::refuse_together(*group, dp::kDefaultTimeout, read_options);
-    else
-      read_options();
-    if (!parsed) return 0;
-    bool ok = true;
-    std::string log_failure;
-    if (opt.eval) {  // --eval --load FILE: the checkpoint on the test set, nothing trained
-      dp::evaluate_checkpoint(opt);
-    } else {
-      const dp::TrainResult r = dp::train(opt, group);
-      ok = r.verify_ok, log_failure = r.log_failure;
-    }
-    // A signal after the run's last safe point, as it was returning: everything had been written.
-    if (int sig = dp::signal_received()) {
-      std::fprintf(stderr, "%sdp_train: %s as the run ended; every output was written\n", who.c_str(),
-                   dp::describe_signal(sig).c_str());
-      return 128 + sig;
-    }
-    if (!log_failure.empty()) {  // the run went on without its log: the outputs are whole, the log is not
-      std::fprintf(stderr, "%sdp_train: error: %s; every other output was written\n", who.c_str(), log_failure.c_str());
-      return 1;
-    }
-    return ok ? 0 : 1;
+    return train_or_evaluate(argc, argv, group, who);
   } catch (const dp::JobMismatch& e) {
     return fail(2, "", e.what(), true);
+  } catch (const dp::JobDesync& e) {
+    return fail(1, "error: ", e.what(), true);
   } catch (const dp::UsageError& e) {
     return fail(2, "", e.what());
   } catch (const dp::NumericalError& e) {

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <sstream>
 
+#include "engine/ledger.h"  // commas
 #include "train/report.h"
 
 namespace dp {
@@ -163,10 +166,69 @@ void broadcast_state(ProcessGroup& g, Checkpoint& state, double timeout) {
               "the broadcast of rank 0's step count", nullptr);
 }
 
+namespace {
+
+// Each process's collectives of the step, by channel in order: "seq kind bytes" per line.
+std::map<int, std::vector<std::string>> by_channel(const std::string& lines) {
+  std::map<int, std::vector<std::string>> out;
+  std::istringstream in(lines);
+  for (std::string line; std::getline(in, line);) {
+    const size_t space = line.find(' ');
+    out[std::stoi(line.substr(0, space))].push_back(line.substr(space + 1));
+  }
+  return out;
+}
+
+// "all_reduce #4 of 258,136 B" from a line "4 all_reduce 258136"; "nothing" from none.
+std::string collective(const std::string& line) {
+  std::istringstream in(line);
+  int64_t seq = 0, bytes = 0;
+  std::string kind;
+  if (!(in >> seq >> kind >> bytes)) return "nothing";
+  return kind + " #" + std::to_string(seq) + " of " + commas(bytes) + " B";
+}
+
+// The fingerprints differed: every process's collectives of the step gathered, the first that differs
+// from rank 0's named. Collective (every process found the difference in the same exchange).
+[[noreturn]] void name_desync(ProcessGroup& g, const std::vector<std::string>& mine, int64_t step, double timeout) {
+  std::string text;
+  for (const std::string& l : mine) text += l + "\n";
+  const std::vector<std::string> all = g.all_gather(text, Deadline::after(timeout), "the desync check's records");
+  const auto ref = by_channel(all[0]);
+  std::string msg = "the processes ran different collectives in step " + std::to_string(step) + ": ";
+  for (int r = 1; r < g.size(); ++r) {
+    auto theirs = by_channel(all[size_t(r)]);
+    for (const auto& [channel, lines] : theirs) theirs[channel];  // every channel of either side
+    for (const auto& [channel, lines] : ref) theirs[channel];
+    for (const auto& [channel, lines] : theirs) {
+      const std::vector<std::string>& a = ref.count(channel) ? ref.at(channel) : std::vector<std::string>{};
+      for (size_t i = 0; i < std::max(a.size(), lines.size()); ++i) {
+        const std::string x = i < a.size() ? a[i] : "", y = i < lines.size() ? lines[i] : "";
+        if (x == y) continue;
+        const std::string where = channel < 0 ? "the host channel" : "channel " + std::to_string(channel);
+        const std::string path = g.write_flight_record("the processes ran different collectives");
+        throw JobDesync(msg + "collective #" + std::to_string(i + 1) + " of the step on " + where + ": " + g.who(0) +
+                        " ran " + collective(x) + ", " + g.who(r) + " " + collective(y) +
+                        "; each rank's records: " + path.substr(0, path.rfind('/') + 1));
+      }
+    }
+  }
+  throw JobDesync(msg + "their fingerprints differ, though the collectives each recorded agree");
+}
+
+}  // namespace
+
 int reduce_step(ProcessGroup& g, StepResult& r, int pending_signal, double timeout) {
-  double sums[2] = {r.loss, double(r.correct)}, maxes[2] = {double(pending_signal), r.finite_gradients ? 0.0 : 1.0};
+  double sums[2] = {r.loss, double(r.correct)};
   g.all_reduce_sum(sums, 2, Deadline::after(timeout), "the step's loss across processes");
-  g.all_reduce_max(maxes, 2, Deadline::after(timeout), "the step's stop flag and gradient check across processes");
+  // The desync check, folded into the step's exchange: the fingerprint of this process's collectives
+  // since the last step (flight_recorder.h) and its negation, whose maxima are equal only where every
+  // process's fingerprint is the same.
+  std::vector<std::string> lines;
+  const double fingerprint = double(g.flight().take_fingerprint(&lines));
+  double maxes[4] = {double(pending_signal), r.finite_gradients ? 0.0 : 1.0, fingerprint, -fingerprint};
+  g.all_reduce_max(maxes, 4, Deadline::after(timeout), "the step's stop flag and gradient check across processes");
+  if (maxes[2] != -maxes[3]) name_desync(g, lines, g.flight().step(), timeout);
   r.loss = sums[0], r.correct = int64_t(sums[1]), r.finite_gradients = maxes[1] == 0;
   return int(maxes[0]);
 }

@@ -27,6 +27,12 @@ struct JobMismatch : UsageError {
   using UsageError::UsageError;
 };
 
+// The processes ran different collectives (the desync check of reduce_step): every process finds it in
+// the same exchange, so every process exits 1 and rank 0 alone says which collective differed first.
+struct JobDesync : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // The job in a line, printed first: "job: 2 processes x 2 devices = 4 replicas, on host node7 (2
 // processes)".
 void print_world(const ProcessGroup& g, int local_devices);
@@ -68,7 +74,9 @@ void broadcast_verify(ProcessGroup& g, VerifyResult& v, double timeout);
 void broadcast_state(ProcessGroup& g, Checkpoint& state, double timeout);
 
 // The step's shares summed over the processes (loss, correct count); returns the largest signal
-// pending on any process (0: none), so that every process stops after the same step. Collective.
+// pending on any process (0: none), so that every process stops after the same step. Throws JobDesync
+// where the processes' collectives since the last step differ (their flight-record fingerprints).
+// Collective.
 int reduce_step(ProcessGroup& g, StepResult& r, int pending_signal, double timeout);
 
 // The rows [first, second) of a set of n images this process evaluates.

@@ -208,6 +208,15 @@ void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
                  "answering; PyTorch's NCCL default)")
       ->capture_default_str()
       ->type_name("SECONDS");
+  app.add_option("--flight-records", o.flight_records,
+                 "Under mpirun: the collectives across processes each keeps, written to --flight-dir when the job "
+                 "fails, and checked to agree every step (0: off)")
+      ->capture_default_str()
+      ->type_name("N")
+      ->transform(exact_integer<int>());
+  app.add_option("--flight-dir", o.flight_dir,
+                 "Under mpirun: where each rank writes its flight records (default $TMPDIR/dp-flight-<host>-<pid>)")
+      ->type_name("DIR");
 }
 
 void add_training(CLI::App& app, TrainOptions& o, TrainText& t) {
@@ -364,6 +373,10 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.split = parse_split(t.split);
   o.timeout = parse_timeout(t.timeout);
   o.shuffle = !t.no_shuffle;
+  if (o.flight_records < 0)
+    throw UsageError("--flight-records: " + std::to_string(o.flight_records) +
+                     " is not a number of records; give 0 (off) or more, e.g. " +
+                     std::to_string(kDefaultFlightRecords));
   if (app.count("--steps") == 0)
     o.steps = 0;
   else if (o.steps <= 0)

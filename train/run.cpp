@@ -258,6 +258,7 @@ void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier
   }
   const HostBatch& batch = *staging.staged.front();
   staging.staged.pop_front();
+  if (group_) group_->flight().set_step(step_ + 1);
   StepResult r = engine_.step();
   if (group_) agreed_signal_ = reduce_step(*group_, r, signals_.pending(), o_.timeout);
   if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);

@@ -47,7 +47,9 @@ void check_job_agreement(ProcessGroup& g, const TrainOptions& opt, const Prepare
                      // Each adds collectives at the end (verify's result, the trace's gather).
                      {"verify", opt.verify ? "on" : "off"},
                      {"trace", opt.trace.empty() ? "off" : "on"},
-                     {"timeout", std::to_string(opt.timeout)}});
+                     {"timeout", std::to_string(opt.timeout)},
+                     // Off on one process, its step fingerprints would differ from the others'.
+                     {"flight_records", std::to_string(opt.flight_records)}});
   check_agreement(g, s, opt.timeout);
 }
 
@@ -165,6 +167,10 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
     });
   else
     check_options(opt, lead);
+  if (g) {  // every process alike, before the fingerprints of the steps begin
+    g->flight().set_capacity(opt.flight_records);
+    if (!opt.flight_dir.empty()) g->set_flight_dir(opt.flight_dir);
+  }
   const Prepared p = prepare(opt, g);
 
   if (!opt.quiet) std::printf("%s\n", p.devs.notice.c_str());

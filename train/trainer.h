@@ -38,6 +38,8 @@ struct TrainOptions {
   bool sync_bn = false;                                      // --sync-bn: SyncBatchNorm (EngineConfig::sync_bn)
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // --allreduce (only with --sync allreduce)
   double timeout = kDefaultTimeout;                          // --timeout: seconds a collective waits for peers
+  int flight_records = kDefaultFlightRecords;  // --flight-records: across processes (engine/flight_recorder.h)
+  std::string flight_dir;                      // --flight-dir: where they go when the job fails
   std::string load, save, resume, report, trace;
   int64_t save_every = 0;
   std::string log;         // --log: JSON Lines records of the run (log.h)

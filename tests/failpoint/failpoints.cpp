@@ -203,4 +203,19 @@ double verify_offset() {
   return x;
 }
 
+int64_t recorded_bytes(int process, int64_t step, int64_t bytes) {
+  static const std::pair<int, int64_t> armed = [] {
+    const std::string v = env("DP_TEST_DESYNC");
+    if (v.empty()) return std::pair<int, int64_t>{-1, -1};
+    const size_t colon = v.find(':');
+    const int p = small_number(v.substr(0, colon)),
+              s = colon == std::string::npos ? -1 : small_number(v.substr(colon + 1));
+    if (p < 0 || s < 1) throw UsageError("DP_TEST_DESYNC=" + v + ": give <process>:<step>, e.g. 1:3");
+    return std::pair<int, int64_t>{p, s};
+  }();
+  static std::atomic<bool> fired{false};
+  if (process != armed.first || step != armed.second || fired.exchange(true)) return bytes;
+  return bytes + 4;
+}
+
 }  // namespace dp::failpoint
