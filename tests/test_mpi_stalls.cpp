@@ -8,8 +8,8 @@
 #include <sys/wait.h>
 
 #include <chrono>
-#include <sstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <thread>
 
 #include "engine/flight_recorder.h"
