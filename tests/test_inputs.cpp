@@ -221,7 +221,9 @@ TEST_CASE("overflow: --verify's tolerance comes from the batch trained, not --ba
   REQUIRE(r.exit_code == 0);
   std::ifstream f(dir / "r.json");
   nlohmann::json rep = nlohmann::json::parse(f);
-  CHECK(rep["verify"]["tolerance"].get<double>() == doctest::Approx(summation_tolerance(2, 64, 0.1f, 0.9f)));
+  // The summation bound and each step's rounding of the update, an ulp of the largest weight (a few %).
+  CHECK(rep["verify"]["tolerance"].get<double>() > summation_tolerance(2, 64, 0.1f, 0.9f));
+  CHECK(rep["verify"]["tolerance"].get<double>() == doctest::Approx(summation_tolerance(2, 64, 0.1f, 0.9f)).epsilon(0.1));
   CHECK(rep["verify"]["tolerance"].get<double>() < 1e-3);
 }
 

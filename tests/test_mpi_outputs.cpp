@@ -158,7 +158,9 @@ TEST_CASE("mpi: --verify compares rank 0's replica with one device on the whole 
   CHECK(r.output.find(") ok") != std::string::npos);
   nlohmann::json rep = read_json(job.dir / "r.json");
   CHECK(rep["verify"]["ok"] == true);
-  CHECK(rep["verify"]["tolerance"].get<double>() == doctest::Approx(summation_tolerance(8, 24, 0.1f, 0.9f)));
+  // The summation bound and each step's rounding of the update, an ulp of the largest weight (a few %).
+  CHECK(rep["verify"]["tolerance"].get<double>() > summation_tolerance(8, 24, 0.1f, 0.9f));
+  CHECK(rep["verify"]["tolerance"].get<double>() == doctest::Approx(summation_tolerance(8, 24, 0.1f, 0.9f)).epsilon(0.1));
   CHECK(rep["verify"]["max_abs_diff"].get<double>() <= rep["verify"]["tolerance"].get<double>());
   CHECK(rep["verify"]["max_abs_diff"].get<double>() > 0);  // 4 devices sum in another order than 1
 
@@ -167,7 +169,8 @@ TEST_CASE("mpi: --verify compares rank 0's replica with one device on the whole 
   r = run_command(kMpirun + " -x DP_TEST_VERIFY_OFFSET=0.5 -np 2 " + kTrain + args);
   INFO(r.output);
   CHECK(r.exit_code == 1);
-  CHECK(r.output.find("(tolerance 1.64e-05) FAILED") != std::string::npos);
+  CHECK(r.output.find("after 8 steps: 0.5 (tolerance 1.") != std::string::npos);
+  CHECK(r.output.find("e-05) FAILED") != std::string::npos);
   CHECK(read_json(job.dir / "r.json")["verify"]["ok"] == false);
 }
 

@@ -180,6 +180,11 @@ void check_batchnorm(const TrainOptions& o, const ModelSpec& spec, const Schedul
   if (o.sync_bn && !spec.has_batchnorm())
     throw UsageError("--sync-bn: model " + spec.name + " has no BatchNorm; the model with BatchNorm is lenet-bn");
   if (!spec.has_batchnorm() || o.eval) return;
+  if (o.verify && o.optimizer != Optimizer::sgd)
+    throw UsageError(
+        "--verify: with BatchNorm a value within rounding of a ReLU's or max-pool's threshold goes either way, and "
+        "under Adam that can turn a weight's normalised update around: no bound covers the runs' difference. "
+        "Verify BatchNorm with --optimizer sgd, or Adam on lenet");
   if (o.verify && !o.sync_bn && devices > 1)
     throw UsageError(
         "--verify: with BatchNorm each of the " + std::to_string(devices) +

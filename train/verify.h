@@ -20,6 +20,9 @@ double summation_tolerance(int64_t steps, int batch, float lr, float momentum);
 // rounding differences beyond it (lenet, 4 devices, lr 0.1: 3.5e-6 after 20 steps, 0.04 after 50),
 // and a longer --verify run is refused before it starts (check_verified_steps).
 inline constexpr int kVerifiedSteps = 20;
+// With BatchNorm, a run past the rounding bound is held to this share of the weights' largest movement
+// from the start instead (Verifier::movement_check says why).
+inline constexpr double kMovementShare = 0.1;
 
 // How far two Adam (AdamW) runs that differ only in the order their gradients were summed can end
 // apart, element by element, from the reference run's own moments after each step (verify.cpp has
@@ -68,8 +71,12 @@ class Verifier {
 
  private:
   VerifyResult compare_adam(const std::vector<float>& a, const std::vector<float>& b) const;
+  // With BatchNorm, past the rounding bound: the difference against the weights' movement (verify.cpp).
+  void movement_check(VerifyResult& v, const std::vector<float>& a, const std::vector<float>& b) const;
 
-  DeviceSet devices_;  // declared before engine_: outlives it
+  bool batchnorm_;
+  std::vector<float> start_;  // the weights both runs started from
+  DeviceSet devices_;         // declared before engine_: outlives it
   std::unique_ptr<Engine> engine_;
   std::unique_ptr<AdamTolerance> adam_;  // under Adam and AdamW
 };
