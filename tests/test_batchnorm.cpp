@@ -4,10 +4,9 @@
 // bytes of both against the ring model; evaluation with the running statistics.
 #include <doctest/doctest.h>
 
-#include <filesystem>
-
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 
 #include "engine/engine.h"
@@ -363,7 +362,8 @@ TEST_CASE("lenet-bn: num_batches_tracked stays at 2^63 - 1 rather than wrapping 
   CHECK(e.batches_tracked() == top);
 }
 
-TEST_CASE("lenet-bn --verify: a correct run past the rounding bound (a ReLU decision flipped) is held to the movement") {
+TEST_CASE(
+    "lenet-bn --verify: a correct run past the rounding bound (a ReLU decision flipped) is held to the movement") {
   const std::string data = "/usr/share/datasets/fashion-mnist";
   if (!std::filesystem::exists(data + "/train-images-idx3-ubyte.gz")) {
     MESSAGE("skipped: no Fashion-MNIST at /usr/share/datasets/fashion-mnist (apt-get install dataset-fashion-mnist)");

@@ -223,7 +223,8 @@ TEST_CASE("overflow: --verify's tolerance comes from the batch trained, not --ba
   nlohmann::json rep = nlohmann::json::parse(f);
   // The summation bound and each step's rounding of the update, an ulp of the largest weight (a few %).
   CHECK(rep["verify"]["tolerance"].get<double>() > summation_tolerance(2, 64, 0.1f, 0.9f));
-  CHECK(rep["verify"]["tolerance"].get<double>() == doctest::Approx(summation_tolerance(2, 64, 0.1f, 0.9f)).epsilon(0.1));
+  CHECK(rep["verify"]["tolerance"].get<double>() ==
+        doctest::Approx(summation_tolerance(2, 64, 0.1f, 0.9f)).epsilon(0.1));
   CHECK(rep["verify"]["tolerance"].get<double>() < 1e-3);
 }
 

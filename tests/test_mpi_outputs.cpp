@@ -160,7 +160,8 @@ TEST_CASE("mpi: --verify compares rank 0's replica with one device on the whole 
   CHECK(rep["verify"]["ok"] == true);
   // The summation bound and each step's rounding of the update, an ulp of the largest weight (a few %).
   CHECK(rep["verify"]["tolerance"].get<double>() > summation_tolerance(8, 24, 0.1f, 0.9f));
-  CHECK(rep["verify"]["tolerance"].get<double>() == doctest::Approx(summation_tolerance(8, 24, 0.1f, 0.9f)).epsilon(0.1));
+  CHECK(rep["verify"]["tolerance"].get<double>() ==
+        doctest::Approx(summation_tolerance(8, 24, 0.1f, 0.9f)).epsilon(0.1));
   CHECK(rep["verify"]["max_abs_diff"].get<double>() <= rep["verify"]["tolerance"].get<double>());
   CHECK(rep["verify"]["max_abs_diff"].get<double>() > 0);  // 4 devices sum in another order than 1
 

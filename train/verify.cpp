@@ -74,8 +74,7 @@ EngineConfig one_device(EngineConfig c) {
 
 }  // namespace
 
-Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run,
-                   const Checkpoint& state)
+Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state)
     : batchnorm_(spec.has_batchnorm()), start_(state.params) {
   DeviceConfig first = devices;
   first.ids = {devices.all ? 0 : devices.ids.at(0)};
@@ -147,7 +146,10 @@ VerifyResult Verifier::compare(const std::vector<float>& a, int batch) {
     v.tolerance = summation_tolerance(v.steps, batch, c.lr, c.momentum) + rounding;
     v.ok = v.max_diff <= v.tolerance;
     std::printf("verify: largest weight difference from 1 device after %lld steps: %.3g (tolerance %.3g) %s\n",
-                (long long)v.steps, v.max_diff, v.tolerance, v.ok ? "ok" : batchnorm_ ? "over it" : "FAILED");
+                (long long)v.steps, v.max_diff, v.tolerance,
+                v.ok         ? "ok"
+                : batchnorm_ ? "over it"
+                             : "FAILED");
   }
   if (!v.ok && batchnorm_) movement_check(v, a, b);  // SGD alone: Adam with BatchNorm is refused up front
   return v;
