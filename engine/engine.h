@@ -58,6 +58,8 @@ class Engine {
   void set_running_stats(const std::vector<float>& host);
   int64_t batches_tracked() const { return batches_tracked_; }
   void set_batches_tracked(int64_t n) { batches_tracked_ = n; }
+  // The learning rate of the next step() (a schedule's: train/lr_schedule.h). Between steps only.
+  void set_lr(float lr) { cfg_.lr = lr; }
 
   // One training step over a global batch of n: x (rows, C, H, W) and y (rows) are the rows of it this
   // process's devices train on, rows [slice(n).first, slice(n).second) (in one process: all n). The

@@ -127,11 +127,11 @@ TEST_CASE("log: a run stopped by a signal keeps its records, up to the step it s
 
 TEST_CASE("log: a write the system refuses throws IoError naming the file and the reason") {
   const dp::PhaseSeconds phases(2);  // two devices, nothing timed yet
-  dp::TrainLog log("/dev/full", 1, 0.1f, dp::find_strategy("scatter"), phases);
+  dp::TrainLog log("/dev/full", 1, dp::find_strategy("scatter"), phases);
   dp::StepResult step;
   step.loss = 2.3, step.n = 32;
   try {
-    log.step(1, 1, step, phases, false);
+    log.step(1, 1, step, 0.1, phases, false);
     FAIL("no IoError");
   } catch (const dp::IoError& e) {
     const std::string what = e.what();

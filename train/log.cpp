@@ -33,9 +33,9 @@ nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& bef
 
 }  // namespace
 
-TrainLog::TrainLog(const std::string& path, int64_t every, float lr, const Strategy& strategy,
-                   const PhaseSeconds& phases, int64_t resumed)
-    : path_(path), every_(every), lr_(json_float(lr)), strategy_(strategy), interval_phases_(phases) {
+TrainLog::TrainLog(const std::string& path, int64_t every, const Strategy& strategy, const PhaseSeconds& phases,
+                   int64_t resumed)
+    : path_(path), every_(every), strategy_(strategy), interval_phases_(phases) {
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | (resumed > 0 ? 0 : O_TRUNC) | O_CLOEXEC, 0666);
   if (fd_ < 0) throw IoError(path + ": cannot open the log: " + std::strerror(errno));
   if (resumed > 0) keep_records_through(resumed);
@@ -80,8 +80,9 @@ void TrainLog::write_line(const std::string& line) {
   written_ += off_t(line.size());
 }
 
-void TrainLog::step(int64_t step, int epoch, const StepResult& r, const PhaseSeconds& phases, bool last) {
+void TrainLog::step(int64_t step, int epoch, const StepResult& r, double lr, const PhaseSeconds& phases, bool last) {
   ++steps_, images_ += r.n, loss_sum_ += r.loss * r.n;
+  lr_ = json_float(float(lr));
   last_step_ = step, epoch_ = epoch;
   if (last || step % every_ == 0) flush(phases);
 }

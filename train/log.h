@@ -2,7 +2,8 @@
 // `tail -f` follows it, an interrupted run keeps what was written, and pandas reads it whole with
 // pd.read_json(path, lines=True). Two kinds of record, told apart by "kind":
 //   step:  every N global steps and after the last: the mean loss and the images per second over the
-//          steps since the previous record, the time since training started, the learning rate, and
+//          steps since the previous record, the time since training started, the learning rate of
+//          its last step (--lr-schedule's), and
 //          per phase the mean milliseconds per step on device 0 and the largest mean over the devices;
 //   epoch: at each epoch's end, the figures of its epoch line (a missing test accuracy as null).
 #pragma once
@@ -27,7 +28,7 @@ class TrainLog {
   // A run resumed at global step `resumed` > 0 keeps the file's records up to that step (the run it
   // resumes wrote them; those after it are of steps that run again, and go), and its elapsed_s goes on
   // from the last kept step record's; the rest of the file (a line cut short, another file) goes too.
-  TrainLog(const std::string& path, int64_t every, float lr, const Strategy& strategy, const PhaseSeconds& phases,
+  TrainLog(const std::string& path, int64_t every, const Strategy& strategy, const PhaseSeconds& phases,
            int64_t resumed = 0);
   ~TrainLog();
   TrainLog(const TrainLog&) = delete;
@@ -35,7 +36,7 @@ class TrainLog {
 
   // After global step `step` (1-based, in 1-based `epoch`): a step record when `step` is a multiple of
   // `every` or the run's last. Throws IoError (disk full, ...) naming the path and the reason.
-  void step(int64_t step, int epoch, const StepResult& r, const PhaseSeconds& phases, bool last);
+  void step(int64_t step, int epoch, const StepResult& r, double lr, const PhaseSeconds& phases, bool last);
   // The step record of the steps since the last record, if there are any: a run stopped between two.
   void flush(const PhaseSeconds& phases);
   // After an epoch's evaluation, which took `eval_seconds`: those are not training time, so the next
@@ -54,7 +55,7 @@ class TrainLog {
   int fd_ = -1;
   off_t written_ = 0;  // bytes of the whole records written
   int64_t every_;
-  double lr_;
+  double lr_ = 0;             // of the last step
   const Strategy& strategy_;  // names the phases
   Clock::time_point start_ = Clock::now(), interval_start_ = start_;
   PhaseSeconds interval_phases_;

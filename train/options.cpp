@@ -17,6 +17,7 @@
 #include "engine/optimizer.h"
 #include "engine/strategy.h"
 #include "train/cli.h"
+#include "train/lr_schedule.h"
 #include "train/report.h"
 
 namespace dp {
@@ -177,7 +178,7 @@ Examples:
 // Flags CLI11 would wrap or round silently, taken as text and parsed exactly after it is done.
 struct TrainText {
   std::string sync = "scatter", split = "even", allreduce = "ring", lr, momentum, weight_decay, seed, timeout;
-  std::string optimizer = "sgd", betas = "0.9,0.999", eps = "1e-08";
+  std::string optimizer = "sgd", betas = "0.9,0.999", eps = "1e-08", lr_gamma = "0.1";
   bool no_shuffle = false;
 };
 
@@ -318,6 +319,21 @@ void add_output(CLI::App& app, TrainOptions& o) {
   app.add_flag("--quiet", o.quiet, "Print only errors (and --eval's result line)");
 }
 
+// The learning rate's schedule (train/lr_schedule.h), PyTorch's schedulers by name.
+void add_schedule(CLI::App& app, TrainOptions& o, TrainText& t) {
+  app.add_option("--lr-schedule", o.lr_schedule,
+                 "constant | step (StepLR) | cosine (CosineAnnealingLR to 0 at the run's end), after --warmup")
+      ->capture_default_str();
+  app.add_option("--warmup", o.warmup, "Steps of linear warmup to --lr first (LinearLR, as Goyal et al.)")
+      ->capture_default_str()
+      ->type_name("STEPS")
+      ->transform(exact_integer<int64_t>());
+  app.add_option("--lr-step-size", o.lr_step_size, "step: the steps between decays (default: a third of the run)")
+      ->type_name("STEPS")
+      ->transform(exact_integer<int64_t>());
+  app.add_option("--lr-gamma", t.lr_gamma, "step: the factor of each decay")->capture_default_str()->type_name("FLOAT");
+}
+
 // Each add_* above in its --help group, in the order they are shown.
 void add_train_options(CLI::App& app, TrainOptions& o, TrainText& t, DeviceFlags& dev) {
   dev.add(app);
@@ -325,6 +341,7 @@ void add_train_options(CLI::App& app, TrainOptions& o, TrainText& t, DeviceFlags
   add_strategy(app, o, t);
   app.option_defaults()->group("Training");
   add_training(app, o, t);
+  add_schedule(app, o, t);
   app.option_defaults()->group("Data");
   add_data(app, o);
   app.option_defaults()->group("Checkpoints");
@@ -372,6 +389,8 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.all_reduce = parse_all_reduce(t.allreduce);
   o.split = parse_split(t.split);
   o.timeout = parse_timeout(t.timeout);
+  o.lr_gamma = parse_float(t.lr_gamma, "--lr-gamma");
+  parse_lr_schedule(o.lr_schedule);  // refuses an unknown name now
   o.shuffle = !t.no_shuffle;
   if (o.flight_records < 0)
     throw UsageError("--flight-records: " + std::to_string(o.flight_records) +

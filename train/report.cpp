@@ -78,6 +78,8 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
           {"steps", steps},
           {"optimizer", optimizer_name(o.optimizer)},
           {"lr", json_float(o.lr)},
+          {"lr_schedule", o.lr_schedule},
+          {"warmup", o.warmup},
           {"momentum", o.optimizer == Optimizer::sgd ? nlohmann::json(json_float(o.momentum)) : nlohmann::json()},
           {"betas",
            o.optimizer == Optimizer::sgd ? nlohmann::json() : nlohmann::json{json_float(o.beta1), json_float(o.beta2)}},

@@ -66,8 +66,8 @@ void check_identity(const TrainOptions& o, const RunIdentity& id, const Checkpoi
   for (auto& [key, now] : id.exact_only) {
     std::string then = saved(key);
     // compared as floats: "0.1" is 0.1f
-    bool number =
-        key == "lr" || key == "momentum" || key == "weight_decay" || key.rfind("beta", 0) == 0 || key == "eps";
+    bool number = key == "lr" || key == "momentum" || key == "weight_decay" || key.rfind("beta", 0) == 0 ||
+                  key == "eps" || key == "lr_gamma";
     if (then.empty() || then == now ||
         (number && std::strtof(then.c_str(), nullptr) == std::strtof(now.c_str(), nullptr)))
       continue;
@@ -104,7 +104,12 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
                    {"backend", backend},
                    {"optimizer", optimizer_name(o.optimizer)},
                    {"lr", exact(o.lr)},
+                   {"lr_schedule", o.lr_schedule},
+                   {"warmup", std::to_string(o.warmup)},
                    {"weight_decay", exact(o.weight_decay)}};
+  if (o.lr_schedule == "step")
+    id.exact_only.insert(id.exact_only.end(),
+                         {{"lr_step_size", std::to_string(o.lr_step_size)}, {"lr_gamma", exact(o.lr_gamma)}});
   if (o.optimizer == Optimizer::sgd)
     id.exact_only.push_back({"momentum", exact(o.momentum)});
   else

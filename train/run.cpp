@@ -259,6 +259,9 @@ void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier
   const HostBatch& batch = *staging.staged.front();
   staging.staged.pop_front();
   if (group_) group_->flight().set_step(step_ + 1);
+  const float lr = float(plan_.lr.at(step_));  // --lr-schedule's, of this global step
+  engine_.set_lr(lr);
+  if (verify) verify->set_lr(lr);
   StepResult r = engine_.step();
   if (group_) agreed_signal_ = reduce_step(*group_, r, signals_.pending(), o_.timeout);
   if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);
@@ -271,7 +274,7 @@ void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier
   meter.add(r);
   progress.update(s + 1, r.n, meter.loss());
   log([&](TrainLog& l) {
-    l.step(step_, meter.epoch(), r, engine_.recorder().phase_seconds(), step_ >= plan_.total_steps);
+    l.step(step_, meter.epoch(), r, lr, engine_.recorder().phase_seconds(), step_ >= plan_.total_steps);
   });
   if (o_.save_every > 0 && step_ % o_.save_every == 0) save();
   stop_if_signalled();

@@ -58,6 +58,29 @@ void check_options(const TrainOptions& o, bool lead) {
 // No product or sum here can overflow: per_epoch <= train_count < 2^32 and epochs < 2^31, so
 // per_epoch * epochs < 2^63; the epoch count is a quotient, checked against the int the epoch
 // records and the report count in.
+namespace {
+
+// --lr-schedule's plan for a run of total_steps, refused where it cannot run.
+LrSchedule lr_schedule(const TrainOptions& o, int64_t total_steps) {
+  LrSchedule l;
+  l.kind = parse_lr_schedule(o.lr_schedule);
+  l.lr = o.lr, l.warmup = o.warmup, l.gamma = o.lr_gamma, l.total_steps = total_steps;
+  if (o.warmup < 0) throw UsageError("--warmup: " + std::to_string(o.warmup) + " steps; give 0 (none) or more");
+  if (o.warmup > total_steps)
+    throw UsageError("--warmup " + std::to_string(o.warmup) + ": past the run's " + std::to_string(total_steps) +
+                     " steps; give at most that many");
+  if (o.lr_step_size != 0 && l.kind != LrScheduleKind::step)
+    throw UsageError("--lr-step-size: only --lr-schedule step decays in steps; add it, or drop --lr-step-size");
+  if (o.lr_step_size < 0)
+    throw UsageError("--lr-step-size: " + std::to_string(o.lr_step_size) + " steps; give at least 1");
+  if (!std::isfinite(o.lr_gamma) || o.lr_gamma <= 0 || o.lr_gamma > 1)
+    throw UsageError("--lr-gamma: must be in (0, 1], the factor each decay multiplies the rate by, e.g. 0.1");
+  l.step_size = o.lr_step_size > 0 ? o.lr_step_size : std::max<int64_t>(1, (total_steps - o.warmup) / 3);
+  return l;
+}
+
+}  // namespace
+
 Schedule schedule(const TrainOptions& o, int64_t train_count) {
   Schedule s;
   s.per_epoch = train_count / o.batch + (train_count % o.batch != 0);
@@ -68,6 +91,7 @@ Schedule schedule(const TrainOptions& o, int64_t train_count) {
                      " per epoch are " + std::to_string(epochs) + " epochs, more than the " +
                      std::to_string(std::numeric_limits<int>::max()) + " a run can count; give fewer steps");
   s.epochs = int(epochs);
+  s.lr = lr_schedule(o, s.total_steps);
   return s;
 }
 

@@ -11,6 +11,7 @@
 #include "engine/engine.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
+#include "train/lr_schedule.h"
 #include "train/resume.h"
 #include "train/trainer.h"
 
@@ -22,9 +23,11 @@ void check_options(const TrainOptions& o, bool lead = true);
 
 // How long the run is, in steps. The position is the global step alone: epoch global_step / per_epoch,
 // step global_step % per_epoch within it.
+// The run's steps and its learning rate at each (refused where --warmup or --lr-step-size cannot run).
 struct Schedule {
   int64_t per_epoch = 0, total_steps = 0;
   int epochs = 0;
+  LrSchedule lr;
 };
 
 Schedule schedule(const TrainOptions& o, int64_t train_count);

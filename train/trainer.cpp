@@ -175,6 +175,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
 
   if (!opt.quiet) std::printf("%s\n", p.devs.notice.c_str());
   if (!opt.quiet && g) print_world(*g, int(p.devs.devices.size()));
+  if (!opt.quiet && !p.plan.lr.is_constant()) std::printf("lr schedule: %s\n", p.plan.lr.describe().c_str());
   EngineConfig ec = engine_config(opt, p.data.train.count);
   ec.group = g;
   Engine engine(pointers(p.devs), p.spec, ec);
@@ -191,7 +192,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   CheckpointSaver saver(opt, p.spec, p.id, p.plan.per_epoch);
   std::optional<TrainLog> log;  // opened as training starts (truncated; resumed: kept up to its step); rank 0's alone
   if (!opt.log.empty() && lead)
-    log.emplace(opt.log, opt.log_every, opt.lr, engine.strategy(), engine.recorder().phase_seconds(),
+    log.emplace(opt.log, opt.log_every, engine.strategy(), engine.recorder().phase_seconds(),
                 opt.resume.empty() ? 0 : p.resumed.global_step);
   Run run(opt, p.plan, engine, saver, signals, log ? &*log : nullptr, p.resumed.global_step, g);
   run.stop_if_signalled();  // one that came during the setup: nothing trained, nothing saved

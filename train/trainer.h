@@ -25,6 +25,10 @@ struct TrainOptions {
   // Adam 1e-3 and 0, AdamW 1e-3 and 1e-2. momentum is SGD's, the betas and eps Adam's and AdamW's.
   float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
+  // --lr-schedule, --warmup, --lr-step-size (0: a third of the run), --lr-gamma (train/lr_schedule.h)
+  std::string lr_schedule = "constant";
+  int64_t warmup = 0, lr_step_size = 0;
+  float lr_gamma = 0.1f;
   uint64_t seed = 0;
   bool shuffle = true;
   std::string data = "/usr/share/datasets/fashion-mnist";

@@ -75,7 +75,7 @@ EngineConfig one_device(EngineConfig c) {
 }  // namespace
 
 Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state)
-    : batchnorm_(spec.has_batchnorm()), start_(state.params) {
+    : batchnorm_(spec.has_batchnorm()), lr_(run.lr), start_(state.params) {
   DeviceConfig first = devices;
   first.ids = {devices.all ? 0 : devices.ids.at(0)};
   first.all = false;
@@ -143,7 +143,7 @@ VerifyResult Verifier::compare(const std::vector<float>& a, int batch) {
     v.bounded = int64_t(a.size());
     for (size_t i = 0; i < a.size(); ++i) v.max_diff = std::max(v.max_diff, double(std::fabs(a[i] - b[i])));
     const EngineConfig& c = engine_->config();
-    v.tolerance = summation_tolerance(v.steps, batch, c.lr, c.momentum) + rounding;
+    v.tolerance = summation_tolerance(v.steps, batch, lr_, c.momentum) + rounding;
     v.ok = v.max_diff <= v.tolerance;
     std::printf("verify: largest weight difference from 1 device after %lld steps: %.3g (tolerance %.3g) %s\n",
                 (long long)v.steps, v.max_diff, v.tolerance,

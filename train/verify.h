@@ -64,6 +64,8 @@ class Verifier {
   Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state);
   // The step the run just took, on the same batch x (n, C, H, W), labels y (n).
   void step(const float* x, const int32_t* y, int n);
+  // The learning rate of the next step (the run's schedule).
+  void set_lr(float lr) { engine_->set_lr(lr); }
   // The run's weights (Engine::params()) against the reference's after the same steps, `batch` the
   // batch each step trained (--batch, or the training set where that is smaller: the bound grows with
   // it); prints the verify line.
@@ -75,6 +77,7 @@ class Verifier {
   void movement_check(VerifyResult& v, const std::vector<float>& a, const std::vector<float>& b) const;
 
   bool batchnorm_;
+  float lr_;                  // --lr: under a schedule the largest the steps took, which the bound takes
   std::vector<float> start_;  // the weights both runs started from
   DeviceSet devices_;         // declared before engine_: outlives it
   std::unique_ptr<Engine> engine_;
