@@ -9,12 +9,9 @@ set -euo pipefail
 here=$(cd -P "$(dirname "$0")/.." && pwd)
 build=${BUILD:-$here/build-blas}
 rounds=${1:-5}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
-  OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_mpi_yield_when_idle=1
-args="--backend cpu --sync allreduce --devices 1 --epochs 2 --limit-train 15360 --limit-test 1000 --batch 256"
-rate() { grep '^epoch 2/' | sed -E 's/.* ([0-9]+) img\/s.*/\1/'; }
-isa=$(grep -q avx512f /proc/cpuinfo && echo "AVX-512" || echo "AVX2, no AVX-512")
-echo "$(nproc) cores, $isa, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'); mpirun -np 2 dp_train $args"
+source "$here/bench/mpi_common.sh"
+args+=" --devices 1"
+echo "$machine; mpirun -np 2 dp_train $args"
 ratios=""
 for ((i = 1; i <= rounds; i++)); do
   on=$(mpirun -np 2 "$build/dp_train" $args | rate)

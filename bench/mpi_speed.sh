@@ -10,12 +10,8 @@ set -euo pipefail
 here=$(cd -P "$(dirname "$0")/.." && pwd)
 build=${BUILD:-$here/build-blas}
 rounds=${1:-3}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
-  OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_mpi_yield_when_idle=1
-args="--backend cpu --sync allreduce --epochs 2 --limit-train 15360 --limit-test 1000 --batch 256"
-rate() { grep '^epoch 2/' | sed -E 's/.* ([0-9]+) img\/s.*/\1/'; }
-isa=$(grep -q avx512f /proc/cpuinfo && echo "AVX-512" || echo "AVX2, no AVX-512")
-echo "$(nproc) cores, $isa; $args"
+source "$here/bench/mpi_common.sh"
+echo "$machine; $args"
 for model in lenet lenet5; do
   best_mpi=0 best_one=0 ratios=""
   for ((i = 1; i <= rounds; i++)); do
