@@ -1,6 +1,7 @@
 // --lr-schedule and --warmup (train/lr_schedule.h): the rate of every step as PyTorch's schedulers give
 // it, the rate each step trains with (a scheduled run equals one whose steps were taken at those rates
-// by hand, bit for bit), the rate in every --log record, and bad input refused before training.
+// by hand, bit for bit), the rate in every --log record, a resume that moves the schedule's end said,
+// and bad input refused before training.
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -78,6 +79,15 @@ TEST_CASE("lr schedule: a scheduled run trains each step at its rate, logs it, a
     CHECK(j["lr"].get<double>() == doctest::Approx(s.at(j["step"].get<int64_t>() - 1)).epsilon(1e-6));
   }
   CHECK(records == 8);
+
+  // A cosine run resumed with another length ends its schedule elsewhere: the resume says so.
+  REQUIRE(
+      run_command("env DP_TEST_AT=step-2:SIGINT " + train + "--steps 8 --lr-schedule cosine --save " + dir / "cos.st")
+          .exit_code == 130);
+  r = run_command(train + "--steps 10 --lr-schedule cosine --save " + dir / "cos.st" + " --resume " + dir / "cos.st");
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  CHECK(r.output.find("lr_schedule_steps 8 -> 10") != std::string::npos);
 
   check_refusals(train,
                  {

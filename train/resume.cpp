@@ -86,7 +86,8 @@ bool all_finite(const std::vector<float>& v) {
 
 }  // namespace
 
-RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const std::string& backend, int devices) {
+RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const std::string& backend, int devices,
+                         const LrSchedule& lr) {
   const uint32_t labels_crc = uint32_t(crc32(0L, reinterpret_cast<const Bytef*>(train_set.labels.data()),
                                              uInt(train_set.labels.size() * sizeof(int32_t))));
   RunIdentity id;
@@ -104,12 +105,14 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
                    {"backend", backend},
                    {"optimizer", optimizer_name(o.optimizer)},
                    {"lr", exact(o.lr)},
-                   {"lr_schedule", o.lr_schedule},
-                   {"warmup", std::to_string(o.warmup)},
+                   {"lr_schedule", lr_schedule_name(lr.kind)},
+                   {"warmup", std::to_string(lr.warmup)},
                    {"weight_decay", exact(o.weight_decay)}};
-  if (o.lr_schedule == "step")
+  // What else the rate of a later step depends on: the decays' size and factor, cosine's end.
+  if (lr.kind == LrScheduleKind::step)
     id.exact_only.insert(id.exact_only.end(),
-                         {{"lr_step_size", std::to_string(o.lr_step_size)}, {"lr_gamma", exact(o.lr_gamma)}});
+                         {{"lr_step_size", std::to_string(lr.step_size)}, {"lr_gamma", exact(o.lr_gamma)}});
+  if (lr.kind == LrScheduleKind::cosine) id.exact_only.push_back({"lr_schedule_steps", std::to_string(lr.total_steps)});
   if (o.optimizer == Optimizer::sgd)
     id.exact_only.push_back({"momentum", exact(o.momentum)});
   else

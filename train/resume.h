@@ -11,6 +11,7 @@
 #include "engine/engine.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
+#include "train/lr_schedule.h"
 #include "train/trainer.h"
 
 namespace dp {
@@ -25,7 +26,8 @@ struct RunIdentity {
   std::vector<std::pair<std::string, std::string>> required, exact_only;  // checked in this order
 };
 
-RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const std::string& backend, int devices);
+RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const std::string& backend, int devices,
+                         const LrSchedule& lr);
 
 // --resume: the checkpoint and the global step it was saved at, once its identity agrees with this
 // run's: a difference in `required` throws UsageError, one in `exact_only` warns on stderr. Without

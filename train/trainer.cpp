@@ -67,7 +67,7 @@ Prepared prepare(const TrainOptions& opt, ProcessGroup* g) {
   const int job_devices = int(devs.devices.size()) * (g ? g->size() : 1);
   check_model_fits(opt, spec, devs, job_devices, data.train.count);
   check_batchnorm(opt, spec, plan, data.train.count, job_devices);
-  RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), job_devices);
+  RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), job_devices, plan.lr);
   // Step 0 and no weights without --resume. Across processes rank 0 alone reads the checkpoint; the
   // others get its step now and its state from broadcast_state.
   Resumed resumed = g ? resume_on_rank0(*g, opt, spec, id) : resume_checkpoint(opt, spec, id);
