@@ -1,6 +1,7 @@
 #include "engine/flight_recorder.h"
 
 #include <chrono>
+#include <sstream>
 
 #include "engine/ledger.h"  // commas
 
@@ -41,6 +42,18 @@ std::string describe(const FlightRecord& r) {
          commas(r.bytes) + " B, step " + std::to_string(r.step) + ")";
 }
 
+std::string to_line(const FlightRecord& r) {
+  return std::to_string(r.channel) + " " + std::to_string(r.seq) + " " + r.kind + " " + std::to_string(r.bytes) + " " +
+         std::to_string(r.step);
+}
+
+std::vector<FlightRecord> from_lines(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<FlightRecord> out;
+  for (FlightRecord r; in >> r.channel >> r.seq >> r.kind >> r.bytes >> r.step;) out.push_back(r);
+  return out;
+}
+
 FlightRecorder::FlightRecorder(int capacity) : t0_(seconds_now()) { set_capacity(capacity); }
 
 void FlightRecorder::set_capacity(int capacity) {
@@ -66,7 +79,7 @@ int64_t FlightRecorder::begin(int channel, const char* kind, int64_t bytes, cons
   r.id = ++begun_;
   r.seq = ++seq_[channel];
   r.channel = channel, r.kind = kind, r.bytes = bytes, r.step = step_, r.what = what, r.start_s = now_s();
-  std::string line = std::to_string(channel) + " " + std::to_string(r.seq) + " " + kind + " " + std::to_string(bytes);
+  std::string line = to_line(r);
   fingerprint_ += fnv1a(line);  // a sum: the channels' threads interleave differently on every process
   if (since_.size() < kMaxLines) since_.push_back(std::move(line));  // a step's; more only where none takes them
   ring_[size_t((r.id - 1) % capacity_)] = std::move(r);

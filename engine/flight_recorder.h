@@ -55,7 +55,7 @@ class FlightRecorder {
   // The kept records, oldest first.
   std::vector<FlightRecord> records() const;
   // The fingerprint of the collectives begun since the last call (0 for none), 52 bits so that a double
-  // holds it exactly; and their records, as lines "channel seq kind bytes", for naming a difference.
+  // holds it exactly; and their records, as to_line gives them, for naming a difference.
   uint64_t take_fingerprint(std::vector<std::string>* lines = nullptr);
   nlohmann::json json() const;
 
@@ -69,11 +69,15 @@ class FlightRecorder {
   std::map<int, int64_t> seq_;  // per channel
   int64_t step_ = 0;
   uint64_t fingerprint_ = 0;
-  std::vector<std::string> since_;  // the lines behind fingerprint_
+  std::vector<std::string> since_;  // the lines behind fingerprint_ (to_line)
   double t0_;
 };
 
 // "all_reduce #12 on channel 0 (3,072 B, step 4)": how messages name a collective.
 std::string describe(const FlightRecord& r);
+// A record as a line of text, "channel seq kind bytes step" (what the fingerprint hashes), and the
+// records of such lines: what the desync check gathers and the stall inspector sends to the others.
+std::string to_line(const FlightRecord& r);
+std::vector<FlightRecord> from_lines(const std::string& text);
 
 }  // namespace dp

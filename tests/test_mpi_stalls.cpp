@@ -40,7 +40,7 @@ pid_t rank_pid(const std::string& marker, int rank) {
 
 TEST_CASE("flight recorder: a ring of the last N, a fingerprint blind to the channels' interleaving, 0 is off") {
   FlightRecorder a(4), b(4);
-  a.set_step(7);
+  a.set_step(7), b.set_step(7);  // two processes at the same step
   for (int i = 0; i < 6; ++i) a.end(a.begin(i % 2, "all_reduce", 100 + i % 2, "x"), FlightRecord::State::done);
   const std::vector<FlightRecord> kept = a.records();
   REQUIRE(kept.size() == 4);  // the last 4 of 6, oldest first
@@ -57,7 +57,7 @@ TEST_CASE("flight recorder: a ring of the last N, a fingerprint blind to the cha
   b.begin(0, "all_reduce", 104, "y");  // another size: another fingerprint
   std::vector<std::string> lines;
   CHECK(a.take_fingerprint(&lines) != b.take_fingerprint());
-  CHECK(lines == std::vector<std::string>{"0 4 all_reduce 100"});
+  CHECK(lines == std::vector<std::string>{"0 4 all_reduce 100 7"});  // to_line: channel seq kind bytes step
   a.begin(0, "all_gather", 8, "x");
   CHECK(a.records().back().state == FlightRecord::State::pending);
   CHECK(a.json().back()["end_s"].is_null());

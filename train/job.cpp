@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <sstream>
 
 #include "engine/ledger.h"  // commas
 #include "train/report.h"
@@ -168,24 +167,16 @@ void broadcast_state(ProcessGroup& g, Checkpoint& state, double timeout) {
 
 namespace {
 
-// Each process's collectives of the step, by channel in order: "seq kind bytes" per line.
-std::map<int, std::vector<std::string>> by_channel(const std::string& lines) {
-  std::map<int, std::vector<std::string>> out;
-  std::istringstream in(lines);
-  for (std::string line; std::getline(in, line);) {
-    const size_t space = line.find(' ');
-    out[std::stoi(line.substr(0, space))].push_back(line.substr(space + 1));
-  }
+// A process's collectives of the step (FlightRecorder::take_fingerprint's lines), by channel in order.
+std::map<int, std::vector<FlightRecord>> by_channel(const std::string& lines) {
+  std::map<int, std::vector<FlightRecord>> out;
+  for (const FlightRecord& r : from_lines(lines)) out[r.channel].push_back(r);
   return out;
 }
 
-// "all_reduce #4 of 258,136 B" from a line "4 all_reduce 258136"; "nothing" from none.
-std::string collective(const std::string& line) {
-  std::istringstream in(line);
-  int64_t seq = 0, bytes = 0;
-  std::string kind;
-  if (!(in >> seq >> kind >> bytes)) return "nothing";
-  return kind + " #" + std::to_string(seq) + " of " + commas(bytes) + " B";
+// "all_reduce #4 of 258,136 B"; "nothing" where a process ran none.
+std::string collective(const FlightRecord* r) {
+  return r ? r->kind + " #" + std::to_string(r->seq) + " of " + commas(r->bytes) + " B" : "nothing";
 }
 
 // The fingerprints differed: every process's collectives of the step gathered, the first that differs
@@ -198,13 +189,12 @@ std::string collective(const std::string& line) {
   std::string msg = "the processes ran different collectives in step " + std::to_string(step) + ": ";
   for (int r = 1; r < g.size(); ++r) {
     auto theirs = by_channel(all[size_t(r)]);
-    for (const auto& [channel, lines] : theirs) theirs[channel];  // every channel of either side
-    for (const auto& [channel, lines] : ref) theirs[channel];
-    for (const auto& [channel, lines] : theirs) {
-      const std::vector<std::string>& a = ref.count(channel) ? ref.at(channel) : std::vector<std::string>{};
-      for (size_t i = 0; i < std::max(a.size(), lines.size()); ++i) {
-        const std::string x = i < a.size() ? a[i] : "", y = i < lines.size() ? lines[i] : "";
-        if (x == y) continue;
+    for (const auto& [channel, records] : ref) theirs[channel];  // every channel of either side
+    for (const auto& [channel, records] : theirs) {
+      const std::vector<FlightRecord>& a = ref.count(channel) ? ref.at(channel) : std::vector<FlightRecord>{};
+      for (size_t i = 0; i < std::max(a.size(), records.size()); ++i) {
+        const FlightRecord *x = i < a.size() ? &a[i] : nullptr, *y = i < records.size() ? &records[i] : nullptr;
+        if (x && y && to_line(*x) == to_line(*y)) continue;
         const std::string where = channel < 0 ? "the host channel" : "channel " + std::to_string(channel);
         const std::string path = g.write_flight_record("the processes ran different collectives");
         throw JobDesync(msg + "collective #" + std::to_string(i + 1) + " of the step on " + where + ": " + g.who(0) +

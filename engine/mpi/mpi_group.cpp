@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -245,8 +244,7 @@ class MpiGroup final : public ProcessGroup {
     std::string* status = new std::string;  // kept alive: a send to a stopped process may never complete
     for (const FlightRecord& r : flight_.records())
       if (r.state == FlightRecord::State::pending || r.state == FlightRecord::State::timed_out)
-        *status += std::to_string(r.channel) + " " + std::to_string(r.seq) + " " + r.kind + " " +
-                   std::to_string(r.bytes) + " " + std::to_string(r.step) + "\n";
+        *status += to_line(r) + "\n";
     constexpr int kTag = 1, kMax = 1 << 16;
     std::vector<MPI_Request> sends(size_t(size_), MPI_REQUEST_NULL), recvs(size_t(size_), MPI_REQUEST_NULL);
     auto* bufs = new std::vector<std::vector<char>>(size_t(size_), std::vector<char>(kMax));  // as status
@@ -287,10 +285,8 @@ class MpiGroup final : public ProcessGroup {
 
   // The pending collectives of an inspect() status, described.
   static std::string waits_in(const std::string& status) {
-    std::istringstream in(status);
     std::string out;
-    FlightRecord r;
-    while (in >> r.channel >> r.seq >> r.kind >> r.bytes >> r.step) out += (out.empty() ? "" : " and ") + describe(r);
+    for (const FlightRecord& r : from_lines(status)) out += (out.empty() ? "" : " and ") + describe(r);
     return out.empty() ? "no recorded collective" : out;
   }
 
