@@ -178,7 +178,7 @@ Examples:
 // Flags CLI11 would wrap or round silently, taken as text and parsed exactly after it is done.
 struct TrainText {
   std::string sync = "scatter", split = "even", allreduce = "ring", lr, momentum, weight_decay, seed, timeout;
-  std::string optimizer = "sgd", betas = "0.9,0.999", eps = "1e-08", lr_gamma = "0.1";
+  std::string optimizer = "sgd", betas = "0.9,0.999", eps = "1e-08", lr_schedule = "constant", lr_gamma = "0.1";
   bool no_shuffle = false;
 };
 
@@ -321,7 +321,7 @@ void add_output(CLI::App& app, TrainOptions& o) {
 
 // The learning rate's schedule (train/lr_schedule.h), PyTorch's schedulers by name.
 void add_schedule(CLI::App& app, TrainOptions& o, TrainText& t) {
-  app.add_option("--lr-schedule", o.lr_schedule,
+  app.add_option("--lr-schedule", t.lr_schedule,
                  "constant | step (StepLR) | cosine (CosineAnnealingLR to 0 at the run's end), after --warmup")
       ->capture_default_str();
   app.add_option("--warmup", o.warmup, "Steps of linear warmup to --lr first (LinearLR, as Goyal et al.)")
@@ -390,7 +390,7 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.split = parse_split(t.split);
   o.timeout = parse_timeout(t.timeout);
   o.lr_gamma = parse_float(t.lr_gamma, "--lr-gamma");
-  parse_lr_schedule(o.lr_schedule);  // refuses an unknown name now
+  o.lr_schedule = parse_lr_schedule(t.lr_schedule);
   o.shuffle = !t.no_shuffle;
   if (o.flight_records < 0)
     throw UsageError("--flight-records: " + std::to_string(o.flight_records) +

@@ -78,7 +78,7 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
           {"steps", steps},
           {"optimizer", optimizer_name(o.optimizer)},
           {"lr", json_float(o.lr)},
-          {"lr_schedule", o.lr_schedule},
+          {"lr_schedule", lr_schedule_name(o.lr_schedule)},
           {"warmup", o.warmup},
           {"momentum", o.optimizer == Optimizer::sgd ? nlohmann::json(json_float(o.momentum)) : nlohmann::json()},
           {"betas",

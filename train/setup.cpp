@@ -55,15 +55,12 @@ void check_options(const TrainOptions& o, bool lead) {
     throw UsageError("--load and --resume: give one (--resume also restores the optimizer and position)");
 }
 
-// No product or sum here can overflow: per_epoch <= train_count < 2^32 and epochs < 2^31, so
-// per_epoch * epochs < 2^63; the epoch count is a quotient, checked against the int the epoch
-// records and the report count in.
 namespace {
 
 // --lr-schedule's plan for a run of total_steps, refused where it cannot run.
 LrSchedule lr_schedule(const TrainOptions& o, int64_t total_steps) {
   LrSchedule l;
-  l.kind = parse_lr_schedule(o.lr_schedule);
+  l.kind = o.lr_schedule;
   l.lr = o.lr, l.warmup = o.warmup, l.gamma = o.lr_gamma, l.total_steps = total_steps;
   if (o.warmup < 0) throw UsageError("--warmup: " + std::to_string(o.warmup) + " steps; give 0 (none) or more");
   if (o.warmup > total_steps)
@@ -81,6 +78,9 @@ LrSchedule lr_schedule(const TrainOptions& o, int64_t total_steps) {
 
 }  // namespace
 
+// No product or sum here can overflow: per_epoch <= train_count < 2^32 and epochs < 2^31, so
+// per_epoch * epochs < 2^63; the epoch count is a quotient, checked against the int the epoch
+// records and the report count in.
 Schedule schedule(const TrainOptions& o, int64_t train_count) {
   Schedule s;
   s.per_epoch = train_count / o.batch + (train_count % o.batch != 0);

@@ -159,17 +159,17 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   // at its next safe point with 128 + signal and a line saying what was saved.
   SignalGuard signals(grace_seconds());
   failpoint::at("start");  // a test build reads DP_TEST_AT here: a malformed value is refused before anything runs
-  // Across processes a refusal anywhere is every process's, said once by rank 0.
-  if (g)
+  if (g) {
+    // A refusal anywhere is every process's, said once by rank 0.
     refuse_together(*g, opt.timeout, [&] {
       check_options(opt, lead);
       check_job_options(opt, g->size());
     });
-  else
-    check_options(opt, lead);
-  if (g) {  // every process alike, before the fingerprints of the steps begin
+    // Every process alike, before the fingerprints of the steps begin.
     g->flight().set_capacity(opt.flight_records);
     if (!opt.flight_dir.empty()) g->set_flight_dir(opt.flight_dir);
+  } else {
+    check_options(opt, lead);
   }
   const Prepared p = prepare(opt, g);
 

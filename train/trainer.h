@@ -10,6 +10,7 @@
 #include "engine/device.h"
 #include "engine/engine.h"
 #include "engine/process_group.h"
+#include "train/lr_schedule.h"
 #include "train/verify.h"  // summation_tolerance, the bound --verify holds a run to
 
 namespace dp {
@@ -26,7 +27,7 @@ struct TrainOptions {
   float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;
   // --lr-schedule, --warmup, --lr-step-size (0: a third of the run), --lr-gamma (train/lr_schedule.h)
-  std::string lr_schedule = "constant";
+  LrScheduleKind lr_schedule = LrScheduleKind::constant;
   int64_t warmup = 0, lr_step_size = 0;
   float lr_gamma = 0.1f;
   uint64_t seed = 0;

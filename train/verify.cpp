@@ -82,14 +82,12 @@ Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const Eng
   devices_ = make_devices(first);
   engine_ = std::make_unique<Engine>(std::vector<Device*>{devices_.devices[0].get()}, spec, one_device(run));
   place(*engine_, state);
-
   if (run.optimizer == Optimizer::adam || run.optimizer == Optimizer::adamw)
     adam_ = std::make_unique<AdamTolerance>(size_t(spec.param_count));
 }
 
 void Verifier::step(const float* x, const int32_t* y, int n) {
   engine_->step(x, y, n);
-
   if (!adam_) return;
   const std::vector<std::vector<float>> state = engine_->optimizer_state();  // exp_avg, exp_avg_sq
   adam_->step(engine_->config(), engine_->optimizer_steps(), 2.0 * n * std::ldexp(1.0, -24), state.at(0), state.at(1));
