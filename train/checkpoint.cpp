@@ -82,9 +82,14 @@ Tensor parse_tensor(const std::string& name, const nlohmann::json& v, const unsi
   return t;
 }
 
-}  // namespace
-
-namespace {
+// The 8-byte little-endian length of the JSON header that opens a safetensors file, and the largest
+// the reader takes (100 MB: a header of LeNet's tensors is under 4 KB).
+uint64_t header_length(const unsigned char* bytes) {
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; --i) hlen = hlen << 8 | bytes[i];
+  return hlen;
+}
+constexpr uint64_t kMaxHeader = uint64_t(100) << 20;
 
 // The header's JSON object. A name given twice in one object (a tensor, a metadata key) is refused:
 // JSON parsers keep the last, the format forbids it, and which one a reader took would be a guess.
@@ -116,12 +121,11 @@ SafeTensors parse(const unsigned char* bytes, size_t available, size_t size, con
     return UsageError(path + ": not a valid safetensors file: " + why);
   };
   if (size < 8) throw fail("only " + std::to_string(size) + " bytes; the 8-byte header length is missing");
-  uint64_t hlen = 0;
-  for (int i = 7; i >= 0; --i) hlen = hlen << 8 | bytes[i];
+  const uint64_t hlen = header_length(bytes);
   if (hlen > size - 8)
     throw fail("header length " + std::to_string(hlen) + " runs past the end of the file (" + std::to_string(size) +
                " bytes)");
-  if (hlen > (uint64_t(100) << 20)) throw fail("header length " + std::to_string(hlen) + " exceeds 100 MB");
+  if (hlen > kMaxHeader) throw fail("header length " + std::to_string(hlen) + " exceeds 100 MB");
   const nlohmann::json h = parse_header(bytes + 8, hlen, fail);
   const uint64_t data_size = size - 8 - hlen;
   const unsigned char* data = available == size ? bytes + 8 + hlen : nullptr;
@@ -181,9 +185,8 @@ SafeTensors read_safetensors(const std::string& path) {
   std::vector<unsigned char> head(size_t(std::min<uint64_t>(size, 8)));
   f.read(reinterpret_cast<char*>(head.data()), std::streamsize(head.size()));
   if (head.size() == 8) {
-    uint64_t hlen = 0;
-    for (int i = 7; i >= 0; --i) hlen = hlen << 8 | head[size_t(i)];
-    if (hlen <= size - 8 && hlen <= (uint64_t(100) << 20)) {
+    const uint64_t hlen = header_length(head.data());
+    if (hlen <= size - 8 && hlen <= kMaxHeader) {  // else parse below refuses it by the length alone
       head.resize(size_t(8 + hlen));
       f.read(reinterpret_cast<char*>(head.data() + 8), std::streamsize(hlen));
     }

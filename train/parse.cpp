@@ -80,6 +80,10 @@ uint64_t parse_seed(const std::string& text, const std::string& flag) {
   return v;
 }
 
+bool decimal_characters(const std::string& text) {
+  return text.find_first_not_of("0123456789+-.eE") == std::string::npos;
+}
+
 float parse_float(const std::string& text, const std::string& flag) {
   auto bad = [&](const std::string& why) { return UsageError(flag + ": '" + text + "' " + why); };
   const char* first = text.c_str();
@@ -89,8 +93,7 @@ float parse_float(const std::string& text, const std::string& flag) {
   if (text.empty() || std::isspace(static_cast<unsigned char>(text[0])) || end != first + text.size())
     throw bad("is not a number");
   // One syntax, decimal (strtold also reads hexadecimal floats, inf and nan): digits, a point, an exponent.
-  if (text.find_first_not_of("0123456789+-.eE") != std::string::npos)
-    throw bad("is not a decimal number (write it as 0.125 or 1.25e-1)");
+  if (!decimal_characters(text)) throw bad("is not a decimal number (write it as 0.125 or 1.25e-1)");
   const bool range = errno == ERANGE;
   const float f = float(v);
   // A value float cannot hold is refused rather than rounded to 0 or infinity, where the checks after

@@ -24,6 +24,9 @@ uint64_t parse_seed(const std::string& text, const std::string& flag);
 // text that is not a number throws UsageError naming the flag. NaN, infinity and negative values
 // pass: the range checks after parsing name those.
 float parse_float(const std::string& text, const std::string& flag);
+// Whether text has only what a decimal number is written with (digits, a sign, a point, an exponent):
+// dp's one number syntax, where strtod would also take hexadecimal, inf and nan.
+bool decimal_characters(const std::string& text);
 // "2,4,8" -> {2, 4, 8}: comma-separated integers >= 0. Throws UsageError naming the flag, the item
 // that is not a `what` ("device id", "batch size") and an example list.
 std::vector<int> parse_int_list(const std::string& text, const std::string& flag, const std::string& what,

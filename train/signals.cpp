@@ -18,6 +18,7 @@
 
 #include "engine/error.h"
 #include "train/output_files.h"
+#include "train/parse.h"
 #include "train/progress.h"
 
 namespace dp {
@@ -182,11 +183,9 @@ double grace_seconds() {
   const char* v = std::getenv("DP_GRACE_SECONDS");
   if (!v) return 10;
   char* end = nullptr;
-  const std::string text = v;
   double s = std::strtod(v, &end);
   // Decimal alone, as the flags' numbers (parse_float): no hexadecimal, no space either side.
-  if (end == v || *end != '\0' || text.find_first_not_of("0123456789.eE+-") != std::string::npos || !std::isfinite(s) ||
-      s <= 0 || s > 86400)
+  if (end == v || *end != '\0' || !decimal_characters(v) || !std::isfinite(s) || s <= 0 || s > 86400)
     throw UsageError(std::string("DP_GRACE_SECONDS=") + v +
                      ": give the grace period after a signal in seconds, more than 0 and at most 86400 "
                      "(default 10)");
