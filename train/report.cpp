@@ -184,8 +184,9 @@ std::string device_table(const nlohmann::json& devices, const std::string& memor
   rows[0].insert(rows[0].end(), {"sent/step", "received/step"});
   for (const nlohmann::json& d : devices) {
     // In a job: "p1 sim:0", the process (mpirun's rank) before its device.
-    const std::string name =
-        (job ? "p" + std::to_string(d["process"].get<int>()) + " " : "") + d["name"].get<std::string>();
+    std::string name;  // appended piece by piece: GCC 12 warns (-Wrestrict) at "p" + to_string(...)
+    if (job) name += 'p' + std::to_string(d["process"].get<int>()) + ' ';
+    name += d["name"].get<std::string>();
     std::vector<std::string> row = {name, format_bytes(d["peak_bytes"].get<int64_t>())};
     for (int c = 0; c < kCategories; ++c)
       if (booked(c)) row.push_back(format_bytes(bytes(d, "peak_by_category", c)));
