@@ -75,12 +75,10 @@ def main():
         width = max([len(cell(x)) for _, recs in rows for x in recs] + [10])
         wrote = [r in ranks for r in range(size)]
         print("   " + f"{'seq':>6} {'step':>6}  " + "  ".join(f"{'rank ' + str(r):<{width}}" for r in range(size)))
-        shown = rows if diverged is None else rows[max(0, diverged - a.last): diverged + 2]
-        if diverged is None:
-            shown = rows[-a.last:]
-        for i, (s, recs) in enumerate(rows):
-            if (s, recs) not in shown:
-                continue
+        # The last rows, or those before the first divergence and the one after it.
+        lo, hi = (len(rows) - a.last, len(rows)) if diverged is None else (diverged - a.last, diverged + 2)
+        for i in range(max(0, lo), min(hi, len(rows))):
+            s, recs = rows[i]
             step = next(x["step"] for x in recs if x)
             mark = ">> " if i == diverged else "   "
             print(mark + f"{s:>6} {step:>6}  " + "  ".join(f"{cell(x, w):<{width}}" for x, w in zip(recs, wrote)))
