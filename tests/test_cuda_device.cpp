@@ -183,7 +183,7 @@ TEST_CASE("cuda: cuDNN runs every model's convolutions with deterministic GEMM-l
   for (const std::string& name : model_names())
     for (const Layer& l : make_model(name).layers)
       if (l.kind == LayerKind::conv)
-        for (int n : {1, 8, 32, 37, 64, 128, 256})
+        for (int n : {1, 8, 16, 32, 37, 64, 96, 128, 256})
           shapes.push_back({.n = n,
                             .c = l.in_c,
                             .h = l.in_h,

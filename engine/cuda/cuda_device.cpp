@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "engine/error.h"
@@ -86,16 +87,17 @@ void CudaDevice::open() {
   DP_CUDNN_CHECK(cudnnCreate(&dnn));
   cudnn_ = cuda::CudnnHandle(dnn);
   DP_CUDNN_CHECK(cudnnSetStream(dnn, stream_.get()));
-  flag_ = alloc(sizeof(int32_t), Category::workspace);  // (1) all_finite's answer, booked like every byte
-  ops_ = std::make_unique<CudaOps>(stream_.get(), blas, dnn, flag_.i32());
+  scratch_ = alloc(sizeof(CudaOps::Scratch), Category::workspace);  // booked like every byte
+  ops_ = std::make_unique<CudaOps>(stream_.get(), blas, dnn, static_cast<CudaOps::Scratch*>(scratch_.data()));
 }
 
 void CudaDevice::close() noexcept {
   if (stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(stream_.get()));
   if (comm_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(comm_stream_.get()));
   if (copy_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(copy_stream_.get()));
-  ops_.reset();  // its cuDNN descriptors first: it borrows the handles and the flag below
-  flag_.reset();
+  ops_.reset();  // its cuDNN descriptors first: it borrows the handles and the scratch below
+  scratch_.reset();
+  bounce_.reset();
   cudnn_.reset();
   cublas_.reset();
   ready_.reset();
@@ -157,8 +159,23 @@ std::shared_ptr<void> CudaDevice::pin_host(void* p, size_t bytes) {
 void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
   if (bytes == 0) return;
   DeviceGuard guard(id());
-  DP_CUDA_CHECK(cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, stream_.get()));
-  wait_stream(stream_.get());  // behind NCCL's kernels, perhaps
+  std::lock_guard lock(bounce_mu_);
+  const size_t chunk = std::min(bytes, kBounceBytes);
+  if (bounce_bytes_ < chunk) {
+    bounce_.reset();
+    bounce_bytes_ = 0;
+    void* p = nullptr;
+    DP_CUDA_CHECK(cudaMallocHost(&p, chunk));
+    bounce_ = cuda::PinnedHost(p);
+    bounce_bytes_ = chunk;
+  }
+  for (size_t done = 0; done < bytes; done += chunk) {
+    const size_t n = std::min(chunk, bytes - done);
+    DP_CUDA_CHECK(
+        cudaMemcpyAsync(bounce_.get(), static_cast<const char*>(src) + done, n, cudaMemcpyDeviceToHost, stream_.get()));
+    wait_stream(stream_.get());  // behind NCCL's kernels, perhaps: polls while a watch is set
+    std::memcpy(static_cast<char*>(dst_host) + done, bounce_.get(), n);
+  }
 }
 
 void CudaDevice::copy(void* dst, const void* src, size_t bytes) {

@@ -37,7 +37,12 @@ class CudaDevice final : public Device {
   // wait for the stream); pinned memory would make it truly asynchronous. Either way the host buffer
   // must stay untouched until synchronize(), as the Device contract says.
   void upload(void* dst, const void* src_host, size_t bytes) override;
+  // Through a page-locked bounce buffer of this device (at most kBounceBytes, copied in chunks), then
+  // out: a copy into pageable memory returns only when it is done, after everything before it on the
+  // stream (an NCCL all-reduce waiting for a dead peer, say), so the thread would sit in the driver
+  // past any --timeout. Into page-locked memory the copy is asynchronous and the wait polls (below).
   void download(void* dst_host, const void* src, size_t bytes) override;
+  static constexpr size_t kBounceBytes = size_t(4) << 20;
   std::shared_ptr<void> pin_host(void* p, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   // Ordered after everything already enqueued on both this device's stream and src_device's (an
@@ -95,8 +100,11 @@ class CudaDevice final : public Device {
   cuda::Stream stream_, comm_stream_, copy_stream_;
   cuda::CublasHandle cublas_;
   cuda::CudnnHandle cudnn_;
-  Buffer flag_;  // (1) int32, lent to ops_
+  Buffer scratch_;  // CudaOps::Scratch, lent to ops_
   std::unique_ptr<CudaOps> ops_;
+  std::mutex bounce_mu_;     // downloads from several threads take turns
+  cuda::PinnedHost bounce_;  // download's page-locked landing place, grown on demand
+  size_t bounce_bytes_ = 0;
   cuda::Event ready_;                           // recorded on stream_ when a peer wants to wait for this device
   cuda::Event computed_;                        // recorded on stream_ for the copy stream to wait on
   cuda::Event uploaded_[Device::kUploadSlots];  // recorded on copy_stream_ after a slot's uploads

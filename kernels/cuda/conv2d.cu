@@ -1,11 +1,13 @@
 // Convolution on cuDNN (NCHW float, cross-correlation as PyTorch's Conv2d, stride 1, symmetric
-// padding), with the bias and its gradient as small kernels here. Twin of kernels/cpu/conv2d.cpp.
+// padding) forward and for the input's gradient; the filter's gradient is dp's own im2col and one
+// cuBLAS GEMM (conv2d_backward says why), and the bias and its gradient are small kernels here. Twin
+// of kernels/cpu/conv2d.cpp.
 //
 // cuDNN 9 still ships the legacy convolution API (cudnn_cnn.h: cudnnConvolutionForward,
 // BackwardData, BackwardFilter, the *_v7 heuristics), marked deprecated but only warned about under
 // CUDNN_WARN_DEPRECATED; it is the short path for three fixed convolutions.
 //
-// Algorithms are chosen once per shape from cuDNN's heuristics (the *_v7 queries, which run nothing
+// cuDNN's algorithms are chosen once per shape from cuDNN's heuristics (the *_v7 queries, which run nothing
 // and allocate nothing, unlike cudnnFind*, which times candidates in memory of its own and may pick
 // differently from run to run). Among the candidates, in cuDNN's order of preference, the first is
 // taken that
@@ -31,6 +33,27 @@
 
 namespace dp {
 namespace {
+
+// dyt(K, R)[k, i P + q] = dy(nb, K, P)[i, k, q], R = nb P: the images' gradient rows side by side.
+__global__ void dy_rows_kernel(int64_t total, int k, int64_t p, int64_t r, const float* dy, float* dyt) {
+  DP_GRID_STRIDE(i, total) {
+    const int64_t ch = i / r, row = i % r;
+    dyt[i] = dy[((row / p) * k + ch) * p + row % p];
+  }
+}
+
+// col(R, C KH KW)[i P + q, (c KH + u) KW + v] = x(nb, C, H, W)[i, c, oh + u - pad, ow + v - pad], zero
+// outside the image, with (oh, ow) the output pixel q: im2col with one row per output pixel.
+__global__ void im2col_rows_kernel(int64_t total, ConvShape s, const float* x, float* col) {
+  const int ow = s.w + 2 * s.pad - s.kw + 1;  // ConvShape's out_w, which is host code
+  const int64_t crs = int64_t(s.c) * s.kh * s.kw, pixels = int64_t(s.h + 2 * s.pad - s.kh + 1) * ow;
+  DP_GRID_STRIDE(i, total) {
+    const int64_t row = i / crs, q = row % pixels, img = row / pixels;
+    const int j = int(i % crs), ch = j / (s.kh * s.kw), u = (j / s.kw) % s.kh, v = j % s.kw;
+    const int y = int(q / ow) + u - s.pad, xx = int(q % ow) + v - s.pad;
+    col[i] = (y >= 0 && y < s.h && xx >= 0 && xx < s.w) ? x[((img * s.c + ch) * s.h + y) * s.w + xx] : 0.0f;
+  }
+}
 
 // Largest workspace one algorithm may ask for when the caller is about to allocate it.
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;
@@ -92,11 +115,6 @@ bool gemm_like(cudnnConvolutionFwdAlgo_t a) {
 bool gemm_like(cudnnConvolutionBwdDataAlgo_t a) {
   return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
 }
-bool gemm_like(cudnnConvolutionBwdFilterAlgo_t a) {
-  return a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1 ||
-         a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3;
-}
-
 // cuDNN's enum names less "CUDNN_CONVOLUTION_" (and less "FWD_ALGO_" for the forward ones, whose
 // names say what they are), as ConvChoice reports them.
 const char* algo_name(cudnnConvolutionFwdAlgo_t a) {
@@ -137,26 +155,6 @@ const char* algo_name(cudnnConvolutionBwdDataAlgo_t a) {
       return "BWD_DATA_ALGO_WINOGRAD_NONFUSED";
     default:
       return "BWD_DATA_ALGO_?";
-  }
-}
-const char* algo_name(cudnnConvolutionBwdFilterAlgo_t a) {
-  switch (a) {
-    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0:
-      return "BWD_FILTER_ALGO_0";
-    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1:
-      return "BWD_FILTER_ALGO_1";
-    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT:
-      return "BWD_FILTER_ALGO_FFT";
-    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3:
-      return "BWD_FILTER_ALGO_3";
-    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD:
-      return "BWD_FILTER_ALGO_WINOGRAD";
-    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED:
-      return "BWD_FILTER_ALGO_WINOGRAD_NONFUSED";
-    case CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING:
-      return "BWD_FILTER_ALGO_FFT_TILING";
-    default:
-      return "BWD_FILTER_ALGO_?";
   }
 }
 const char* math_name(cudnnMathType_t m) {
@@ -280,16 +278,15 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
   if (!choose(bwd_data, got, limit, data_bytes, p->bwd_data, p->bwd_data_bytes, p->choices[1]))
     throw fail("backward-data");
 
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(cudnn_, &max_count));
-  std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> bwd_filter(size_t(std::max(max_count, 1)));
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(cudnn_, p->x.get(), p->y.get(), cd, p->w.get(),
-                                                               max_count, &got, bwd_filter.data()));
-  auto filter_bytes = [&](cudnnConvolutionBwdFilterAlgo_t a, size_t& b) {
-    return cudnnGetConvolutionBackwardFilterWorkspaceSize(cudnn_, p->x.get(), p->y.get(), cd, p->w.get(), a, &b) ==
-           CUDNN_STATUS_SUCCESS;
-  };
-  if (!choose(bwd_filter, got, limit, filter_bytes, p->bwd_filter, p->bwd_filter_bytes, p->choices[2]))
-    throw fail("backward-filter");
+  // The filter gradient is dp's own (see conv2d_backward), over as many images at a time as the limit holds.
+  const size_t image_bytes = sizeof(float) * size_t(oh) * ow * size_t(s.col_rows() + s.k);
+  if (image_bytes > limit) throw fail("backward-filter");
+  p->filter_images = int(std::min<size_t>(size_t(s.n), limit / image_bytes));
+  p->bwd_filter_bytes = image_bytes * size_t(p->filter_images);
+  p->choices[2].algo = "DP_IM2COL_GEMM";
+  p->choices[2].math = "FMA";  // cuBLAS's default math: FP32, never TF32 (cuda_device.cpp)
+  p->choices[2].workspace_bytes = p->bwd_filter_bytes;
+  p->choices[2].deterministic = p->choices[2].strict = true;
   warn_fallback(*p, describe(s));
 
   auto& slot = plans_[ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}];
@@ -354,8 +351,24 @@ void CudaOps::conv2d_backward(const ConvShape& s, const float* x, const float* w
   DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
   bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream_>>>(s.k, workspace, db);
   DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
-  DP_CUDNN_CHECK(cudnnConvolutionBackwardFilter(cudnn_, &one, p.x.get(), x, p.y.get(), dy, p.conv.get(), p.bwd_filter,
-                                                workspace, p.bwd_filter_bytes, &zero, p.w.get(), dw));
+  // dw (K, C KH KW) = the sum over images of dy_n (K, P) col_n (P, C KH KW), as one GEMM per chunk
+  // of images: dy's rows laid side by side (K, chunk P) and the chunk's im2col (chunk P, C KH KW), one
+  // after the other in the workspace; later chunks add to dw (beta 1). cuDNN's BWD_FILTER_ALGO_1, the one
+  // deterministic GEMM-like algorithm it offers, gave other last bits from run to run on an H200 (cuDNN
+  // 9.14, lenet's second convolution, 16 or more images) and took 60% of a LeNet step's GPU time.
+  const int64_t crs = s.col_rows(), chunk_max = p.filter_images;
+  for (int64_t n0 = 0; n0 < s.n; n0 += chunk_max) {
+    const int64_t nb = std::min<int64_t>(chunk_max, s.n - n0), rows = nb * pixels;
+    float* dyt = workspace;               // (K, nb P)
+    float* col = workspace + s.k * rows;  // (nb P, C KH KW)
+    dy_rows_kernel<<<cuda::blocks_for(s.k * rows), cuda::kThreads, 0, stream_>>>(s.k * rows, s.k, pixels, rows,
+                                                                                 dy + n0 * s.k * pixels, dyt);
+    DP_CUDA_LAUNCH_CHECK("dy_rows_kernel");
+    im2col_rows_kernel<<<cuda::blocks_for(rows * crs), cuda::kThreads, 0, stream_>>>(rows * crs, s,
+                                                                                     x + n0 * s.c * s.h * s.w, col);
+    DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
+    gemm(false, false, s.k, int(crs), int(rows), 1.0f, dyt, col, n0 == 0 ? 0.0f : 1.0f, dw);
+  }
   if (dx)  // dx (N, C, H, W)
     DP_CUDNN_CHECK(cudnnConvolutionBackwardData(cudnn_, &one, p.w.get(), w, p.y.get(), dy, p.conv.get(), p.bwd_data,
                                                 workspace, p.bwd_data_bytes, &zero, p.x.get(), dx));

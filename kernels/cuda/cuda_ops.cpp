@@ -1,11 +1,13 @@
-// CudaOps' own state: the handles and the one-int flag it borrows from its device.
+// CudaOps' own state: the handles and the scratch memory it borrows from its device.
 // The ops themselves live in the .cu files of this directory, one per op family.
 #include "kernels/cuda/cuda_ops.h"
 
 namespace dp {
 
-CudaOps::CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, int32_t* flag)
-    : stream_(stream), cublas_(cublas), cudnn_(cudnn), flag_(flag) {}
+CudaOps::CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, Scratch* scratch)
+    : stream_(stream), cublas_(cublas), cudnn_(cudnn), scratch_(scratch), flag_(&scratch->flag) {
+  DP_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(Scratch), stream_));  // xent_done starts at 0
+}
 
 CudaOps::~CudaOps() = default;
 

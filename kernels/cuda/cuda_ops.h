@@ -35,15 +35,15 @@ struct ConvChoice {
   bool strict = false;         // deterministic and GEMM-like: the first round of the choice, no fallback
 };
 
-// Everything cuDNN needs for one convolution shape: descriptors and the three algorithms, chosen
-// once (kernels/cuda/conv2d.cu explains how).
+// Everything one convolution shape needs: cuDNN's descriptors and its forward and backward-data
+// algorithms, chosen once, and the chunk of dp's own filter gradient (kernels/cuda/conv2d.cu explains).
 struct ConvPlan {
   cuda::TensorDesc x, y;  // (N, C, H, W), (N, K, OH, OW)
   cuda::FilterDesc w;     // (K, C, KH, KW)
   cuda::ConvDesc conv;
   cudnnConvolutionFwdAlgo_t fwd{};
   cudnnConvolutionBwdDataAlgo_t bwd_data{};
-  cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
+  int filter_images = 0;  // dw: images per chunk of dp's own im2col GEMM (conv2d.cu), within the workspace
   size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
   size_t bias_floats = 0;             // the bias gradient's partial sums (conv2d.cu), before the algorithms run
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
@@ -52,9 +52,17 @@ struct ConvPlan {
 
 class CudaOps final : public Ops {
  public:
-  // The handles belong to the device and are already bound to `stream`. flag: one int32 of device
-  // memory the caller allocated (and booked) for all_finite's answer.
-  CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, int32_t* flag);
+  // Device memory the ops keep between calls: all_finite's answer, and softmax_xent's per-block
+  // partial sums with the count of blocks done (the last block adds them up in block order).
+  static constexpr int kXentBlocks = 128;  // softmax_xent's grid at most; its blocks loop over more rows
+  struct Scratch {
+    int32_t flag;
+    uint32_t xent_done;
+    float xent_partials[2 * kXentBlocks];  // (block, loss | correct)
+  };
+  // The handles belong to the device and are already bound to `stream`. scratch: device memory the
+  // caller allocated (and booked), zeroed here on the stream.
+  CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, Scratch* scratch);
   ~CudaOps() override;
   const char* backend() const override { return "cuda"; }
   cudaStream_t stream() const { return stream_; }
@@ -111,7 +119,8 @@ class CudaOps final : public Ops {
   mutable std::mutex conv_mu_;
   std::map<ShapeKey, std::unique_ptr<ConvPlan>> plans_;
   std::map<GeometryKey, size_t> budget_floats_;
-  int32_t* flag_;  // (1): all_finite's answer
+  Scratch* scratch_;
+  int32_t* flag_;  // &scratch_->flag: all_finite's answer
 };
 
 }  // namespace dp

@@ -54,6 +54,8 @@ inline void destroy_conv_desc(cudnnConvolutionDescriptor_t d) noexcept {
   DP_CUDNN_CHECK_PRINT(cudnnDestroyConvolutionDescriptor(d));
 }
 
+inline void destroy_pinned(void* p) noexcept { DP_CUDA_CHECK_PRINT(cudaFreeHost(p)); }
+
 using Stream = Unique<cudaStream_t, destroy_stream>;
 using Event = Unique<cudaEvent_t, destroy_event>;
 using CublasHandle = Unique<cublasHandle_t, destroy_cublas>;
@@ -61,6 +63,7 @@ using CudnnHandle = Unique<cudnnHandle_t, destroy_cudnn>;
 using TensorDesc = Unique<cudnnTensorDescriptor_t, destroy_tensor_desc>;
 using FilterDesc = Unique<cudnnFilterDescriptor_t, destroy_filter_desc>;
 using ConvDesc = Unique<cudnnConvolutionDescriptor_t, destroy_conv_desc>;
+using PinnedHost = Unique<void*, destroy_pinned>;  // cudaMallocHost's page-locked host memory
 
 // A stream that never synchronises with the legacy default stream (work of other libraries or
 // threads on stream 0 cannot serialise with ours). Created on the calling thread's current device.

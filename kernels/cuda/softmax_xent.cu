@@ -3,9 +3,12 @@
 //
 // Differences from the CPU, all within the tolerances of the op matrix (tests/test_ops_*.cpp): the row's sum of
 // exponentials is added in a warp tree instead of left to right, device expf/logf are within 2 ulp
-// of the host's, and the loss statistic is summed per block in a fixed order, then added to stats
-// with one atomicAdd per block (blocks land in any order: the loss's last bits may differ from run
-// to run; the gradients do not).
+// of the host's, and the statistics are summed in a fixed order that is not the CPU's row order: each
+// warp its rows, each block its warps, then the last block to finish adds the blocks' partials in
+// block order (the threadFenceReduction pattern of CUDA's samples) and adds that to stats. The grid
+// has at most kXentBlocks blocks, looping over more rows, so the partials fit the device's scratch and
+// the same n gives the same bits on every run (an atomicAdd per block would not: blocks finish in
+// any order).
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/math.h"
@@ -18,15 +21,15 @@ constexpr int kRowsPerBlock = cuda::kThreads / kWarp;
 constexpr unsigned kAll = 0xffffffffu;
 
 __global__ void softmax_xent_kernel(int n, int classes, const float* logits, const int32_t* labels, float scale,
-                                    float* dlogits, float* stats) {
-  __shared__ float block_loss[kRowsPerBlock];
-  __shared__ float block_correct[kRowsPerBlock];
+                                    float* dlogits, float* stats, CudaOps::Scratch* scratch) {
+  __shared__ float warp_loss[kRowsPerBlock];
+  __shared__ float warp_correct[kRowsPerBlock];
+  __shared__ bool last;
   const int warp = int(threadIdx.x) / kWarp, lane = int(threadIdx.x) % kWarp;
-  const int row = int(blockIdx.x) * kRowsPerBlock + warp;
-  float row_loss = 0.0f, row_correct = 0.0f;
-  if (row < n) {                                       // the whole warp takes this branch together
-    const float* z = logits + int64_t(row) * classes;  // (C)
-    float* dz = dlogits + int64_t(row) * classes;      // (C)
+  float loss = 0.0f, correct = 0.0f;  // this warp's rows, in order (every lane the same)
+  for (int64_t row = (int64_t(blockIdx.x) * kRowsPerBlock + warp); row < n; row += int64_t(gridDim.x) * kRowsPerBlock) {
+    const float* z = logits + row * classes;  // (C): the whole warp takes this row together
+    float* dz = dlogits + row * classes;      // (C)
     // Argmax, first maximum wins (as the CPU's strict >): lanes scan their columns in order, then
     // the warp keeps the larger value, or the smaller index on a tie.
     int best = lane < classes ? lane : 0;
@@ -43,19 +46,30 @@ __global__ void softmax_xent_kernel(int n, int classes, const float* logits, con
     const float log_sum = logf(__shfl_sync(kAll, sum, 0));  // every lane the same bits
     const int label = labels[row];
     for (int j = lane; j < classes; j += kWarp) dz[j] = math::xent_grad(z[j], m, log_sum, j == label, scale);
-    row_loss = math::xent_loss(z[label], m, log_sum);
-    row_correct = best == label ? 1.0f : 0.0f;
+    loss += math::xent_loss(z[label], m, log_sum);
+    correct += best == label ? 1.0f : 0.0f;
   }
   if (lane == 0) {
-    block_loss[warp] = row_loss;
-    block_correct[warp] = row_correct;
+    warp_loss[warp] = loss;
+    warp_correct[warp] = correct;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    float loss = 0.0f, correct = 0.0f;
-    for (int w = 0; w < kRowsPerBlock; ++w) loss += block_loss[w], correct += block_correct[w];
-    atomicAdd(&stats[0], loss * scale);
-    atomicAdd(&stats[1], correct);
+    float block_loss = 0.0f, block_correct = 0.0f;
+    for (int w = 0; w < kRowsPerBlock; ++w) block_loss += warp_loss[w], block_correct += warp_correct[w];
+    scratch->xent_partials[2 * blockIdx.x] = block_loss;
+    scratch->xent_partials[2 * blockIdx.x + 1] = block_correct;
+    __threadfence();  // the partials are visible to every block before the count says so
+    // atomicInc wraps to 0 past gridDim.x - 1: the last block's ticket leaves the count at 0 for the next call
+    last = atomicInc(&scratch->xent_done, gridDim.x - 1) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    const volatile float* partials = scratch->xent_partials;  // written by other blocks: not from L1
+    float total_loss = 0.0f, total_correct = 0.0f;
+    for (unsigned b = 0; b < gridDim.x; ++b) total_loss += partials[2 * b], total_correct += partials[2 * b + 1];
+    stats[0] += total_loss * scale;
+    stats[1] += total_correct;
   }
 }
 
@@ -64,8 +78,10 @@ __global__ void softmax_xent_kernel(int n, int classes, const float* logits, con
 void CudaOps::softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
                            float* stats) {
   if (n == 0 || classes == 0) return;  // stats += 0
-  const unsigned blocks = unsigned((n + kRowsPerBlock - 1) / kRowsPerBlock);
-  softmax_xent_kernel<<<blocks, cuda::kThreads, 0, stream_>>>(n, classes, logits, labels, scale, dlogits, stats);
+  const int rows_blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
+  const unsigned blocks = unsigned(rows_blocks < kXentBlocks ? rows_blocks : kXentBlocks);
+  softmax_xent_kernel<<<blocks, cuda::kThreads, 0, stream_>>>(n, classes, logits, labels, scale, dlogits, stats,
+                                                              scratch_);
   DP_CUDA_LAUNCH_CHECK("softmax_xent_kernel");
 }
 

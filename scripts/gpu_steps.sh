@@ -1,0 +1,284 @@
+# Sourced by scripts/gpu_check.sh: its steps, one function each (s_NAME), run by its step() with LIMIT and LOG
+# set; each returns the command's exit code and may set KEY, BAD and SKIP (gpu_check.sh says what they mean).
+# shellcheck shell=bash
+# shellcheck disable=SC2154  # the variables are gpu_check.sh's
+
+s_env() {
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ); host $(hostname); $(uname -srm); $(nproc) cores"
+  echo "mode: $([ $dry = 1 ] && echo "cpu dry run" || echo "gpu, sm_$arch")"
+  local rc=0
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi; rc=$?
+    nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total,clocks.max.sm --format=csv
+  else
+    echo "nvidia-smi: not found"
+  fi
+  echo "--- nvcc: ${nvcc:-none}"; [ -n "$nvcc" ] && "$nvcc" --version | tail -2
+  echo "--- cmake: $(cmake --version | head -1); ninja: $(ninja --version 2> /dev/null || echo none); c++: $(c++ --version | head -1)"
+  echo "--- python: $py"
+  "$py" - << 'EOF'
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
+          "cuda available", torch.cuda.is_available())
+    if torch.cuda.is_available():
+        print("device", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+        print("nccl", torch.cuda.nccl.version())
+except Exception as e:
+    print("torch: not usable:", e)
+EOF
+  echo "--- cmake hints: ${cuda_hints[*]:-(none: CPU-only build)}"
+  local dep found lib_v head_v versions=""
+  for dep in cudnn nccl; do
+    [ $dry = 1 ] && break
+    found=$(find_dep $dep)
+    [ -n "$found" ] || { echo "$dep: no folder holds both the library and its header"; BAD="${BAD:+$BAD; }no $dep"; continue; }
+    lib_v=$(lib_version $dep "${found%%$'\t'*}") head_v=$(header_version $dep "${found#*$'\t'}")
+    echo "$dep: library ${found%%$'\t'*} reports ${lib_v:-?}; header ${found#*$'\t'} declares ${head_v:-?}"
+    versions="$versions, $dep ${lib_v:-?}"
+    [ -n "$lib_v" ] && [ "$lib_v" = "$head_v" ] || BAD="${BAD:+$BAD; }$dep's library (${lib_v:-?}) and header (${head_v:-?}) differ"
+  done
+  # NCCL 2.30 lets two ranks share one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1): the only NCCL a one-GPU machine can run
+  [ $dry = 0 ] && [ -n "${lib_v:-}" ] && echo "nccl: $([ "$lib_v" -ge 23000 ] && echo "2.30 or newer: NCCL_MULTI_RANK_GPU_ENABLE exists" || echo "older than 2.30: two ranks cannot share one GPU")"
+  ls /usr/local/cuda/lib64/libcublas.so* 2> /dev/null | head -1 || echo "no libcublas under /usr/local/cuda/lib64"
+  echo "--- LD_LIBRARY_PATH for dp: $dp_ld"
+  echo "--- kit: $kit"; cat "$kit/MANIFEST"
+  [ $dry = 1 ] && KEY="cpu dry run" ||
+    KEY="$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2> /dev/null | head -1), sm_$arch$versions"
+  return $rc
+}
+
+s_configure() {
+  local cuda=ON
+  [ $dry = 1 ] && cuda=OFF
+  run cmake -S "$here" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DDP_CUDA=$cuda \
+    -DCMAKE_PREFIX_PATH="$prefix" "${cuda_hints[@]}"
+  local rc=$?
+  echo "--- where the dependencies were found (CMakeCache.txt):"
+  grep -E '^(BLIS_|ZLIB_|CUDNN_|NCCL_|CLI11_DIR|nlohmann_json_DIR|doctest_DIR|CMAKE_CUDA_ARCHITECTURES|CMAKE_CUDA_COMPILER:)' "$build/CMakeCache.txt" 2> /dev/null
+  local line
+  line=$(grep -o 'dp: CUDA backend [A-Z]*' "$LOG" | tail -1)
+  KEY=${line:-"no 'dp: CUDA backend' line"}
+  [ $dry = 0 ] && [ "$line" != "dp: CUDA backend ON" ] && BAD="the CUDA backend is not on"
+  return $rc
+}
+
+s_build() {
+  # doctest_discover_tests runs dp_tests after linking it: it needs the libraries dp runs with
+  LD_LIBRARY_PATH="$dp_ld" run cmake --build "$build" -j "$jobs"
+  local rc=$?
+  KEY="$(ls "$build"/dp_train "$build"/dp_bench "$build"/dp_tests 2> /dev/null | wc -l)/3 binaries"
+  return $rc
+}
+
+s_cuda() {
+  need dp_tests || return $?
+  (cd "$build" && LD_LIBRARY_PATH="$dp_ld" run ctest -j "$jobs" --output-on-failure --timeout 900 -R '^cuda: ')
+  local rc=$? summary gpu skipped cuda_cases
+  cp "$build/Testing/Temporary/LastTest.log" "$out/LastTest-cuda.log" 2> /dev/null
+  summary=$(grep -E '[0-9]+% tests passed' "$LOG" | tail -1)
+  gpu=$(grep -E 'Test +#[0-9]+: cuda: GPU cases' "$LOG" | tail -1)
+  gpu=$(sed -E 's/.*\.\.\.+ *(\*\*\*)?([A-Za-z ]+[A-Za-z]).*/\2/' <<< "$gpu")
+  # backends(): "CUDA case skipped: no CUDA device (...)", once per test body that ran without one
+  skipped=$(grep -c 'CUDA case skipped' "$build/Testing/Temporary/LastTest.log" 2> /dev/null)
+  cuda_cases=$(grep -cE 'Test +#[0-9]+: cuda: ' "$LOG")
+  KEY="${summary:-no ctest summary}; GPU entry: ${gpu:-absent}; ${cuda_cases} 'cuda:' entries; ${skipped:-0} 'CUDA case skipped'"
+  if [ $dry = 0 ]; then
+    [ "$gpu" = Passed ] || BAD="the GPU entry is ${gpu:-absent}, not Passed"
+    [ "${skipped:-0}" -gt 0 ] && BAD="${BAD:+$BAD; }tests fell back to simulated devices"
+  fi
+  return $rc
+}
+
+s_ctest() {
+  need dp_tests || return $?
+  (cd "$build" && LD_LIBRARY_PATH="$dp_ld" run ctest -j "$jobs" --output-on-failure --timeout 900 -E '^(readme|cuda): ')
+  local rc=$?
+  cp "$build/Testing/Temporary/LastTest.log" "$out/LastTest.log" 2> /dev/null
+  KEY=$(grep -E '[0-9]+% tests passed' "$LOG" | tail -1)
+  [ -n "$KEY" ] || BAD="no ctest summary"
+  return $rc
+}
+
+s_readme() {
+  need dp_train || return $?
+  local gpus
+  gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+  if [ $dry = 0 ] && [ "$gpus" -lt 2 ]; then  # CI runs them on simulated devices
+    echo "not run: the README's commands name two or more devices (--gpus 0,1) and this machine has $gpus GPU(s)"
+    SKIP="not run: needs 2 GPUs, found $gpus"
+    return 0
+  fi
+  (cd "$build" && LD_LIBRARY_PATH="$dp_ld" run ctest -V -R '^readme:')
+  local rc=$?
+  KEY=$(grep -oE '[0-9]+ README commands run, .*' "$LOG" | tail -1)
+  [ -n "$KEY" ] || BAD="no 'README commands run' line"
+  return $rc
+}
+
+backend_is() {  # report: BAD unless it ran on $backend (a report exists only when the run got that far)
+  local got
+  [ -f "$1" ] || return 0
+  got=$(json "$1" 'j["config"]["backend"]')
+  [ "$got" = "$backend" ] || BAD="ran on the ${got:-unknown} backend, not $backend"
+}
+train_args() {  # sizes: a dry run trains a little
+  if [ $dry = 1 ]; then echo "--epochs 1 --limit-train 4096 --limit-test 1000"; else echo "--epochs $epochs"; fi
+}
+s_train() {
+  need dp_train || return $?
+  # shellcheck disable=SC2046
+  run "${dp_env[@]}" "$build/dp_train" --backend $backend --gpus 0 --data "$data" $(train_args) \
+    --report "$out/train.json"
+  local rc=$?
+  KEY=$(json "$out/train.json" '"test acc %.4f, %.0f img/s, backend %s (%s)" % (j["test_accuracy"], j["images_per_second"], j["config"]["backend"], ",".join(j["config"]["device_names"]))')
+  backend_is "$out/train.json"
+  local acc floor=0.85
+  [ $dry = 1 ] && floor=0.25  # one small epoch
+  acc=$(json "$out/train.json" 'j["test_accuracy"]')
+  if [ -z "$acc" ]; then
+    BAD="${BAD:+$BAD; }no test accuracy in train.json"
+  elif ! awk -v a="$acc" -v f=$floor 'BEGIN { exit !(a >= f) }'; then
+    BAD="${BAD:+$BAD; }test accuracy $acc under $floor"
+  fi
+  return $rc
+}
+
+s_prefetch() {
+  need dp_train || return $?
+  local steps=2000 sizes=(--limit-test 1000) rc=0 round mode flag
+  [ $dry = 1 ] && steps=20 sizes=(--limit-train 4096 --limit-test 256)
+  for round in 1 2 3; do
+    for mode in on off; do
+      flag=()
+      [ $mode = off ] && flag=(--no-prefetch)
+      run "${dp_env[@]}" "$build/dp_train" --backend $backend --gpus 0 --data "$data" --steps $steps "${sizes[@]}" \
+        "${flag[@]}" --quiet --log-every $steps --log "$out/prefetch-$mode-$round.jsonl" || rc=$?
+    done
+  done
+  # The last step record of each run: images/s over its training steps, device 0's load phase.
+  KEY=$("$py" - "$out" << 'EOF'
+import json, statistics, sys
+def last(mode, r):
+    recs = [json.loads(l) for l in open(f"{sys.argv[1]}/prefetch-{mode}-{r}.jsonl")]
+    s = [x for x in recs if x["kind"] == "step"][-1]
+    return s["images_per_second"], s["phase_ms"]["device0"]["load"]
+try:
+    on, off = ([last(m, r) for r in (1, 2, 3)] for m in ("on", "off"))
+except (OSError, ValueError, KeyError, IndexError):
+    sys.exit()
+ratio = statistics.median(a[0] / b[0] for a, b in zip(on, off))
+med = lambda v, i: statistics.median(x[i] for x in v)
+print(f"img/s prefetch {med(on, 0):.0f} / --no-prefetch {med(off, 0):.0f} (paired median {ratio:.3f}x); "
+      f"load {med(on, 1):.4f} / {med(off, 1):.4f} ms a step")
+EOF
+)
+  [ -n "$KEY" ] || BAD="the runs' logs give no images/s and load phase"
+  return $rc
+}
+
+verify() {  # strategy
+  need dp_train || return $?
+  local limit=()
+  [ $dry = 1 ] && limit=(--limit-train 4096 --limit-test 256)
+  run "${dp_env[@]}" "$build/dp_train" --backend $backend --gpus 0,0 --allow-shared-device --sync "$1" \
+    --verify --steps 20 --data "$data" "${limit[@]}" --report "$out/verify-$1.json"
+  local rc=$?
+  KEY=$(json "$out/verify-$1.json" '"max diff %.3g <= tolerance %.3g: %s, %.0f img/s" % (j["verify"]["max_abs_diff"], j["verify"]["tolerance"], j["verify"]["ok"], j["images_per_second"])')
+  backend_is "$out/verify-$1.json"
+  return $rc
+}
+s_verify_scatter() { verify scatter; }
+s_verify_allreduce() { verify allreduce; }
+
+bench_devices=(--backend "$backend" --gpus "0,0" --allow-shared-device)
+s_compare() {
+  need dp_bench || return $?
+  local small=()
+  [ $dry = 1 ] && small=(--steps 2 --warmup 1 --repeats 2)
+  run "${dp_env[@]}" "$build/dp_bench" compare "${bench_devices[@]}" --batch 256 "${small[@]}" --json "$out/compare.json"
+  local rc=$?
+  local rates names
+  rates=$(grep -E '^images/s' "$LOG" | tail -1 | sed -E 's/^images\/s +//; s/ +/ \/ /g')
+  names=$(grep -B40 -E '^images/s' "$LOG" | grep -E '^ +scatter +' | tail -1 | sed -E 's/^ +//; s/ +/ \/ /g')
+  [ -n "$rates" ] && KEY="img/s ${names:-?}: $rates"
+  [ $rc = 0 ] && ! grep -q '^bytes: measured == model' "$LOG" && BAD="no 'bytes: measured == model' line"
+  return $rc
+}
+s_skew() {
+  need dp_bench || return $?
+  run "${dp_env[@]}" "$build/dp_bench" skew "${bench_devices[@]}" --json "$out/skew.json"
+  local rc=$?
+  # "  skew = device 0's peak / mean peak of the others = ... = 1.085", scatter's first, allreduce's second
+  local skews
+  skews=$(grep -E '^ +skew = ' "$LOG" | sed -E 's/.* = //' | paste -sd/ | sed 's|/| / |g')
+  [ -n "$skews" ] && KEY="device 0's skew, scatter / allreduce / zero1 / zero2 / zero3: $skews"
+  return $rc
+}
+s_comm() {
+  need dp_bench || return $?
+  local small=()
+  [ $dry = 1 ] && small=(--max-bytes 64K --iters 4 --repeats 2)
+  run "${dp_env[@]}" "$build/dp_bench" comm "${bench_devices[@]}" "${small[@]}" --json "$out/comm.json"
+  local rc=$?
+  # the table's last row (the largest message: all_reduce's busbw is its 4th column), and the median fit
+  local busbw fit
+  busbw=$(awk '$2 ~ /^(B|KiB|MiB|GiB)$/ { last = "all_reduce busbw " $5 " GB/s at " $1 " " $2 } END { print last }' "$LOG")
+  fit=$(grep -oE 'α = [^(]*' "$LOG" | head -1 | sed 's/ *$//')
+  [ -n "$busbw" ] && KEY="$busbw; $fit"
+  return $rc
+}
+
+# bench/torch_compare.py measures CPU threads only (no device argument): bench/torch_gpu.py borrows its
+# model (build) and data readers, and times on the GPU.
+s_torch() {
+  local dev=cuda args=(--epochs "$epochs") rc=0 mode modes=(eager reduce-overhead) rates=()
+  [ $dry = 1 ] && dev=cpu args=(--epochs 1 --max-steps 16) modes=(eager)  # Debian's torch 1.13 cannot compile
+  for mode in "${modes[@]}"; do
+    run "$py" "$here/bench/torch_gpu.py" --data "$data" --device $dev --batch 256 --mode $mode "${args[@]}" \
+      --json "$out/torch-$mode.json" || rc=$?
+    rates+=("$(json "$out/torch-$mode.json" '"%s: test acc %.4f, %.0f img/s (compile %.0f s)" % (j["mode"], j["test_accuracy"], j["images_per_second"], j["compile_s"])')")
+  done
+  KEY="${rates[0]}${rates[1]:+; ${rates[1]}}"
+  [ -n "${rates[0]}" ] || BAD="no eager result in torch-eager.json"
+  [ $dry = 1 ] || [ -n "${rates[1]}" ] || BAD="${BAD:+$BAD; }no reduce-overhead result in torch-reduce-overhead.json"
+  KEY="$KEY; torch $(json "$out/torch-eager.json" 'j["torch"]') on $(json "$out/torch-eager.json" 'j["device"]')"
+  return $rc
+}
+
+# ncu times every kernel of a 10-step and a 30-step run; the difference over 20 is one step.
+s_profile() {
+  need dp_train || return $?
+  local ncu steps rc=0 small=(--limit-test 256)
+  ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+  if [ $dry = 1 ] || [ -z "$ncu" ]; then
+    SKIP="not run: $([ $dry = 1 ] && echo "cpu dry run" || echo "no ncu (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute)")"
+    echo "$SKIP"
+    return 0
+  fi
+  for steps in 10 30; do
+    run "${dp_env[@]}" "$ncu" --clock-control none --metrics gpu__time_duration.sum --print-units base --csv --log-file "$out/ncu-$steps.csv" \
+      "$build/dp_train" --backend cuda --gpus 0 --data "$data" --steps $steps "${small[@]}" --quiet || rc=$?
+  done
+  "$py" "$here/scripts/kernel_times.py" "$out/ncu-10.csv" "$out/ncu-30.csv" --steps 20 --json "$out/kernels.json"
+  KEY=$(json "$out/kernels.json" '"%.1f us of kernels a step, %d launches; the longest: %s %.1f us" % (j["total_us"], j["launches"], j["kernels"][0]["name"][:40], j["kernels"][0]["us"])')
+  [ -n "$KEY" ] || BAD="no kernel times read from ncu's output"
+  return $rc
+}
+
+s_sanitize() {
+  need dp_tests || return $?
+  local cs
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2> /dev/null | head -1)
+  if [ $dry = 1 ] || [ -z "$cs" ]; then
+    SKIP="not run: $([ $dry = 1 ] && echo "cpu dry run" || echo "no compute-sanitizer")"
+    echo "$SKIP"
+    return 0
+  fi
+  run "${dp_env[@]}" "$cs" --tool memcheck --error-exitcode 99 "$build/dp_tests" '--test-case=cuda: ops: *'
+  local rc=$?
+  KEY="memcheck: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
+  KEY="$KEY; $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
+  return $rc
+}
+
