@@ -77,6 +77,8 @@ class Engine {
   void stage(const float* x, const int32_t* y, int n);
   StepResult step();
   int staged() const { return int(staged_.size()); }
+  // Forgets every staged batch after waiting for their uploads: before the host memory they read goes.
+  void drop_staged() noexcept;
   // The rows of a global batch of n that this process's devices train on.
   std::pair<int, int> slice(int n) const;
   // The job's devices (P·K), and the job's index of this engine's device 0.
@@ -114,7 +116,6 @@ class Engine {
   std::pair<int, int> upload_rows(int rank, int n) const;
   void upload(int rank, const StagedBatch& b, bool ahead);
   void load(int rank, const StagedBatch& b);
-  void drop_staged() noexcept;
   // The BatchNorm pass of a training step on `rank` over a global batch of B.
   BatchNormPass batchnorm_pass(int rank, int B);
   bool broadcasts_buffers() const { return spec_.has_batchnorm() && !cfg_.sync_bn && world_ > 1; }

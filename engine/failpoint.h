@@ -13,6 +13,7 @@
 //   DP_TEST_VERIFY_OFFSET=<x>        verify_offset(): --verify's reference moved by x
 //   DP_TEST_DESYNC=<process>:<step>  recorded_bytes(): that process's first collective of the step is
 //                                    recorded 4 bytes larger
+//   DP_TEST_SLOW_UPLOADS=<ms>        upload_delay(): every device's uploads ahead wait that long first
 #pragma once
 
 #include <chrono>
@@ -27,12 +28,14 @@ class Device;
 
 namespace failpoint {
 
-// A moment of the run (train/): "start", "step" with n the global step it is about to run, "final-eval",
-// "final-save", "report", "trace", "temp-file", "probe", "log" with n the step of the --log record.
+// A moment of the run (train/): "start", "step" with n the global step it is about to run, "batch" with
+// n the 0-based step whose batch the loader hands over, "final-eval", "final-save", "report", "trace",
+// "temp-file", "probe", "log" with n the step of the --log record.
 void at(const char* point, int64_t n = -1);
 // A device's kernel work, where it may throw an injected fault (DeviceError naming the device).
 void device_call(const Device& dev, const char* where);
-// How long a simulated device's copy thread waits before each upload ahead (a slow copy engine).
+// How long a device's upload ahead waits before it copies (a slow copy engine): a simulated device's
+// copy thread sleeps, a CUDA device's copy stream runs a host function that sleeps.
 std::chrono::milliseconds upload_delay(const Device& dev);
 // A communicator was built (throws UsageError for a malformed DP_TEST_STALL), and one of its ranks
 // enters collective c: where a stall is armed there the rank stops answering until a peer's timeout

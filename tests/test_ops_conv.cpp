@@ -9,10 +9,12 @@
 //          accumulates onto the bias, the fast path's FMA chain starts from it): C KH KW + 1. cuDNN
 //          adds the bias in a separate pass, and its alpha/beta scaling may round: 2 more.
 //   dx     at most K KH KW products per input pixel. The CPU sums them in one tree (the reference's
-//          GEMM and then col2im's additions are still one tree): K KH KW. cuDNN's data-gradient
-//          algorithms sum per tap and then over taps, with alpha/beta: K KH KW + KH KW + 2.
+//          GEMM and then col2im's additions are still one tree): K KH KW. CUDA's (kernels/cuda/conv2d.cu:
+//          a GEMM over K per tap, then col2im over the taps) is a tree too; the bound keeps room for a
+//          library's algorithm that scales with alpha/beta: K KH KW + KH KW + 2.
 //   dw, db N OH OW products/terms. The CPU: N OH OW (per image, then over the images, one tree);
-//          cuDNN merges per-image partial sums and scales: N OH OW + N + 2. (CUDA's db is dp's own
+//          CUDA's dw is one GEMM over the N OH OW terms (or one per chunk of images, added), with
+//          room for per-image partial sums and scaling: N OH OW + N + 2. (CUDA's db is dp's own
 //          kernel, a fixed tree over slices of the N OH OW terms: within N OH OW, any tree is.)
 #include <doctest/doctest.h>
 

@@ -1,6 +1,6 @@
 // Prefetch (Engine::stage, Device::upload_ahead): each batch uploaded during the step before it, on the
 // devices' copy streams, trains bit-identical to uploads at the step, under every strategy; a failed
-// step drops what was staged.
+// step drops what was staged; a loader that fails while an upload is in flight frees nothing under it.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -30,8 +30,9 @@ namespace {
 // batches of several sizes (one smaller than the device count: a device uploads nothing). The host
 // buffers are reused as the loader reuses them (held + 1 of them) and a batch's buffer is filled with
 // NaN as soon as the loader would get it back: an upload that ran late, or a step that read the
-// wrong buffer, shows as a NaN loss or a difference. Simulated devices copy slowly (10 ms an
-// upload): a step that did not wait for its batch's upload would read the buffer before it.
+// wrong buffer, shows as a NaN loss or a difference. The devices copy slowly (10 ms an upload, on
+// simulated and CUDA devices alike): a step that did not wait for its batch's upload would read the
+// buffer before it, and the first step trains on a batch staged just before it.
 void check_prefetch(const std::string& kind, int n) {
   const ModelSpec spec = make_model("lenet5");
   std::vector<float> init(size_t(spec.param_count));
@@ -91,10 +92,12 @@ void check_prefetch(const std::string& kind, int n) {
   });
 }
 
-// A device's copy stream: two uploads ahead, into both slots; after await_upload(0) the compute
-// stream's copy of slot 0's buffer reads the bytes uploaded (32 MiB: a copy still running would be
-// caught reading a part); after synchronize() the host memory of both may change.
+// A device's copy stream: two uploads ahead, into both slots, each held back 200 ms (a slow copy
+// engine); after await_upload(0) the compute stream's copy of slot 0's buffer reads the bytes uploaded
+// (32 MiB: a copy still running would be caught reading a part, one not started reading none); after
+// synchronize() the host memory of both may change.
 void check_upload_ahead(Device& d) {
+  const dp::failpoint::SlowUploads slow({&d}, std::chrono::milliseconds(200));
   const int64_t n = int64_t(8) << 20;
   const size_t bytes = size_t(n) * sizeof(float);
   std::vector<float> a(static_cast<size_t>(n)), b(a.size()), got(a.size());
@@ -133,6 +136,22 @@ TEST_CASE("cuda: prefetch on the copy stream trains bit-identical to uploads at 
   auto devs = dp::test::make_test_devices("cuda", 1);
   check_upload_ahead(*devs[0]);
   check_prefetch("cuda", 2);
+}
+
+TEST_CASE(
+    "prefetch: a loader that fails for the batch after a staged one waits for that upload before its buffers go") {
+  // Step 1's batch is staged (its upload held back 300 ms on the copy thread) when the loader fails
+  // for step 2's: the run unwinds, and the loader's buffers must outlive the upload reading one of
+  // them (under AddressSanitizer, the sanitizer job, a use after free otherwise).
+  dp::test::TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 256, 32);
+  const dp::test::CommandResult r = dp::test::run_command(
+      "timeout -s KILL 60 env DP_TEST_AT=batch-2:fail DP_TEST_SLOW_UPLOADS=300 " + std::string(DP_TRAIN_BIN) +
+      " --backend cpu --devices 2 --data " + dir.path.string() + " --batch 32 --steps 6 --quiet");
+  INFO(r.output);
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find("DP_TEST_AT: batch-2: the write failed on purpose") != std::string::npos);
+  CHECK(r.output.find("AddressSanitizer") == std::string::npos);
 }
 
 TEST_CASE("prefetch: staging past the buffers, a step with nothing staged, and a failed step are handled") {

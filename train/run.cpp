@@ -98,12 +98,20 @@ class Run::EpochMeter {
 // batches: this step's (which --verify reads after the step) and the next.
 class Run::Staging {
  public:
-  Staging(const Dataset& train, const LoaderPlan& plan, int workers, int ahead, int64_t first_step)
-      : loader(train, plan, workers), ahead(ahead), next(first_step) {}
+  Staging(Engine& engine, const Dataset& train, const LoaderPlan& plan, int workers, int ahead, int64_t first_step)
+      : loader(train, plan, workers), ahead(ahead), next(first_step), engine_(engine) {}
+  // The staged batches' uploads may still read the loader's buffers (a step that threw, or a loader
+  // that failed for the batch after a staged one): they finish before the loader and its buffers go.
+  ~Staging() { engine_.drop_staged(); }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
   BatchLoader loader;                   // its thread is joined when the run returns or throws, after at most one batch
   std::deque<const HostBatch*> staged;  // oldest first
   int ahead;
   int64_t next;  // the step whose batch is staged next
+
+ private:
+  Engine& engine_;
 };
 
 Run::Run(const TrainOptions& o, const Schedule& plan, Engine& engine, CheckpointSaver& saver, SignalGuard& signals,
@@ -183,6 +191,7 @@ std::string Run::kept() const { return o_.save.empty() ? "no checkpoint saved (n
 // batch's assembly).
 const HostBatch& Run::next_batch(BatchLoader& loader, int64_t step) {
   const double start_us = engine_.recorder().now_us();
+  failpoint::at("batch", step);
   const HostBatch& batch = loader.next();
   const double end_us = engine_.recorder().now_us();
   load_wait_us_ += end_us - start_us;
@@ -234,7 +243,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   lp.pin = [this](void* p, size_t bytes) { return engine_.pin_host(p, bytes); };
   const int ahead = o_.prefetch ? 1 : 0;
   lp.held = 1 + ahead;
-  Staging staging(data.train, lp, o_.workers, ahead, step_);
+  Staging staging(engine_, data.train, lp, o_.workers, ahead, step_);
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);
     const double start_us = engine_.recorder().now_us();

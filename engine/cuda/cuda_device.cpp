@@ -4,11 +4,15 @@
 #include "engine/cuda/cuda_device.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "engine/error.h"
+#include "engine/failpoint.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cuda_ops.h"
 
@@ -17,6 +21,11 @@ namespace {
 
 // The GPU a CudaDevice worker thread was bound to by its init; -1 on every other thread.
 thread_local int t_bound_device = -1;
+
+// A host function on a stream (cudaLaunchHostFunc): holds the stream for `ms` milliseconds.
+void CUDART_CB sleep_ms(void* ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(reinterpret_cast<intptr_t>(ms)));
+}
 
 }  // namespace
 
@@ -235,6 +244,8 @@ void CudaDevice::upload_ahead(int slot, void* dst, const void* src_host, size_t 
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaEventRecord(computed_.get(), stream_.get()));
   DP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.get(), computed_.get(), 0));
+  if (const auto delay = failpoint::upload_delay(*this); delay.count() > 0)  // the test build's slow copy engine
+    DP_CUDA_CHECK(cudaLaunchHostFunc(copy_stream_.get(), sleep_ms, reinterpret_cast<void*>(intptr_t(delay.count()))));
   if (bytes) DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, copy_stream_.get()));
   DP_CUDA_CHECK(cudaEventRecord(uploaded_[slot].get(), copy_stream_.get()));
 }

@@ -57,10 +57,12 @@
 #include "engine/cuda/nccl_communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include "engine/error.h"
@@ -202,8 +204,25 @@ void NcclCommunicator::end_comms(bool abort) noexcept {
   for (std::future<void>& f : ends) f.wait();
 }
 
-void NcclCommunicator::end_comm(ncclComm_t comm, bool abort) noexcept {
+void NcclCommunicator::end_comm(ncclComm_t comm, bool abort) const noexcept {
   if (!comm) return;
+  // An orderly end finalizes first, as NCCL asks (ncclCommFinalize flushes the operations still
+  // queued and frees the network's resources; on a nonblocking communicator it answers ncclInProgress
+  // and ncclCommGetAsyncError says when it is through), then destroys. A finalize that fails or does
+  // not finish within --timeout ends in ncclCommAbort instead.
+  if (!abort) {
+    ncclResult_t st = ncclCommFinalize(comm);
+    const Deadline deadline = Deadline::after(timeout_);
+    while (st == ncclInProgress && std::chrono::steady_clock::now() < deadline.at) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (ncclCommGetAsyncError(comm, &st) != ncclSuccess) st = ncclInternalError;
+    }
+    if (st != ncclSuccess) {
+      if (st != ncclInProgress)
+        cuda::print_failure("NCCL", "ncclCommFinalize", ncclGetErrorString(st), __FILE__, __LINE__);
+      abort = true;
+    }
+  }
   // A nonblocking communicator may answer ncclInProgress: the end goes on inside NCCL, and the handle
   // is not ours to ask any more.
   const ncclResult_t st = abort ? ncclCommAbort(comm) : ncclCommDestroy(comm);

@@ -75,7 +75,7 @@ class NcclCommunicator : public Communicator {
   // them, or they may hang). Leaves comms_ null.
   void end_comms(bool abort) noexcept;
   // One communicator's end on the calling thread (null: nothing); a failure is printed.
-  static void end_comm(ncclComm_t comm, bool abort) noexcept;
+  void end_comm(ncclComm_t comm, bool abort) const noexcept;
   // Waits, up to the timeout, until both streams of every GPU are idle; says so on stderr if not.
   bool drain() noexcept;
   void release_events() noexcept;

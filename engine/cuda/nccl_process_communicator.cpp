@@ -182,7 +182,8 @@ std::string NcclProcessCommunicator::init_rank(int rank, const Deadline& deadlin
   const CudaDevice& d = gpu(rank);
   const int me = first_ + rank;
   // Nonblocking init answers ncclInProgress at once; its progress and outcome come from
-  // ncclCommGetAsyncError, asked here until the init is through or the deadline passes.
+  // ncclCommGetAsyncError, asked here until the init is through, the deadline passes, or another local
+  // rank failed (the barrier's abort: its init will never come, and NCCL's would wait for it).
   auto finished = [&](ncclResult_t st) {
     if (st != ncclInProgress) return st;
     poll_until(
@@ -190,7 +191,7 @@ std::string NcclProcessCommunicator::init_rank(int rank, const Deadline& deadlin
           DP_NCCL_CHECK(ncclCommGetAsyncError(comms_[rank], &st));
           return st != ncclInProgress;
         },
-        [] { return false; }, deadline, d.id(),
+        [this] { return barrier_.aborted(); }, deadline, d.id(),
         [&] {
           return "NCCL's start on " + d.name() + " (rank " + std::to_string(me) + " of " + std::to_string(world_) + ")";
         });

@@ -1,13 +1,12 @@
-// Convolution on cuDNN (NCHW float, cross-correlation as PyTorch's Conv2d, stride 1, symmetric
-// padding) forward and for the input's gradient; the filter's gradient is dp's own im2col and one
-// cuBLAS GEMM (conv2d_backward says why), and the bias and its gradient are small kernels here. Twin
-// of kernels/cpu/conv2d.cpp.
+// Convolution (NCHW float, cross-correlation as PyTorch's Conv2d, stride 1, symmetric padding): the
+// forward pass on cuDNN; the backward pass dp's own, im2col and cuBLAS GEMMs (conv2d_backward says
+// why); the bias and its gradient small kernels here. Twin of kernels/cpu/conv2d.cpp.
 //
-// cuDNN 9 still ships the legacy convolution API (cudnn_cnn.h: cudnnConvolutionForward,
-// BackwardData, BackwardFilter, the *_v7 heuristics), marked deprecated but only warned about under
-// CUDNN_WARN_DEPRECATED; it is the short path for three fixed convolutions.
+// cuDNN 9 still ships the legacy convolution API (cudnn_cnn.h: cudnnConvolutionForward, the *_v7
+// heuristics), marked deprecated but only warned about under CUDNN_WARN_DEPRECATED; it is the short
+// path for a few fixed convolutions.
 //
-// cuDNN's algorithms are chosen once per shape from cuDNN's heuristics (the *_v7 queries, which run nothing
+// cuDNN's forward algorithm is chosen once per shape from cuDNN's heuristics (the *_v7 queries, which run nothing
 // and allocate nothing, unlike cudnnFind*, which times candidates in memory of its own and may pick
 // differently from run to run). Among the candidates, in cuDNN's order of preference, the first is
 // taken that
@@ -34,24 +33,49 @@
 namespace dp {
 namespace {
 
-// dyt(K, R)[k, i P + q] = dy(nb, K, P)[i, k, q], R = nb P: the images' gradient rows side by side.
-__global__ void dy_rows_kernel(int64_t total, int k, int64_t p, int64_t r, const float* dy, float* dyt) {
-  DP_GRID_STRIDE(i, total) {
-    const int64_t ch = i / r, row = i % r;
-    dyt[i] = dy[((row / p) * k + ch) * p + row % p];
+// The backward pass's kernels index in 32 bits (make_plan keeps a chunk's arrays under 2^31 elements):
+// 64-bit division is several times slower, and these kernels are mostly index arithmetic.
+
+// dyt(K, R)[k, r] = dy(nb, K, P)[r / P, k, r % P], R = nb P: the images' gradient rows side by side.
+__global__ void dy_rows_kernel(int64_t total, int k, int p, int r, const float* dy, float* dyt) {
+  DP_GRID_STRIDE(i64, total) {
+    const int i = int(i64), ch = i / r, row = i - ch * r, img = row / p;
+    dyt[i] = dy[(img * k + ch) * p + (row - img * p)];
   }
 }
 
-// col(R, C KH KW)[i P + q, (c KH + u) KW + v] = x(nb, C, H, W)[i, c, oh + u - pad, ow + v - pad], zero
-// outside the image, with (oh, ow) the output pixel q: im2col with one row per output pixel.
+// col(R, C KH KW)[n P + q, (c KH + u) KW + v] = x(nb, C, H, W)[n, c, qy + u - pad, qx + v - pad], zero
+// outside the image, (qy, qx) the output pixel q: im2col with one row per output pixel.
 __global__ void im2col_rows_kernel(int64_t total, ConvShape s, const float* x, float* col) {
-  const int ow = s.w + 2 * s.pad - s.kw + 1;  // ConvShape's out_w, which is host code
-  const int64_t crs = int64_t(s.c) * s.kh * s.kw, pixels = int64_t(s.h + 2 * s.pad - s.kh + 1) * ow;
-  DP_GRID_STRIDE(i, total) {
-    const int64_t row = i / crs, q = row % pixels, img = row / pixels;
-    const int j = int(i % crs), ch = j / (s.kh * s.kw), u = (j / s.kw) % s.kh, v = j % s.kw;
-    const int y = int(q / ow) + u - s.pad, xx = int(q % ow) + v - s.pad;
+  const int ow = s.w + 2 * s.pad - s.kw + 1, pixels = (s.h + 2 * s.pad - s.kh + 1) * ow;  // out_h, out_w: host code
+  const int khw = s.kh * s.kw, crs = s.c * khw;
+  DP_GRID_STRIDE(i64, total) {
+    const int i = int(i64), row = i / crs, j = i - row * crs, img = row / pixels, q = row - img * pixels;
+    const int ch = j / khw, t = j - ch * khw, u = t / s.kw, v = t - u * s.kw;
+    const int y = q / ow + u - s.pad, xx = q % ow + v - s.pad;
     col[i] = (y >= 0 && y < s.h && xx >= 0 && xx < s.w) ? x[((img * s.c + ch) * s.h + y) * s.w + xx] : 0.0f;
+  }
+}
+
+// dx(nb, C, H, W)[n, c, y, x] = the sum, over the taps (u, v) in order whose output pixel (y + pad - u,
+// x + pad - v) exists, of cols(C KH KW, R)[(c KH + u) KW + v, n P + that pixel]: col2im as a gather,
+// every input pixel one thread, a fixed order, no atomics.
+__global__ void col2im_rows_kernel(int64_t total, ConvShape s, int r, const float* cols, float* dx) {
+  const int oh = s.h + 2 * s.pad - s.kh + 1, ow = s.w + 2 * s.pad - s.kw + 1;
+  DP_GRID_STRIDE(i64, total) {
+    const int i = int(i64), xx = i % s.w, y = (i / s.w) % s.h, ch = (i / (s.w * s.h)) % s.c,
+              img = i / (s.w * s.h * s.c);
+    const int base = img * oh * ow;
+    float sum = 0.0f;
+    for (int u = 0; u < s.kh; ++u) {
+      const int qy = y + s.pad - u;
+      if (qy < 0 || qy >= oh) continue;
+      for (int v = 0; v < s.kw; ++v) {
+        const int qx = xx + s.pad - v;
+        if (qx >= 0 && qx < ow) sum += cols[int64_t((ch * s.kh + u) * s.kw + v) * r + base + qy * ow + qx];
+      }
+    }
+    dx[i] = sum;
   }
 }
 
@@ -112,9 +136,6 @@ bool gemm_like(cudnnConvolutionFwdAlgo_t a) {
   return a == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM || a == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM ||
          a == CUDNN_CONVOLUTION_FWD_ALGO_GEMM || a == CUDNN_CONVOLUTION_FWD_ALGO_DIRECT;
 }
-bool gemm_like(cudnnConvolutionBwdDataAlgo_t a) {
-  return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_1;
-}
 // cuDNN's enum names less "CUDNN_CONVOLUTION_" (and less "FWD_ALGO_" for the forward ones, whose
 // names say what they are), as ConvChoice reports them.
 const char* algo_name(cudnnConvolutionFwdAlgo_t a) {
@@ -137,24 +158,6 @@ const char* algo_name(cudnnConvolutionFwdAlgo_t a) {
       return "WINOGRAD_NONFUSED";
     default:
       return "FWD_ALGO_?";
-  }
-}
-const char* algo_name(cudnnConvolutionBwdDataAlgo_t a) {
-  switch (a) {
-    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_0:
-      return "BWD_DATA_ALGO_0";
-    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_1:
-      return "BWD_DATA_ALGO_1";
-    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT:
-      return "BWD_DATA_ALGO_FFT";
-    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING:
-      return "BWD_DATA_ALGO_FFT_TILING";
-    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD:
-      return "BWD_DATA_ALGO_WINOGRAD";
-    case CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED:
-      return "BWD_DATA_ALGO_WINOGRAD_NONFUSED";
-    default:
-      return "BWD_DATA_ALGO_?";
   }
 }
 const char* math_name(cudnnMathType_t m) {
@@ -245,7 +248,7 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
     throw DeviceError(cuda::current_device(), "cuDNN disagrees about the output shape of " + describe(s));
 
   auto fail = [&](const char* pass) {
-    return DeviceError(cuda::current_device(), std::string("no cuDNN ") + pass + " algorithm for " + describe(s) +
+    return DeviceError(cuda::current_device(), std::string("no ") + pass + " for " + describe(s) +
                                                    " fits a workspace of " + std::to_string(limit) +
                                                    " bytes (conv2d_workspace_floats sizes the workspace)");
   };
@@ -265,28 +268,22 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
     return cudnnGetConvolutionForwardWorkspaceSize(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), a, &b) ==
            CUDNN_STATUS_SUCCESS;
   };
-  if (!choose(fwd, got, limit, fwd_bytes, p->fwd, p->fwd_bytes, p->choices[0])) throw fail("forward");
+  if (!choose(fwd, got, limit, fwd_bytes, p->fwd, p->fwd_bytes, p->choices[0])) throw fail("cuDNN forward algorithm");
 
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(cudnn_, &max_count));
-  std::vector<cudnnConvolutionBwdDataAlgoPerf_t> bwd_data(size_t(std::max(max_count, 1)));
-  DP_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(cudnn_, p->w.get(), p->y.get(), cd, p->x.get(), max_count,
-                                                             &got, bwd_data.data()));
-  auto data_bytes = [&](cudnnConvolutionBwdDataAlgo_t a, size_t& b) {
-    return cudnnGetConvolutionBackwardDataWorkspaceSize(cudnn_, p->w.get(), p->y.get(), cd, p->x.get(), a, &b) ==
-           CUDNN_STATUS_SUCCESS;
-  };
-  if (!choose(bwd_data, got, limit, data_bytes, p->bwd_data, p->bwd_data_bytes, p->choices[1]))
-    throw fail("backward-data");
-
-  // The filter gradient is dp's own (see conv2d_backward), over as many images at a time as the limit holds.
-  const size_t image_bytes = sizeof(float) * size_t(oh) * ow * size_t(s.col_rows() + s.k);
-  if (image_bytes > limit) throw fail("backward-filter");
-  p->filter_images = int(std::min<size_t>(size_t(s.n), limit / image_bytes));
-  p->bwd_filter_bytes = image_bytes * size_t(p->filter_images);
-  p->choices[2].algo = "DP_IM2COL_GEMM";
-  p->choices[2].math = "FMA";  // cuBLAS's default math: FP32, never TF32 (cuda_device.cpp)
-  p->choices[2].workspace_bytes = p->bwd_filter_bytes;
-  p->choices[2].deterministic = p->choices[2].strict = true;
+  // The backward pass is dp's own (see conv2d_backward), over as many images at a time as the limit
+  // holds and 32-bit indices reach: per image, dy's rows and the im2col (or its transpose, for dx).
+  const size_t image_floats = size_t(oh) * ow * size_t(s.col_rows() + s.k);
+  const size_t index_cap = size_t(INT32_MAX) / std::max(image_floats, size_t(s.c) * s.h * s.w);
+  if (image_floats * sizeof(float) > limit || index_cap == 0)
+    throw fail("chunk of the backward pass (an image's rows and im2col)");
+  p->backward_images = int(std::min({size_t(s.n), limit / (image_floats * sizeof(float)), index_cap}));
+  p->bwd_data_bytes = p->bwd_filter_bytes = image_floats * sizeof(float) * size_t(p->backward_images);
+  for (size_t i : {size_t(1), size_t(2)}) {
+    p->choices[i].algo = "DP_IM2COL_GEMM";
+    p->choices[i].math = "FMA";  // cuBLAS's default math: FP32, never TF32 (cuda_device.cpp)
+    p->choices[i].workspace_bytes = p->bwd_filter_bytes;
+    p->choices[i].deterministic = p->choices[i].strict = true;
+  }
   warn_fallback(*p, describe(s));
 
   auto& slot = plans_[ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}];
@@ -341,37 +338,40 @@ void CudaOps::conv2d_backward(const ConvShape& s, const float* x, const float* w
     DP_CUDA_CHECK(cudaMemsetAsync(db, 0, sizeof(float) * size_t(s.k), stream_));
     return;
   }
-  ConvPlan& p = plan(s);
-  const float one = 1.0f, zero = 0.0f;
+  const ConvPlan& p = plan(s);
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
-  // db (K), through (K, kBiasSlices) partials at the start of the workspace, which cuDNN's
-  // algorithms overwrite only after, in stream order
+  // db (K), through (K, kBiasSlices) partials at the start of the workspace, which the rest
+  // overwrites only after, in stream order
   bias_grad_partial_kernel<<<dim3(unsigned(s.k), kBiasSlices), cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy,
                                                                                              workspace);
   DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
   bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream_>>>(s.k, workspace, db);
   DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
-  // dw (K, C KH KW) = the sum over images of dy_n (K, P) col_n (P, C KH KW), as one GEMM per chunk
-  // of images: dy's rows laid side by side (K, chunk P) and the chunk's im2col (chunk P, C KH KW), one
-  // after the other in the workspace; later chunks add to dw (beta 1). cuDNN's BWD_FILTER_ALGO_1, the one
-  // deterministic GEMM-like algorithm it offers, gave other last bits from run to run on an H200 (cuDNN
-  // 9.14, lenet's second convolution, 16 or more images) and took 60% of a LeNet step's GPU time.
-  const int64_t crs = s.col_rows(), chunk_max = p.filter_images;
+  // Per chunk of images (all of them, where the workspace holds them), in the workspace: dy's rows side
+  // by side, dyt (K, R), R = chunk P, then the chunk's im2col, col (R, C KH KW). Then
+  //   dw (K, C KH KW) = dyt col, one GEMM (later chunks add to dw, beta 1);
+  //   dx: cols (C KH KW, R) = w^T dyt into col's place, one GEMM, and col2im gathers each pixel's taps.
+  // cuDNN's BWD_FILTER_ALGO_1, the one deterministic GEMM-like filter-gradient algorithm it offers,
+  // gave other last bits from run to run on an H200 (cuDNN 9.14, lenet's second convolution, 16 or more
+  // images) and took 60% of a LeNet step's GPU time; its data gradient then took the most (170 of 778 us).
+  const int64_t crs = s.col_rows(), chunk_max = p.backward_images, image = int64_t(s.c) * s.h * s.w;
   for (int64_t n0 = 0; n0 < s.n; n0 += chunk_max) {
     const int64_t nb = std::min<int64_t>(chunk_max, s.n - n0), rows = nb * pixels;
-    float* dyt = workspace;               // (K, nb P)
-    float* col = workspace + s.k * rows;  // (nb P, C KH KW)
-    dy_rows_kernel<<<cuda::blocks_for(s.k * rows), cuda::kThreads, 0, stream_>>>(s.k * rows, s.k, pixels, rows,
-                                                                                 dy + n0 * s.k * pixels, dyt);
+    float* dyt = workspace;               // (K, R)
+    float* col = workspace + s.k * rows;  // (R, C KH KW), then cols (C KH KW, R)
+    dy_rows_kernel<<<cuda::blocks_for(s.k * rows), cuda::kThreads, 0, stream_>>>(
+        s.k * rows, s.k, int(pixels), int(rows), dy + n0 * s.k * pixels, dyt);
     DP_CUDA_LAUNCH_CHECK("dy_rows_kernel");
-    im2col_rows_kernel<<<cuda::blocks_for(rows * crs), cuda::kThreads, 0, stream_>>>(rows * crs, s,
-                                                                                     x + n0 * s.c * s.h * s.w, col);
+    im2col_rows_kernel<<<cuda::blocks_for(rows * crs), cuda::kThreads, 0, stream_>>>(rows * crs, s, x + n0 * image,
+                                                                                     col);
     DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
     gemm(false, false, s.k, int(crs), int(rows), 1.0f, dyt, col, n0 == 0 ? 0.0f : 1.0f, dw);
+    if (!dx) continue;
+    gemm(true, false, int(crs), int(rows), s.k, 1.0f, w, dyt, 0.0f, col);
+    col2im_rows_kernel<<<cuda::blocks_for(nb * image), cuda::kThreads, 0, stream_>>>(nb * image, s, int(rows), col,
+                                                                                     dx + n0 * image);
+    DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
   }
-  if (dx)  // dx (N, C, H, W)
-    DP_CUDNN_CHECK(cudnnConvolutionBackwardData(cudnn_, &one, p.w.get(), w, p.y.get(), dy, p.conv.get(), p.bwd_data,
-                                                workspace, p.bwd_data_bytes, &zero, p.x.get(), dx));
 }
 
 std::vector<ConvChoice> CudaOps::conv_choices() const {

@@ -35,15 +35,14 @@ struct ConvChoice {
   bool strict = false;         // deterministic and GEMM-like: the first round of the choice, no fallback
 };
 
-// Everything one convolution shape needs: cuDNN's descriptors and its forward and backward-data
-// algorithms, chosen once, and the chunk of dp's own filter gradient (kernels/cuda/conv2d.cu explains).
+// Everything one convolution shape needs: cuDNN's descriptors and its forward algorithm, chosen once,
+// and the chunk of dp's own backward pass (kernels/cuda/conv2d.cu explains).
 struct ConvPlan {
   cuda::TensorDesc x, y;  // (N, C, H, W), (N, K, OH, OW)
   cuda::FilterDesc w;     // (K, C, KH, KW)
   cuda::ConvDesc conv;
   cudnnConvolutionFwdAlgo_t fwd{};
-  cudnnConvolutionBwdDataAlgo_t bwd_data{};
-  int filter_images = 0;  // dw: images per chunk of dp's own im2col GEMM (conv2d.cu), within the workspace
+  int backward_images = 0;  // images per chunk of dp's own backward pass (conv2d.cu), within the workspace
   size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
   size_t bias_floats = 0;             // the bias gradient's partial sums (conv2d.cu), before the algorithms run
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter

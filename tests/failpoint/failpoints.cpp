@@ -131,9 +131,16 @@ SlowUploads::~SlowUploads() {
 }
 
 std::chrono::milliseconds upload_delay(const Device& dev) {
+  // DP_TEST_SLOW_UPLOADS=<ms>: every device of a dp_train the tests start, as SlowUploads arms some
+  static const int every = [] {
+    const std::string v = env("DP_TEST_SLOW_UPLOADS");
+    if (!v.empty() && small_number(v) < 0)
+      throw UsageError("DP_TEST_SLOW_UPLOADS=" + v + ": not a number of milliseconds (0 to 999999)");
+    return v.empty() ? 0 : small_number(v);
+  }();
   std::lock_guard<std::mutex> lock(armed().m);
   auto it = armed().delays.find(&dev);
-  return it == armed().delays.end() ? std::chrono::milliseconds(0) : it->second;
+  return it == armed().delays.end() ? std::chrono::milliseconds(every) : it->second;
 }
 
 void stall_once(const Communicator& comm, int rank, Collective c) {

@@ -20,8 +20,9 @@ void inject_fault(const Device& dev, std::string what);
 // until a peer's timeout (or failure) aborts the collective, then throws Aborted.
 void stall_once(const Communicator& comm, int rank, Collective c);
 
-// While alive, every upload ahead on these (simulated) devices first waits `delay`: a slow copy
-// engine, so that a step reading a batch before its upload finished reads the wrong bytes.
+// While alive, every upload ahead on these devices first waits `delay` (a simulated device's copy
+// thread sleeps, a CUDA device's copy stream runs a sleeping host function before the copy): a slow
+// copy engine, so that a step reading a batch before its upload finished reads the wrong bytes.
 class SlowUploads {
  public:
   SlowUploads(const std::vector<Device*>& devices, std::chrono::milliseconds delay);
