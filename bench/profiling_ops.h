@@ -158,6 +158,12 @@ class ProfilingOps final : public Ops {
   void flag_nonfinite(int64_t n, const float* x, float* flag) override {
     timed({"flag_nonfinite", {n}}, 0, [&] { inner_->flag_nonfinite(n, x, flag); });
   }
+  void sum_squares(int64_t n, const float* x, float* sum) override {
+    timed({"sum_squares", {n}}, 0, [&] { inner_->sum_squares(n, x, sum); });
+  }
+  void clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) override {
+    timed({"clip_scale", {n}}, 0, [&] { inner_->clip_scale(n, sum_squares, max_norm, x); });
+  }
 
  private:
   static OpKey conv_key(std::string_view op, const ConvShape& s, int act, int pool) {

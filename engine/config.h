@@ -45,7 +45,10 @@ struct EngineConfig {
   int batch = 256;  // the largest global batch a step will see; buffers are sized for it
   Optimizer optimizer = Optimizer::sgd;
   float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;  // momentum: SGD's
-  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;        // Adam's and AdamW's
+  // Gradient clipping by the norm of the whole averaged gradient before the optimizer, as PyTorch's
+  // clip_grad_norm_(max_norm) (strategy.h's clip_gradients); 0: none.
+  float clip_grad_norm = 0.0f;
+  float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;  // Adam's and AdamW's
   int64_t bucket_kb = 0;  // where the strategy takes buckets: 0 = one collective after backward
   // BatchNorm across replicas. Off: each replica normalises its own samples, and device 0's running
   // statistics are broadcast to every replica before each step (nn.DataParallel's replicas copy

@@ -98,6 +98,7 @@ void Engine::allocate_replicas() {
     }
     rep->net = std::make_unique<Network>(spec_, dev, b);
     rep->stats = dev.alloc_floats(kStats, Category::outputs);
+    if (cfg_.clip_grad_norm > 0 && strategy_.steps_optimizer(r)) rep->norm = dev.alloc_floats(1, Category::workspace);
     strategy_.allocate(dev, *rep, spec_, cfg_, r, b);
     // zero2's and zero3's reduce-scatters run on the communication thread: the ring's scratch sized
     // for the largest unit now, not grown there mid-step, where the ledger's peak would depend on

@@ -13,6 +13,17 @@ const Strategy& zero2_strategy();
 const Strategy& zero3_strategy();
 
 // The registry: a new strategy is one line here.
+void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard) {
+  const float max_norm = s.config().clip_grad_norm;
+  if (max_norm <= 0) return;
+  Replica& rep = s.replica();
+  Ops& ops = s.device().ops();
+  ops.fill(1, 0.0f, rep.norm.f());
+  ops.sum_squares(n, grads, rep.norm.f());
+  if (shard) s.comm().all_reduce(s.rank(), rep.norm.f(), 1);
+  ops.clip_scale(n, rep.norm.f(), max_norm, grads);
+}
+
 const std::vector<const Strategy*>& strategies() {
   static const std::vector<const Strategy*> all = {&scatter_strategy(), &allreduce_strategy(), &zero1_strategy(),
                                                    &zero2_strategy(), &zero3_strategy()};

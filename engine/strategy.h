@@ -68,6 +68,7 @@ struct Replica {
   Buffer running;  // (R) BatchNorm's running statistics; none without BatchNorm
   std::unique_ptr<Network> net;
   Buffer stats;  // (kStats)
+  Buffer norm;   // (1) the gradient's sum of squares, on a device that steps the optimizer, under --clip-grad-norm
   // The rows the device uploads (Strategy::upload_rows); with prefetch two: the one a step trains on
   // and the next step's, uploading meanwhile (Engine::stage).
   struct Upload {
@@ -196,6 +197,14 @@ class Strategy {
   // Whether device 0 holds more than the others (dp_bench skew checks skew > 1, else skew within 2% of 1).
   virtual bool skewed(const EngineConfig& c) const = 0;
 };
+
+// --clip-grad-norm (EngineConfig::clip_grad_norm; nothing at 0), between the gradient's reduction and
+// the optimizer, on a device that steps it: the n floats at `grads` times PyTorch's clip coefficient of
+// the whole averaged gradient (math::clip_coefficient). `shard`: the device holds its share of the
+// gradient alone (zero1-3), so the shares' sums of squares are all-reduced first (one float each: the
+// norm costs the sharded strategies one more collective a step, a latency rather than bytes); the
+// others hold the whole gradient and square it there (two more passes over it, no collective).
+void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard);
 
 // The registry: every strategy, in the order help and dp_bench list them.
 const std::vector<const Strategy*>& strategies();

@@ -43,6 +43,15 @@ DP_HD T sigmoid_grad(T y, T dy) {
   return dy * y * (T(1) - y);
 }
 
+// PyTorch's clip_grad_norm_ (torch.nn.utils): the gradient is multiplied by
+//   min(1, max_norm / (||g||_2 + 1e-6)),
+// from the sum of the squares of every element of the whole gradient (the norm is its square root).
+template <class T>
+DP_HD T clip_coefficient(T sum_squares, T max_norm) {
+  const T c = max_norm / (sqrt_(sum_squares) + T(1e-6));
+  return c < T(1) ? c : T(1);
+}
+
 // PyTorch's SGD (torch.optim.SGD, dampening 0, nesterov off):
 //   d <- g + wd * w ;  v <- momentum * v + d  (v <- d on the first step) ;  w <- w - lr * v
 // PyTorch initialises the buffer to d on the first step; dp keeps zero-initialised buffers, and

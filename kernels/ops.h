@@ -148,6 +148,12 @@ class Ops {
   // Sets *flag (device memory) to 1 when an element of x is not finite and leaves it as it was
   // otherwise: queued like any op, so a step's check travels in its one download of the stats.
   virtual void flag_nonfinite(int64_t n, const float* x, float* flag) = 0;
+  // Gradient clipping by the global norm (PyTorch's clip_grad_norm_): *sum (device memory) += the sum
+  // of the squares of x, in a fixed order (the same bits every run); then x *= the clip coefficient of
+  // the sum the pointer holds when the op runs (math::clip_coefficient), which a collective may have
+  // added up across devices in between. Both queued like any op, no host wait.
+  virtual void sum_squares(int64_t n, const float* x, float* sum) = 0;
+  virtual void clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) = 0;
 };
 
 }  // namespace dp

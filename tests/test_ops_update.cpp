@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/cpu/kernels.h"
+#include "kernels/math.h"
 #include "tests/ops_matrix.h"
 #include "tests/tolerance.h"
 #include "tests/util.h"
@@ -275,6 +276,33 @@ DP_OPS_TEST("zero-size edges: n = 0 with null pointers touches nothing") {
     CHECK(be.get(stats) == Vec{1.5f, 2.0f});
     CHECK(finite);
   }
+}
+
+DP_OPS_TEST("sum_squares and clip_scale: PyTorch's clip_grad_norm_ coefficient, the same bits every run") {
+  const Vec x = random_floats(70001, 3, -1.0f, 1.0f);  // many blocks' worth on CUDA, an odd tail
+  double want = 1.5;                                   // added onto what is there
+  for (float v : x) want += double(v) * v;
+  Mem g = be.put(x), sum = be.put(Vec{1.5f}), again = be.put(Vec{1.5f});
+  be.run([&](Ops& ops) {
+    ops.sum_squares(int64_t(x.size()), g.f(), sum.f());
+    ops.sum_squares(int64_t(x.size()), g.f(), again.f());
+    ops.sum_squares(0, nullptr, again.f());  // nothing: no change
+  });
+  const float got = be.get(sum)[0];
+  CHECK(got == doctest::Approx(want).epsilon(1e-5));  // a float tree on CUDA, double on the CPU
+  CHECK(be.get(again)[0] == got);                     // bit for bit
+  // Over the limit: every element times max / (norm + 1e-6), computed from the sum as stored.
+  const float max_norm = 10.0f, coef = math::clip_coefficient(got, max_norm);
+  REQUIRE(coef < 0.2f);
+  be.run([&](Ops& ops) { ops.clip_scale(int64_t(x.size()), sum.f(), max_norm, g.f()); });
+  const Vec scaled = be.get(g);
+  Vec expect(x.size());
+  for (size_t i = 0; i < x.size(); ++i) expect[i] = x[i] * coef;
+  check_same_bits("x * coefficient", scaled, expect);
+  // Within the limit: the coefficient is 1, nothing moves.
+  Mem h = be.put(x);
+  be.run([&](Ops& ops) { ops.clip_scale(int64_t(x.size()), sum.f(), 1e6f, h.f()); });
+  check_same_bits("x * 1", be.get(h), x);
 }
 
 }  // namespace

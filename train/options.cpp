@@ -179,6 +179,7 @@ Examples:
 struct TrainText {
   std::string sync = "scatter", split = "even", allreduce = "ring", lr, momentum, weight_decay, seed, timeout;
   std::string optimizer = "sgd", betas = "0.9,0.999", eps = "1e-08", lr_schedule = "constant", lr_gamma = "0.1";
+  std::string clip_grad_norm;
   bool no_shuffle = false;
 };
 
@@ -332,6 +333,9 @@ void add_schedule(CLI::App& app, TrainOptions& o, TrainText& t) {
       ->type_name("STEPS")
       ->transform(exact_integer<int64_t>());
   app.add_option("--lr-gamma", t.lr_gamma, "step: the factor of each decay")->capture_default_str()->type_name("FLOAT");
+  app.add_option("--clip-grad-norm", t.clip_grad_norm,
+                 "Scale the averaged gradient to this norm where it is larger (clip_grad_norm_; default: none)")
+      ->type_name("NORM");
 }
 
 // Each add_* above in its --help group, in the order they are shown.
@@ -390,6 +394,13 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.split = parse_split(t.split);
   o.timeout = parse_timeout(t.timeout);
   o.lr_gamma = parse_float(t.lr_gamma, "--lr-gamma");
+  if (!t.clip_grad_norm.empty()) {
+    o.clip_grad_norm = parse_float(t.clip_grad_norm, "--clip-grad-norm");
+    if (!std::isfinite(o.clip_grad_norm) || o.clip_grad_norm <= 0)
+      throw UsageError("--clip-grad-norm: " + t.clip_grad_norm +
+                       " is not a positive finite norm; give the largest gradient norm to allow, e.g. 1.0 (leave "
+                       "the option out for no clipping)");
+  }
   o.lr_schedule = parse_lr_schedule(t.lr_schedule);
   o.shuffle = !t.no_shuffle;
   if (o.flight_records < 0)

@@ -85,6 +85,7 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
            o.optimizer == Optimizer::sgd ? nlohmann::json() : nlohmann::json{json_float(o.beta1), json_float(o.beta2)}},
           {"eps", o.optimizer == Optimizer::sgd ? nlohmann::json() : nlohmann::json(json_float(o.eps))},
           {"weight_decay", json_float(o.weight_decay)},
+          {"clip_grad_norm", o.clip_grad_norm > 0 ? nlohmann::json(json_float(o.clip_grad_norm)) : nlohmann::json()},
           {"seed", o.seed},
           {"split", split_name(o.split)},
           {"bucket_kb", o.bucket_kb},

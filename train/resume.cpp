@@ -67,7 +67,7 @@ void check_identity(const TrainOptions& o, const RunIdentity& id, const Checkpoi
     std::string then = saved(key);
     // compared as floats: "0.1" is 0.1f
     bool number = key == "lr" || key == "momentum" || key == "weight_decay" || key.rfind("beta", 0) == 0 ||
-                  key == "eps" || key == "lr_gamma";
+                  key == "eps" || key == "lr_gamma" || key == "clip_grad_norm";
     if (then.empty() || then == now ||
         (number && std::strtof(then.c_str(), nullptr) == std::strtof(now.c_str(), nullptr)))
       continue;
@@ -113,6 +113,7 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
     id.exact_only.insert(id.exact_only.end(),
                          {{"lr_step_size", std::to_string(lr.step_size)}, {"lr_gamma", exact(o.lr_gamma)}});
   if (lr.kind == LrScheduleKind::cosine) id.exact_only.push_back({"lr_schedule_steps", std::to_string(lr.total_steps)});
+  if (o.clip_grad_norm > 0) id.exact_only.push_back({"clip_grad_norm", exact(o.clip_grad_norm)});
   if (o.optimizer == Optimizer::sgd)
     id.exact_only.push_back({"momentum", exact(o.momentum)});
   else

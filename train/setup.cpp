@@ -114,6 +114,7 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   ec.optimizer = o.optimizer, ec.beta1 = o.beta1, ec.beta2 = o.beta2, ec.eps = o.eps;
   ec.momentum = o.momentum, ec.weight_decay = o.weight_decay, ec.bucket_kb = o.bucket_kb, ec.trace = !o.trace.empty();
   ec.sync_bn = o.sync_bn;
+  ec.clip_grad_norm = o.clip_grad_norm;
   ec.all_reduce = o.all_reduce;
   ec.timeout = o.timeout;
   ec.prefetch = o.prefetch && !o.eval;  // --eval stages nothing

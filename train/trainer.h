@@ -30,6 +30,7 @@ struct TrainOptions {
   LrScheduleKind lr_schedule = LrScheduleKind::constant;
   int64_t warmup = 0, lr_step_size = 0;
   float lr_gamma = 0.1f;
+  float clip_grad_norm = 0.0f;  // --clip-grad-norm; 0: none (EngineConfig::clip_grad_norm)
   uint64_t seed = 0;
   bool shuffle = true;
   std::string data = "/usr/share/datasets/fashion-mnist";

@@ -48,6 +48,7 @@ class AllReduce final : public OwnBatch {
       const EngineConfig& c = s.config();
       Ops& ops = s.device().ops();
       if (r == 0) ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
+      clip_gradients(s, rep.grads.f(), P, false);  // the same bits on every replica: the same coefficient
       optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step());
     });
   }

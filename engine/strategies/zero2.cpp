@@ -47,6 +47,7 @@ class Zero2 final : public OwnBatch {
     s.phase(Phase::optimizer, [&] {
       Ops& ops = s.device().ops();
       ops.flag_nonfinite(owned_floats(units), rep.grads.f(), rep.stats.f() + kNonfinite);  // every chunk it owns
+      clip_gradients(s, rep.grads.f(), owned_floats(units), true);
       for (const ShardUnit& u : units) {
         const int64_t first = u.offset + u.chunk * s.shard();
         const int64_t count = std::clamp<int64_t>(u.offset + u.count - first, 0, u.chunk);

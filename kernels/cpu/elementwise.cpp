@@ -51,7 +51,23 @@ void flag_nonfinite(int64_t n, const T* x, T* flag) {
   if (!all_finite(n, x)) *flag = T(1);
 }
 
+// Left to right, in double: the CPU's sum is as exact as the data allows.
+template <class T>
+void sum_squares(int64_t n, const T* x, T* sum) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += double(x[i]) * double(x[i]);
+  *sum += T(s);
+}
+
+template <class T>
+void clip_scale(int64_t n, const T* sum_squares, T max_norm, T* x) {
+  const T c = math::clip_coefficient(*sum_squares, max_norm);
+  for (int64_t i = 0; i < n; ++i) x[i] *= c;
+}
+
 #define DP_INSTANTIATE(T)                                                           \
+  template void sum_squares<T>(int64_t, const T*, T*);                              \
+  template void clip_scale<T>(int64_t, const T*, T, T*);                            \
   template void sgd_step<T>(int64_t, T*, const T*, T*, T, T, T);                    \
   template void adam_step<T>(int64_t, T*, const T*, T*, T*, const math::AdamStep&); \
   template void add<T>(int64_t, const T*, T*);                                      \

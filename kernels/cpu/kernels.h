@@ -170,5 +170,9 @@ template <class T>
 bool all_finite(int64_t n, const T* x /* (n) */);
 template <class T>
 void flag_nonfinite(int64_t n, const T* x /* (n) */, T* flag /* (1): set to 1 if an x is not finite */);
+template <class T>
+void sum_squares(int64_t n, const T* x /* (n) */, T* sum /* (1): += the sum of x's squares */);
+template <class T>  // x *= math::clip_coefficient(*sum_squares, max_norm)
+void clip_scale(int64_t n, const T* sum_squares /* (1) */, T max_norm, T* x /* (n) */);
 
 }  // namespace dp::cpu

@@ -91,5 +91,9 @@ void ReferenceOps::adam_step(int64_t n, float* w, const float* g, float* m, floa
 
 bool ReferenceOps::all_finite(int64_t n, const float* x) { return cpu::all_finite(n, x); }
 void ReferenceOps::flag_nonfinite(int64_t n, const float* x, float* flag) { cpu::flag_nonfinite(n, x, flag); }
+void ReferenceOps::sum_squares(int64_t n, const float* x, float* sum) { cpu::sum_squares(n, x, sum); }
+void ReferenceOps::clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) {
+  cpu::clip_scale(n, sum_squares, max_norm, x);
+}
 
 }  // namespace dp::cpu

@@ -61,6 +61,8 @@ class ReferenceOps : public Ops {
   void fill(int64_t n, float value, float* x) override;
   bool all_finite(int64_t n, const float* x) override;
   void flag_nonfinite(int64_t n, const float* x, float* flag) override;
+  void sum_squares(int64_t n, const float* x, float* sum) override;
+  void clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) override;
 };
 
 }  // namespace dp::cpu

@@ -51,13 +51,16 @@ struct ConvPlan {
 
 class CudaOps final : public Ops {
  public:
-  // Device memory the ops keep between calls: all_finite's answer, and softmax_xent's per-block
-  // partial sums with the count of blocks done (the last block adds them up in block order).
+  // Device memory the ops keep between calls: all_finite's answer, and softmax_xent's and
+  // sum_squares' per-block partial sums with the count of blocks done (the last block adds them up in
+  // block order).
   static constexpr int kXentBlocks = 128;  // softmax_xent's grid at most; its blocks loop over more rows
   struct Scratch {
     int32_t flag;
     uint32_t xent_done;
     float xent_partials[2 * kXentBlocks];  // (block, loss | correct)
+    uint32_t squares_done;                 // sum_squares likewise
+    float squares_partials[kXentBlocks];
   };
   // The handles belong to the device and are already bound to `stream`. scratch: device memory the
   // caller allocated (and booked), zeroed here on the stream.
@@ -99,6 +102,8 @@ class CudaOps final : public Ops {
   void fill(int64_t n, float value, float* x) override;
   bool all_finite(int64_t n, const float* x) override;
   void flag_nonfinite(int64_t n, const float* x, float* flag) override;
+  void sum_squares(int64_t n, const float* x, float* sum) override;
+  void clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) override;
 
   // The algorithms of every convolution plan made so far, three per shape (forward, backward-data,
   // backward-filter), in shape order. A shape whose choice fell back also got one warning on stderr.

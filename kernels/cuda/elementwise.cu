@@ -1,6 +1,10 @@
-// SGD, Adam, the reduction add, fill and the finiteness check over flat buffers. Twin of
-// kernels/cpu/elementwise.cpp; the optimizers go through math::sgd_update and math::adam_update like
-// the CPU's.
+// SGD, Adam, the reduction add, fill, the finiteness check and gradient clipping over flat buffers.
+// Twin of kernels/cpu/elementwise.cpp; the optimizers and the clip coefficient go through kernels/math.h
+// like the CPU's. The sum of squares is float, per thread in grid-stride order, per block a fixed tree,
+// then the blocks' partials in block order by the last block to finish (as softmax_xent.cu's
+// statistics): the same bits every run, though not the CPU's (which sums in double).
+#include <algorithm>
+
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/launch.h"
 #include "kernels/math.h"
@@ -23,6 +27,36 @@ __global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, floa
 // The coefficients travel by value in the launch's parameters.
 __global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, math::AdamStep s) {
   DP_GRID_STRIDE(i, n) { math::adam_update(w[i], m[i], v[i], g[i], s); }
+}
+
+__global__ void sum_squares_kernel(int64_t n, const float* x, float* sum, CudaOps::Scratch* scratch) {
+  __shared__ float tree[cuda::kThreads];
+  __shared__ bool last;
+  float s = 0.0f;
+  DP_GRID_STRIDE(i, n) { s += x[i] * x[i]; }
+  tree[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = cuda::kThreads / 2; half > 0; half /= 2) {
+    if (int(threadIdx.x) < half) tree[threadIdx.x] += tree[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    scratch->squares_partials[blockIdx.x] = tree[0];
+    __threadfence();  // the partial is visible to every block before the count says so
+    last = atomicInc(&scratch->squares_done, gridDim.x - 1) == gridDim.x - 1;  // wraps to 0: ready again
+  }
+  __syncthreads();
+  if (last && threadIdx.x == 0) {
+    const volatile float* partials = scratch->squares_partials;
+    float total = 0.0f;
+    for (unsigned b = 0; b < gridDim.x; ++b) total += partials[b];
+    *sum += total;
+  }
+}
+
+__global__ void clip_scale_kernel(int64_t n, const float* sum_squares, float max_norm, float* x) {
+  const float c = math::clip_coefficient(*sum_squares, max_norm);
+  DP_GRID_STRIDE(i, n) { x[i] *= c; }
 }
 
 __global__ void add_kernel(int64_t n, const float* x, float* y) {
@@ -81,6 +115,19 @@ bool CudaOps::all_finite(int64_t n, const float* x) {
   DP_CUDA_CHECK(cudaMemcpyAsync(&raised, flag_, sizeof raised, cudaMemcpyDeviceToHost, stream_));
   DP_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return raised == 0;
+}
+
+void CudaOps::sum_squares(int64_t n, const float* x, float* sum) {
+  if (n == 0) return;
+  const unsigned blocks = std::min(cuda::blocks_for(n), unsigned(kXentBlocks));
+  sum_squares_kernel<<<blocks, cuda::kThreads, 0, stream_>>>(n, x, sum, scratch_);
+  DP_CUDA_LAUNCH_CHECK("sum_squares_kernel");
+}
+
+void CudaOps::clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) {
+  if (n == 0) return;
+  clip_scale_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, sum_squares, max_norm, x);
+  DP_CUDA_LAUNCH_CHECK("clip_scale_kernel");
 }
 
 void CudaOps::flag_nonfinite(int64_t n, const float* x, float* flag) {
