@@ -4,6 +4,7 @@ of 8, then the packed little-endian tensor data."""
 
 import json
 import math
+import os
 import struct
 
 import numpy as np

@@ -2,74 +2,14 @@
 """Golden reference data for dp's C++ tests.
 
 This script writes tests/golden/<model>.safetensors for the models dp
-implements ("lenet", "lenet5" and "lenet-bn"), and tests/golden/batchnorm.safetensors
-for the BatchNorm layer alone.  dp's C++ tests load these files and compare
+implements ("lenet", "lenet5" and "lenet-bn"), tests/golden/batchnorm.safetensors
+for the BatchNorm layer alone, and adam.safetensors and clip.safetensors for the
+optimizers and gradient clipping.  dp's C++ tests load these files and compare
 dp's forward pass (logits, loss), backward pass (per-parameter gradients) and a
 3-step SGD trajectory (momentum + weight decay) against PyTorch, starting from
 exactly the same initial weights and the same fixed input batch.
 
-Contents of each file (all float32 unless noted, PyTorch names and layouts,
-i.e. conv weight is [out, in, kh, kw] and linear weight is [out, in]):
-
-  init.<param>   PyTorch default init, torch.manual_seed(1234) right before
-                 the model is constructed
-  x              [N,1,28,28] input batch, torch.manual_seed(99); torch.rand
-  y              [N] int64 labels  [3,1,4,1,5,9,2,6]
-  logits         [N,10] model output at init
-  loss           [1] mean F.cross_entropy(logits, y) at init
-  grad.<param>   d loss / d param at init
-  step3.<param>  weights after 3 torch.optim.SGD(lr=0.1, momentum=0.9,
-                 weight_decay=5e-4) steps on the same batch, from init
-  loss3          [3] loss before each of those 3 updates (loss3[0] == loss)
-
-Header __metadata__ (all strings): model, lr, momentum, weight_decay, N, steps,
-seed_init, seed_x, params (comma-separated parameter names in PyTorch order),
-torch_version, generator.
-
-The models are bench/torch_models.py's LeNet, LeNet5 and LeNetBN.  lenet-bn
-(lenet with BatchNorm2d after conv1 and conv2, BatchNorm1d after fc1; 129464
-parameters) runs in training mode throughout: logits, loss and grad.* use the
-batch's statistics.  Its parameters, in module order: conv1.weight, conv1.bias,
-bn1.weight, bn1.bias, conv2.*, bn2.*, fc1.*, bn3.*, fc2.* (bn*.weight is gamma,
-initialised to 1, bn*.bias beta, to 0; the running statistics start at
-PyTorch's 0 and 1).  Besides the tensors above, its file holds the buffers
-after the 3 SGD steps (3 training-mode forwards), after the step3.<param>
-tensors and before loss3:
-  step3.<bn>.running_mean         [C] float32, for bn in bn1, bn2, bn3
-  step3.<bn>.running_var          [C] float32 (from the unbiased batch variance)
-  step3.<bn>.num_batches_tracked  [] int64, 3
-and the metadata also has bn_eps ("1e-05"), bn_momentum ("0.1") and buffers
-(comma-separated buffer names in PyTorch order).
-
-tests/golden/adam.safetensors: lenet's init.*, x and y as above, then in float64
-(the model and batch cast to double, results stored as float32): grad64.<param>
-(the gradient at init), and for torch.optim.Adam(lr=1e-3) ("adam3.") and
-torch.optim.AdamW(lr=1e-3, weight_decay=0.5) ("adamw3."), both with betas
-0.9,0.999 and eps 1e-8, the weights after 3 steps on the batch and "<prefix>.loss"
-[3], the loss before each.  Metadata: layer ("adam"), model, lr,
-adamw_weight_decay, betas, eps, N, steps, params, torch_version, generator.
-
-tests/golden/batchnorm.safetensors: the layer alone, for a BatchNorm2d on
-(4, 5, 3, 3) (prefix "bn2d.") and a BatchNorm1d on (6, 7) (prefix "bn1d."),
-each with eps = 1e-3 and momentum = 0.2 (not PyTorch's defaults, so that a
-wrong eps or momentum shows), torch.manual_seed(7) before the first:
-  <p>.x                  input, a different mean and spread per channel
-  <p>.weight, <p>.bias   gamma, beta [C]
-  <p>.running_mean0      [C] running statistics before the forward
-  <p>.running_var0       [C]
-  <p>.dy                 the output gradient fed to backward
-  <p>.y                  training-mode output (batch statistics)
-  <p>.dx, <p>.dweight, <p>.dbias   its gradients for dy
-  <p>.running_mean       [C] running statistics after that forward
-  <p>.running_var        [C]
-  <p>.y_eval             evaluation-mode output of x with those running stats
-Metadata: layer ("batchnorm"), eps, momentum, seed, cases ("bn2d,bn1d"),
-torch_version, generator.
-
-Everything is computed on CPU in float32 with torch.set_num_threads(1).
-The safetensors files are written by hand (no `safetensors` package needed):
-8-byte little-endian header length, JSON header padded with spaces to a
-multiple of 8, then the packed little-endian tensor data.
+What each file holds, tensor by tensor: tests/golden/README.md.
 
 Regenerate (from the repo root; needs Debian's python3 with torch):
 
@@ -77,6 +17,7 @@ Regenerate (from the repo root; needs Debian's python3 with torch):
     /usr/bin/python3 bench/make_golden.py --check    # verify only
     /usr/bin/python3 bench/make_golden.py --models lenet-bn batchnorm   # just these
     /usr/bin/python3 bench/make_golden.py --models adam
+    /usr/bin/python3 bench/make_golden.py --models clip
 
 (lenet and lenet5 were written with torch 1.13 on another machine; recomputing
 them here need not give the same bits, so rewrite them only on purpose.)
@@ -331,6 +272,44 @@ def adam_consistency(gd):
 
 
 LAYERS["adam"] = (compute_adam, adam_consistency)
+
+
+CLIP_MAX_NORM = 0.2
+
+
+def compute_clip():
+    """lenet from its float32 init: 3 SGD steps with clip_grad_norm_ before each, in float32."""
+    model = make_model("lenet")
+    names = [n for n, _ in model.named_parameters()]
+    x, y = make_batch()
+    out = [("init." + n, p.detach().clone()) for n, p in model.named_parameters()]
+    out += [("x", x.clone()), ("y", y.clone())]
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_MAX_NORM).detach().reshape(1).float())
+        losses.append(loss.detach().reshape(1))
+        opt.step()
+    out += [("clip3." + n, p.detach().clone()) for n, p in model.named_parameters()]
+    out += [("clip3.loss", torch.cat(losses)), ("clip3.norm", torch.cat(norms))]
+    meta = {"layer": "clip", "model": "lenet", "lr": repr(LR), "momentum": repr(MOMENTUM),
+            "weight_decay": repr(WEIGHT_DECAY), "max_norm": repr(CLIP_MAX_NORM), "N": str(N),
+            "steps": str(STEPS), "params": ",".join(names), "torch_version": torch.__version__,
+            "generator": GENERATOR}
+    return out, meta
+
+
+def clip_consistency(gd):
+    """Every step was clipped: its norm above max_norm."""
+    norms = gd["clip3.norm"].tolist()
+    return [f"step {i + 1}: norm {v:.4g} is within {CLIP_MAX_NORM}: not clipped" for i, v in enumerate(norms)
+            if v <= CLIP_MAX_NORM]
+
+
+LAYERS["clip"] = (compute_clip, clip_consistency)
 
 
 def compute_any(name):

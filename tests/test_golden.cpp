@@ -189,7 +189,8 @@ std::vector<int32_t> labels(const SafeTensors& g) {
   return y;
 }
 
-// The weights after 3 steps of `c` from the golden file's init on its batch, on n devices.
+// The weights after 3 steps of `c` (Adam, AdamW, or SGD clipped) from the golden file's init on its batch, on n
+// devices.
 std::vector<float> adam_steps(const SafeTensors& g, const ModelSpec& spec, EngineConfig c, int n) {
   const std::vector<float> x = floats(g.tensors.at("x"));
   const std::vector<int32_t> y = labels(g);
@@ -262,4 +263,34 @@ TEST_CASE("3 Adam and AdamW steps follow PyTorch's float64 trajectory under ever
   l2.weight_decay = adamw.weight_decay;
   CHECK(adam_difference(adam_steps(g, spec, l2, 1), flat(g, spec, "adamw3."), grad64, spec).first > 100 * tol);
   CHECK(init.size() == size_t(spec.param_count));
+}
+
+TEST_CASE(
+    "3 SGD steps with --clip-grad-norm follow PyTorch's clip_grad_norm_, on 1 device and 3 under every strategy") {
+  // tests/golden/clip.safetensors (bench/make_golden.py): every step's norm (about 0.4) is above max_norm
+  // (0.2), so every step is clipped, by a coefficient near a half.
+  const SafeTensors g = read_safetensors(std::string(DP_SOURCE_DIR) + "/tests/golden/clip.safetensors");
+  const ModelSpec spec = make_model("lenet");
+  EngineConfig c;
+  c.lr = std::stof(g.metadata.at("lr")), c.momentum = std::stof(g.metadata.at("momentum"));
+  c.weight_decay = std::stof(g.metadata.at("weight_decay"));
+  c.clip_grad_norm = std::stof(g.metadata.at("max_norm"));
+  const std::vector<float> want = flat(g, spec, "clip3.");
+  std::vector<std::pair<int, std::string>> runs{{1, "allreduce"}};
+  for (const std::string& sync : dp::test::all_strategies()) runs.push_back({3, sync});
+  for (const auto& run : runs) {
+    const int n = run.first;
+    c.sync = run.second;
+    CAPTURE(n);
+    CAPTURE(c.sync);
+    const std::vector<float> got = adam_steps(g, spec, c, n);
+    for (auto& p : spec.params) compare(got, want, "after 3 clipped steps: " + p.name, p.offset, p.size);
+  }
+  // Sharp: without the clip the same steps end far further from PyTorch's clipped ones.
+  c.sync = "allreduce";
+  const double clipped = dp::test::max_diff(adam_steps(g, spec, c, 1), want);
+  c.clip_grad_norm = 0;
+  const double unclipped = dp::test::max_diff(adam_steps(g, spec, c, 1), want);
+  INFO("largest difference from PyTorch's clipped weights: " << clipped << " clipped, " << unclipped << " not");
+  CHECK(unclipped > 100 * clipped);
 }
