@@ -231,13 +231,19 @@ ADAMW_DECAY = 0.5  # far past AdamW's default 0.01, so that decoupled and L2 dec
 ADAM_CASES = [("adam3", torch.optim.Adam, {}), ("adamw3", torch.optim.AdamW, {"weight_decay": ADAMW_DECAY})]
 
 
-def compute_adam():
-    """lenet from its float32 init: 3 Adam and 3 AdamW steps on the batch, computed in float64."""
+def lenet_start():
+    """lenet at its float32 init, its parameter names, the batch, and the tensors an optimizer file
+    starts with (init.*, x, y)."""
     model = make_model("lenet")
-    names = [n for n, _ in model.named_parameters()]
     x, y = make_batch()
     out = [("init." + n, p.detach().clone()) for n, p in model.named_parameters()]
     out += [("x", x.clone()), ("y", y.clone())]
+    return model, [n for n, _ in model.named_parameters()], x, y, out
+
+
+def compute_adam():
+    """lenet from its float32 init: 3 Adam and 3 AdamW steps on the batch, computed in float64."""
+    _, names, x, y, out = lenet_start()
     model = make_model("lenet").double()
     F.cross_entropy(model(x.double()), y).backward()
     out += [("grad64." + n, p.grad.detach().float().clone()) for n, p in model.named_parameters()]
@@ -279,11 +285,7 @@ CLIP_MAX_NORM = 0.2
 
 def compute_clip():
     """lenet from its float32 init: 3 SGD steps with clip_grad_norm_ before each, in float32."""
-    model = make_model("lenet")
-    names = [n for n, _ in model.named_parameters()]
-    x, y = make_batch()
-    out = [("init." + n, p.detach().clone()) for n, p in model.named_parameters()]
-    out += [("x", x.clone()), ("y", y.clone())]
+    model, names, x, y, out = lenet_start()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
     for _ in range(STEPS):

@@ -191,7 +191,7 @@ std::vector<int32_t> labels(const SafeTensors& g) {
 
 // The weights after 3 steps of `c` (Adam, AdamW, or SGD clipped) from the golden file's init on its batch, on n
 // devices.
-std::vector<float> adam_steps(const SafeTensors& g, const ModelSpec& spec, EngineConfig c, int n) {
+std::vector<float> golden_steps(const SafeTensors& g, const ModelSpec& spec, EngineConfig c, int n) {
   const std::vector<float> x = floats(g.tensors.at("x"));
   const std::vector<int32_t> y = labels(g);
   auto ds = dp::test::make_test_devices("cpu", n);
@@ -246,7 +246,7 @@ TEST_CASE("3 Adam and AdamW steps follow PyTorch's float64 trajectory under ever
         EngineConfig c = config;
         c.sync = sync;
         // Not a structured binding: doctest's INFO captures them, which clang 14 refuses.
-        const std::pair<double, int64_t> diff = adam_difference(adam_steps(g, spec, c, n), want, grad64, spec);
+        const std::pair<double, int64_t> diff = adam_difference(golden_steps(g, spec, c, n), want, grad64, spec);
         const double worst = diff.first;
         const int64_t held = diff.second;
         INFO(what << ": largest difference " << worst << " over " << held << " weights");
@@ -256,12 +256,12 @@ TEST_CASE("3 Adam and AdamW steps follow PyTorch's float64 trajectory under ever
     // The comparison is sharp: a 1% larger learning rate is caught.
     EngineConfig off = config;
     off.lr *= 1.01f;
-    CHECK(adam_difference(adam_steps(g, spec, off, 1), want, grad64, spec).first > 4 * tol);
+    CHECK(adam_difference(golden_steps(g, spec, off, 1), want, grad64, spec).first > 4 * tol);
   }
   // And AdamW is not Adam with L2 decay.
   EngineConfig l2 = adam;
   l2.weight_decay = adamw.weight_decay;
-  CHECK(adam_difference(adam_steps(g, spec, l2, 1), flat(g, spec, "adamw3."), grad64, spec).first > 100 * tol);
+  CHECK(adam_difference(golden_steps(g, spec, l2, 1), flat(g, spec, "adamw3."), grad64, spec).first > 100 * tol);
   CHECK(init.size() == size_t(spec.param_count));
 }
 
@@ -283,14 +283,14 @@ TEST_CASE(
     c.sync = run.second;
     CAPTURE(n);
     CAPTURE(c.sync);
-    const std::vector<float> got = adam_steps(g, spec, c, n);
+    const std::vector<float> got = golden_steps(g, spec, c, n);
     for (auto& p : spec.params) compare(got, want, "after 3 clipped steps: " + p.name, p.offset, p.size);
   }
   // Sharp: without the clip the same steps end far further from PyTorch's clipped ones.
   c.sync = "allreduce";
-  const double clipped = dp::test::max_diff(adam_steps(g, spec, c, 1), want);
+  const double clipped = dp::test::max_diff(golden_steps(g, spec, c, 1), want);
   c.clip_grad_norm = 0;
-  const double unclipped = dp::test::max_diff(adam_steps(g, spec, c, 1), want);
+  const double unclipped = dp::test::max_diff(golden_steps(g, spec, c, 1), want);
   INFO("largest difference from PyTorch's clipped weights: " << clipped << " clipped, " << unclipped << " not");
   CHECK(unclipped > 100 * clipped);
 }

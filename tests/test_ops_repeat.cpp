@@ -21,7 +21,7 @@ namespace {
 using Vec = std::vector<float>;
 
 DP_OPS_TEST("softmax_xent: the statistics have the same bits on every run, and a second call adds the same") {
-  // 4,096 rows: 512 warps' worth, more than one pass of CUDA's grid (CudaOps::kXentBlocks blocks of
+  // 4,096 rows: 512 warps' worth, more than one pass of CUDA's grid (CudaOps::kReduceBlocks blocks of
   // 8 rows), so the rows, the warps and the blocks are all summed.
   const int n = 4096, classes = 10;
   const Vec z = random_floats(size_t(n) * classes, 7, -4.0f, 4.0f);

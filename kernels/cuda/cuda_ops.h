@@ -54,13 +54,13 @@ class CudaOps final : public Ops {
   // Device memory the ops keep between calls: all_finite's answer, and softmax_xent's and
   // sum_squares' per-block partial sums with the count of blocks done (the last block adds them up in
   // block order).
-  static constexpr int kXentBlocks = 128;  // softmax_xent's grid at most; its blocks loop over more rows
+  static constexpr int kReduceBlocks = 128;  // softmax_xent's and sum_squares' grids at most; their blocks loop
   struct Scratch {
     int32_t flag;
     uint32_t xent_done;
-    float xent_partials[2 * kXentBlocks];  // (block, loss | correct)
-    uint32_t squares_done;                 // sum_squares likewise
-    float squares_partials[kXentBlocks];
+    float xent_partials[2 * kReduceBlocks];  // (block, loss | correct)
+    uint32_t squares_done;                   // sum_squares likewise
+    float squares_partials[kReduceBlocks];
   };
   // The handles belong to the device and are already bound to `stream`. scratch: device memory the
   // caller allocated (and booked), zeroed here on the stream.

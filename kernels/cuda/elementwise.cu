@@ -42,8 +42,7 @@ __global__ void sum_squares_kernel(int64_t n, const float* x, float* sum, CudaOp
   }
   if (threadIdx.x == 0) {
     scratch->squares_partials[blockIdx.x] = tree[0];
-    __threadfence();  // the partial is visible to every block before the count says so
-    last = atomicInc(&scratch->squares_done, gridDim.x - 1) == gridDim.x - 1;  // wraps to 0: ready again
+    last = cuda::last_block_done(&scratch->squares_done);
   }
   __syncthreads();
   if (last && threadIdx.x == 0) {
@@ -119,7 +118,7 @@ bool CudaOps::all_finite(int64_t n, const float* x) {
 
 void CudaOps::sum_squares(int64_t n, const float* x, float* sum) {
   if (n == 0) return;
-  const unsigned blocks = std::min(cuda::blocks_for(n), unsigned(kXentBlocks));
+  const unsigned blocks = std::min(cuda::blocks_for(n), unsigned(kReduceBlocks));
   sum_squares_kernel<<<blocks, cuda::kThreads, 0, stream_>>>(n, x, sum, scratch_);
   DP_CUDA_LAUNCH_CHECK("sum_squares_kernel");
 }

@@ -6,7 +6,7 @@
 // of the host's, and the statistics are summed in a fixed order that is not the CPU's row order: each
 // warp its rows, each block its warps, then the last block to finish adds the blocks' partials in
 // block order (the threadFenceReduction pattern of CUDA's samples) and adds that to stats. The grid
-// has at most kXentBlocks blocks, looping over more rows, so the partials fit the device's scratch and
+// has at most kReduceBlocks blocks, looping over more rows, so the partials fit the device's scratch and
 // the same n gives the same bits on every run (an atomicAdd per block would not: blocks finish in
 // any order).
 #include "kernels/cuda/cuda_ops.h"
@@ -59,9 +59,7 @@ __global__ void softmax_xent_kernel(int n, int classes, const float* logits, con
     for (int w = 0; w < kRowsPerBlock; ++w) block_loss += warp_loss[w], block_correct += warp_correct[w];
     scratch->xent_partials[2 * blockIdx.x] = block_loss;
     scratch->xent_partials[2 * blockIdx.x + 1] = block_correct;
-    __threadfence();  // the partials are visible to every block before the count says so
-    // atomicInc wraps to 0 past gridDim.x - 1: the last block's ticket leaves the count at 0 for the next call
-    last = atomicInc(&scratch->xent_done, gridDim.x - 1) == gridDim.x - 1;
+    last = cuda::last_block_done(&scratch->xent_done);
   }
   __syncthreads();
   if (last && threadIdx.x == 0) {
@@ -79,7 +77,7 @@ void CudaOps::softmax_xent(int n, int classes, const float* logits, const int32_
                            float* stats) {
   if (n == 0 || classes == 0) return;  // stats += 0
   const int rows_blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
-  const unsigned blocks = unsigned(rows_blocks < kXentBlocks ? rows_blocks : kXentBlocks);
+  const unsigned blocks = unsigned(rows_blocks < kReduceBlocks ? rows_blocks : kReduceBlocks);
   softmax_xent_kernel<<<blocks, cuda::kThreads, 0, stream_>>>(n, classes, logits, labels, scale, dlogits, stats,
                                                               scratch_);
   DP_CUDA_LAUNCH_CHECK("softmax_xent_kernel");
