@@ -232,58 +232,77 @@ DP_OPS_TEST("conv2d: the bound is sharp enough to catch a wrong index") {
   CHECK(err > 100 * allowed);
 }
 
+// The fused op against conv2d, the activation and 2x2 pooling run one after another, bit for bit.
+// `queried`: the batch the workspace is sized for, as in check_conv.
+void check_fused(Backend& be, const ConvShape& s, Activation act, bool with_dx, int queried = -1) {
+  INFO(describe(s));
+  const std::string activation = act == Activation::relu ? "relu" : "sigmoid";
+  CAPTURE(activation);
+  CAPTURE(with_dx);
+  CAPTURE(queried);
+  const PoolShape ps = Ops::conv_pool_shape(s, 2);
+  const int64_t out = out_size(s), pooled = int64_t(s.n) * s.k * ps.out_h() * ps.out_w();
+  const uint32_t seed = uint32_t(s.c * 100 + s.h);
+  ConvShape qs = s;
+  qs.n = queried < 0 ? s.n : queried;
+  Mem x = be.put(random_floats(size_t(in_size(s)), seed, -1, 1)),
+      w = be.put(random_floats(size_t(w_size(s)), seed + 1, -1, 1)),
+      b = be.put(random_floats(size_t(s.k), seed + 2, -1, 1)),
+      dp = be.put(random_floats(size_t(pooled), seed + 3, -1, 1)), ws = be.workspace(qs);
+  // the three ops
+  Mem y = be.out(size_t(out)), a = be.out(size_t(out)), p = be.out(size_t(pooled)), g = be.out(size_t(out)),
+      dy = be.out(size_t(out)), dx = be.out(size_t(in_size(s))), dw = be.out(size_t(w_size(s))),
+      db = be.out(size_t(s.k));
+  // fused
+  Mem fa = be.out(size_t(out)), fp = be.out(size_t(pooled)), scratch = be.out(size_t(out)),
+      fdx = be.out(size_t(in_size(s))), fdw = be.out(size_t(w_size(s))), fdb = be.out(size_t(s.k));
+  be.run([&](Ops& ops) {
+    ops.conv2d_forward(s, x.f(), w.f(), b.f(), y.f(), ws.f());
+    ops.activation_forward(act, out, y.f(), a.f());
+    ops.avgpool_forward(ps, a.f(), p.f());
+    ops.avgpool_backward(ps, dp.f(), g.f());
+    ops.activation_backward(act, out, a.f(), g.f(), dy.f());
+    ops.conv2d_backward(s, x.f(), w.f(), dy.f(), with_dx ? dx.f() : nullptr, dw.f(), db.f(), ws.f());
+    ops.conv2d_act_pool_forward(s, act, 2, x.f(), w.f(), b.f(), fa.f(), fp.f(), ws.f());
+    // The fast path needs no scratch (kernels/ops.h): a null one shows it.
+    ops.conv2d_act_pool_backward(s, act, 2, x.f(), w.f(), fa.f(), dp.f(), be.is_fast() ? nullptr : scratch.f(),
+                                 with_dx ? fdx.f() : nullptr, fdw.f(), fdb.f(), ws.f());
+  });
+  check_same_bits("y_act", be.get(fa), be.get(a));
+  check_same_bits("y_pool", be.get(fp), be.get(p));
+  if (with_dx) check_same_bits("dx", be.get(fdx), be.get(dx));
+  check_same_bits("dw", be.get(fdw), be.get(dw));
+  check_same_bits("db", be.get(fdb), be.get(db));
+  be.get(ws);
+  be.get(scratch);
+}
+
 DP_OPS_TEST("conv2d_act_pool: the fused op gives the bits of conv2d, the activation and 2x2 pooling") {
   // The fast path fuses them, with the same operations in the same order as its separate kernels
   // (each checked against the reference above and in test_ops_eltwise.cpp): equal bits, on both of
-  // its ways (direct: the 1-channel shapes; blocked: the others), odd output sizes included. The
-  // other backends run Ops' default, the three ops themselves (cuDNN's algorithms are deterministic:
-  // kernels/cuda/conv2d.cu), so the same bits there too.
+  // its ways (direct: the 1-channel shapes; blocked: the others), odd output sizes included. CUDA
+  // fuses the bias, activation and pooling on each side of its convolutions
+  // (kernels/cuda/conv_act_pool.cu), with the same operations in the same order: the same bits. The
+  // reference runs Ops' default, the three ops themselves.
   const ConvShape shapes[] = {{.n = 37, .c = 1, .h = 28, .w = 28, .k = 20, .kh = 3, .kw = 3},
                               {.n = 37, .c = 20, .h = 13, .w = 13, .k = 50, .kh = 5, .kw = 5},
                               {.n = 37, .c = 1, .h = 28, .w = 28, .k = 6, .kh = 5, .kw = 5, .pad = 2},
                               {.n = 37, .c = 6, .h = 14, .w = 14, .k = 16, .kh = 5, .kw = 5},
                               {.n = 5, .c = 3, .h = 9, .w = 8, .k = 7, .kh = 3, .kw = 2, .pad = 1},
-                              {.n = 19, .c = 1, .h = 17, .w = 20, .k = 9, .kh = 3, .kw = 3, .pad = 1}};
+                              {.n = 19, .c = 1, .h = 17, .w = 20, .k = 9, .kh = 3, .kw = 3, .pad = 1},
+                              // a plane larger than CUDA's tile of shared memory (it runs the three ops forward)
+                              {.n = 2, .c = 1, .h = 112, .w = 112, .k = 2, .kh = 3, .kw = 3, .pad = 1}};
   for (const ConvShape& s : shapes)
     for (Activation act : {Activation::relu, Activation::sigmoid})
-      for (bool with_dx : {false, true}) {
-        INFO(describe(s));
-        const std::string activation = act == Activation::relu ? "relu" : "sigmoid";
-        CAPTURE(activation);
-        CAPTURE(with_dx);
-        const PoolShape ps = Ops::conv_pool_shape(s, 2);
-        const int64_t out = out_size(s), pooled = int64_t(s.n) * s.k * ps.out_h() * ps.out_w();
-        const uint32_t seed = uint32_t(s.c * 100 + s.h);
-        Mem x = be.put(random_floats(size_t(in_size(s)), seed, -1, 1)),
-            w = be.put(random_floats(size_t(w_size(s)), seed + 1, -1, 1)),
-            b = be.put(random_floats(size_t(s.k), seed + 2, -1, 1)),
-            dp = be.put(random_floats(size_t(pooled), seed + 3, -1, 1)), ws = be.workspace(s);
-        // the three ops
-        Mem y = be.out(size_t(out)), a = be.out(size_t(out)), p = be.out(size_t(pooled)), g = be.out(size_t(out)),
-            dy = be.out(size_t(out)), dx = be.out(x.size()), dw = be.out(w.size()), db = be.out(b.size());
-        // fused
-        Mem fa = be.out(size_t(out)), fp = be.out(size_t(pooled)), scratch = be.out(size_t(out)),
-            fdx = be.out(x.size()), fdw = be.out(w.size()), fdb = be.out(b.size());
-        be.run([&](Ops& ops) {
-          ops.conv2d_forward(s, x.f(), w.f(), b.f(), y.f(), ws.f());
-          ops.activation_forward(act, out, y.f(), a.f());
-          ops.avgpool_forward(ps, a.f(), p.f());
-          ops.avgpool_backward(ps, dp.f(), g.f());
-          ops.activation_backward(act, out, a.f(), g.f(), dy.f());
-          ops.conv2d_backward(s, x.f(), w.f(), dy.f(), with_dx ? dx.f() : nullptr, dw.f(), db.f(), ws.f());
-          ops.conv2d_act_pool_forward(s, act, 2, x.f(), w.f(), b.f(), fa.f(), fp.f(), ws.f());
-          // The fast path needs no scratch (kernels/ops.h): a null one shows it.
-          ops.conv2d_act_pool_backward(s, act, 2, x.f(), w.f(), fa.f(), dp.f(), be.is_fast() ? nullptr : scratch.f(),
-                                       with_dx ? fdx.f() : nullptr, fdw.f(), fdb.f(), ws.f());
-        });
-        check_same_bits("y_act", be.get(fa), be.get(a));
-        check_same_bits("y_pool", be.get(fp), be.get(p));
-        if (with_dx) check_same_bits("dx", be.get(fdx), be.get(dx));
-        check_same_bits("dw", be.get(fdw), be.get(dw));
-        check_same_bits("db", be.get(fdb), be.get(db));
-        be.get(ws);
-        be.get(scratch);
-      }
+      for (bool with_dx : {false, true}) check_fused(be, s, act, with_dx);
+  // CUDA's backward pass in chunks of images (a workspace sized for 6 images, 37 run: several chunks,
+  // the last a partial one), where the fused op's GEMMs read a block of dy's rows as wide as the whole batch.
+  // The CPU backends size their buffers by the batch asked about, so only CUDA runs more.
+  if (be.is_cuda())
+    for (bool with_dx : {false, true}) {
+      check_fused(be, {.n = 37, .c = 20, .h = 13, .w = 13, .k = 50, .kh = 5, .kw = 5}, Activation::relu, with_dx, 6);
+      check_fused(be, {.n = 37, .c = 1, .h = 28, .w = 28, .k = 20, .kh = 3, .kw = 3}, Activation::relu, with_dx, 6);
+    }
 }
 
 }  // namespace

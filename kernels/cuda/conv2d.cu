@@ -1,6 +1,7 @@
 // Convolution (NCHW float, cross-correlation as PyTorch's Conv2d, stride 1, symmetric padding): the
-// forward pass on cuDNN; the backward pass dp's own, im2col and cuBLAS GEMMs (conv2d_backward says
-// why); the bias and its gradient small kernels here. Twin of kernels/cpu/conv2d.cpp.
+// forward pass on cuDNN; the backward pass dp's own, im2col and cuBLAS GEMMs (conv_backward says
+// why); the bias and its gradient small kernels here (conv_act_pool.cu folds the bias, the activation
+// and the pooling into one kernel each way for the fused op). Twin of kernels/cpu/conv2d.cpp.
 //
 // cuDNN 9 still ships the legacy convolution API (cudnn_cnn.h: cudnnConvolutionForward, the *_v7
 // heuristics), marked deprecated but only warned about under CUDNN_WARN_DEPRECATED; it is the short
@@ -45,15 +46,30 @@ __global__ void dy_rows_kernel(int64_t total, int k, int p, int r, const float* 
 }
 
 // col(R, C KH KW)[n P + q, (c KH + u) KW + v] = x(nb, C, H, W)[n, c, qy + u - pad, qx + v - pad], zero
-// outside the image, (qy, qx) the output pixel q: im2col with one row per output pixel.
-__global__ void im2col_rows_kernel(int64_t total, ConvShape s, const float* x, float* col) {
+// outside the image, (qy, qx) the output pixel q: im2col with one row per output pixel. A block fills
+// kColRows rows: their images and pixels worked out once, in shared memory, and each thread's taps
+// (c, u, v) once, so the inner loop divides nothing (six divisions an element made it the step's
+// slowest kernel on an H200: 72 us, now 46). Neighbouring threads write neighbouring floats of a row.
+constexpr int kColRows = 32;
+const dim3 kColThreads(32, 8);  // (taps, rows)
+__global__ void im2col_rows_kernel(int rows, ConvShape s, const float* x, float* col) {
+  __shared__ int image_at[kColRows], top[kColRows], left[kColRows];
   const int ow = s.w + 2 * s.pad - s.kw + 1, pixels = (s.h + 2 * s.pad - s.kh + 1) * ow;  // out_h, out_w: host code
-  const int khw = s.kh * s.kw, crs = s.c * khw;
-  DP_GRID_STRIDE(i64, total) {
-    const int i = int(i64), row = i / crs, j = i - row * crs, img = row / pixels, q = row - img * pixels;
-    const int ch = j / khw, t = j - ch * khw, u = t / s.kw, v = t - u * s.kw;
-    const int y = q / ow + u - s.pad, xx = q % ow + v - s.pad;
-    col[i] = (y >= 0 && y < s.h && xx >= 0 && xx < s.w) ? x[((img * s.c + ch) * s.h + y) * s.w + xx] : 0.0f;
+  const int khw = s.kh * s.kw, crs = s.c * khw, row0 = int(blockIdx.x) * kColRows;
+  const int t = int(threadIdx.y * blockDim.x + threadIdx.x);
+  if (t < kColRows && row0 + t < rows) {
+    const int row = row0 + t, img = row / pixels, q = row - img * pixels, qy = q / ow;
+    image_at[t] = img * s.c * s.h * s.w, top[t] = qy - s.pad, left[t] = q - qy * ow - s.pad;
+  }
+  __syncthreads();
+  const int last = rows - row0 < kColRows ? rows - row0 : kColRows;
+  for (int j = int(threadIdx.x); j < crs; j += int(blockDim.x)) {
+    const int ch = j / khw, tap = j - ch * khw, u = tap / s.kw, v = tap - u * s.kw;
+    for (int r = int(threadIdx.y); r < last; r += int(blockDim.y)) {
+      const int y = top[r] + u, xx = left[r] + v;
+      col[(row0 + r) * crs + j] =
+          (y >= 0 && y < s.h && xx >= 0 && xx < s.w) ? x[image_at[r] + (ch * s.h + y) * s.w + xx] : 0.0f;
+    }
   }
 }
 
@@ -95,17 +111,18 @@ __global__ void bias_add_kernel(int64_t total, int k, int64_t p, const float* b,
 // gamma(N P) of the exact one, the bound the tests hold db to (tests/test_ops_conv.cpp).
 constexpr int kBiasSlices = 32;
 
-// partial(K, kBiasSlices): grid (K, kBiasSlices), kThreads threads.
+// partial(K, kBiasSlices): grid (K, kBiasSlices), kThreads threads. Channel ch's j-th value, j = n P + p,
+// is dy(N, K, P)[n, ch, p], or with kRows dyt(K, N P)[ch, j] (dy's rows, as the fused op writes them):
+// the same values in the same order, so the same bits.
+template <bool kRows>
 __global__ void bias_grad_partial_kernel(int n, int k, int64_t p, const float* dy, float* partial) {
   __shared__ float s[cuda::kThreads];
   const int ch = blockIdx.x, slice = blockIdx.y;
   const int64_t per_channel = int64_t(n) * p;
   const int64_t begin = per_channel * slice / kBiasSlices, end = per_channel * (slice + 1) / kBiasSlices;
   float acc = 0.0f;
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {  // neighbours read neighbours
-    const int64_t img = j / p, pix = j % p;
-    acc += dy[(img * k + ch) * p + pix];
-  }
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x)  // neighbours read neighbours
+    acc += kRows ? dy[ch * per_channel + j] : dy[(j / p * k + ch) * p + j % p];
   s[threadIdx.x] = acc;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
@@ -317,13 +334,17 @@ size_t CudaOps::conv2d_workspace_floats(const ConvShape& s) {
   return floats;
 }
 
-void CudaOps::conv2d_forward(const ConvShape& s, const float* x, const float* w, const float* b, float* y,
-                             float* workspace) {
-  if (s.n == 0) return;
+void CudaOps::convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace) {
   ConvPlan& p = plan(s);
   const float one = 1.0f, zero = 0.0f;
   DP_CUDNN_CHECK(cudnnConvolutionForward(cudnn_, &one, p.x.get(), x, p.w.get(), w, p.conv.get(), p.fwd, workspace,
                                          p.fwd_bytes, &zero, p.y.get(), y));
+}
+
+void CudaOps::conv2d_forward(const ConvShape& s, const float* x, const float* w, const float* b, float* y,
+                             float* workspace) {
+  if (s.n == 0) return;
+  convolve(s, x, w, y, workspace);
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
   const int64_t total = int64_t(s.n) * s.k * pixels;  // y (N, K, OH, OW)
   bias_add_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, s.k, pixels, b, y);
@@ -332,6 +353,11 @@ void CudaOps::conv2d_forward(const ConvShape& s, const float* x, const float* w,
 
 void CudaOps::conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,
                               float* db, float* workspace) {
+  conv_backward(s, x, w, dy, /*rows*/ false, dx, dw, db, workspace);
+}
+
+void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, const float* dy, bool rows, float* dx,
+                            float* dw, float* db, float* workspace) {
   const size_t dw_bytes = sizeof(float) * size_t(s.k) * size_t(s.col_rows());  // dw (K, C, KH, KW)
   if (s.n == 0) {  // no samples: zero gradients, nothing for cuDNN (it rejects N = 0)
     DP_CUDA_CHECK(cudaMemsetAsync(dw, 0, dw_bytes, stream_));
@@ -342,13 +368,17 @@ void CudaOps::conv2d_backward(const ConvShape& s, const float* x, const float* w
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
   // db (K), through (K, kBiasSlices) partials at the start of the workspace, which the rest
   // overwrites only after, in stream order
-  bias_grad_partial_kernel<<<dim3(unsigned(s.k), kBiasSlices), cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy,
-                                                                                             workspace);
+  const dim3 slices(unsigned(s.k), kBiasSlices);
+  if (rows)
+    bias_grad_partial_kernel<true><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
+  else
+    bias_grad_partial_kernel<false><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
   DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
   bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream_>>>(s.k, workspace, db);
   DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
-  // Per chunk of images (all of them, where the workspace holds them), in the workspace: dy's rows side
-  // by side, dyt (K, R), R = chunk P, then the chunk's im2col, col (R, C KH KW). Then
+  // Per chunk of images (all of them, where the workspace holds them): dy's rows side by side,
+  // dyt (K, R), R = chunk P (in the workspace, or already so in dy with `rows`), then the chunk's
+  // im2col in the workspace, col (R, C KH KW). Then
   //   dw (K, C KH KW) = dyt col, one GEMM (later chunks add to dw, beta 1);
   //   dx: cols (C KH KW, R) = w^T dyt into col's place, one GEMM, and col2im gathers each pixel's taps.
   // cuDNN's BWD_FILTER_ALGO_1, the one deterministic GEMM-like filter-gradient algorithm it offers,
@@ -356,19 +386,23 @@ void CudaOps::conv2d_backward(const ConvShape& s, const float* x, const float* w
   // images) and took 60% of a LeNet step's GPU time; its data gradient then took the most (170 of 778 us).
   const int64_t crs = s.col_rows(), chunk_max = p.backward_images, image = int64_t(s.c) * s.h * s.w;
   for (int64_t n0 = 0; n0 < s.n; n0 += chunk_max) {
-    const int64_t nb = std::min<int64_t>(chunk_max, s.n - n0), rows = nb * pixels;
-    float* dyt = workspace;               // (K, R)
-    float* col = workspace + s.k * rows;  // (R, C KH KW), then cols (C KH KW, R)
-    dy_rows_kernel<<<cuda::blocks_for(s.k * rows), cuda::kThreads, 0, stream_>>>(
-        s.k * rows, s.k, int(pixels), int(rows), dy + n0 * s.k * pixels, dyt);
-    DP_CUDA_LAUNCH_CHECK("dy_rows_kernel");
-    im2col_rows_kernel<<<cuda::blocks_for(rows * crs), cuda::kThreads, 0, stream_>>>(rows * crs, s, x + n0 * image,
-                                                                                     col);
+    const int64_t nb = std::min<int64_t>(chunk_max, s.n - n0), r = nb * pixels;
+    const float* dyt = dy + n0 * pixels;  // dy's rows: (K, N P), this chunk's columns
+    int64_t ld = s.n * pixels;
+    float* col = workspace + s.k * r;  // (R, C KH KW), then cols (C KH KW, R)
+    if (!rows) {
+      dy_rows_kernel<<<cuda::blocks_for(s.k * r), cuda::kThreads, 0, stream_>>>(s.k * r, s.k, int(pixels), int(r),
+                                                                                dy + n0 * s.k * pixels, workspace);
+      DP_CUDA_LAUNCH_CHECK("dy_rows_kernel");
+      dyt = workspace, ld = r;
+    }
+    im2col_rows_kernel<<<unsigned((r + kColRows - 1) / kColRows), kColThreads, 0, stream_>>>(int(r), s, x + n0 * image,
+                                                                                             col);
     DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
-    gemm(false, false, s.k, int(crs), int(rows), 1.0f, dyt, col, n0 == 0 ? 0.0f : 1.0f, dw);
+    gemm_ld(false, false, s.k, int(crs), int(r), 1.0f, dyt, int(ld), col, int(crs), n0 == 0 ? 0.0f : 1.0f, dw);
     if (!dx) continue;
-    gemm(true, false, int(crs), int(rows), s.k, 1.0f, w, dyt, 0.0f, col);
-    col2im_rows_kernel<<<cuda::blocks_for(nb * image), cuda::kThreads, 0, stream_>>>(nb * image, s, int(rows), col,
+    gemm_ld(true, false, int(crs), int(r), s.k, 1.0f, w, int(crs), dyt, int(ld), 0.0f, col);
+    col2im_rows_kernel<<<cuda::blocks_for(nb * image), cuda::kThreads, 0, stream_>>>(nb * image, s, int(r), col,
                                                                                      dx + n0 * image);
     DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
   }

@@ -76,6 +76,11 @@ class CudaOps final : public Ops {
                       float* workspace) override;
   void conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,
                        float* db, float* workspace) override;
+  void conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, const float* x, const float* w, const float* b,
+                               float* y_act, float* y_pool, float* workspace) override;
+  void conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
+                                const float* y_act, const float* dy_pool, float* scratch, float* dx, float* dw,
+                                float* db, float* workspace) override;
   void avgpool_forward(const PoolShape& s, const float* x, float* y) override;
   void avgpool_backward(const PoolShape& s, const float* dy, float* dx) override;
   void maxpool_forward(const PoolShape& s, const float* x, float* y, int32_t* argmax) override;
@@ -116,6 +121,15 @@ class CudaOps final : public Ops {
   // conv2d_workspace_floats has handed out for s's geometry (see conv2d.cu).
   ConvPlan& plan(const ConvShape& s);
   ConvPlan& make_plan(const ConvShape& s, size_t limit_bytes);
+  // y = x * w on cuDNN, without the bias (conv2d.cu).
+  void convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace);
+  // conv2d_backward from dy (N, K, OH, OW), or with `rows` from dy's rows dyt (K, N OH OW), as the
+  // fused op writes them (conv2d.cu).
+  void conv_backward(const ConvShape& s, const float* x, const float* w, const float* dy, bool rows, float* dx,
+                     float* dw, float* db, float* workspace);
+  // gemm with A's and B's stored row lengths given (a block of a wider matrix); C is (m, n), dense.
+  void gemm_ld(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+               float beta, float* c);
 
   cudaStream_t stream_;
   cublasHandle_t cublas_;

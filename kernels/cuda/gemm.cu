@@ -24,8 +24,12 @@ void CudaOps::gemm(bool ta, bool tb, int m, int n, int k, float alpha, const flo
     DP_CUDA_LAUNCH_CHECK("scale_kernel");
     return;
   }
-  const int lda = ta ? m : k;  // A stored (m, k), or (k, m) when transposed
-  const int ldb = tb ? k : n;  // B stored (k, n), or (n, k) when transposed
+  // A stored (m, k), or (k, m) when transposed; B stored (k, n), or (n, k) when transposed
+  gemm_ld(ta, tb, m, n, k, alpha, a, ta ? m : k, b, tb ? k : n, beta, c);
+}
+
+void CudaOps::gemm_ld(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+                      int ldb, float beta, float* c) {
   DP_CUBLAS_CHECK(cublasSgemm(cublas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha,
                               b, ldb, a, lda, &beta, c, n));
 }

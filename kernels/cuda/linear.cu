@@ -12,11 +12,22 @@ __global__ void broadcast_rows_kernel(int64_t total, int out, const float* b, fl
 }
 
 // db (OUT) = column sums of dy (N, OUT), one thread per column, rows in order: the CPU's summation
-// order, so the same bits. Neighbouring threads read neighbouring floats of a row.
+// order, so the same bits. Neighbouring threads read neighbouring floats of a row. LeNet's layers
+// have 10 to 500 columns, so a few warps do it all, and each waits on memory, not on arithmetic: it
+// loads kBatch rows at once, then adds them in order (8 at a time, it took 15 us a call on an H200).
 __global__ void column_sums_kernel(int n, int out, const float* dy, float* db) {
+  constexpr int kBatch = 32;
   DP_GRID_STRIDE(o, out) {
     float acc = 0.0f;
-    for (int i = 0; i < n; ++i) acc += dy[int64_t(i) * out + o];
+    int i = 0;
+    for (; i + kBatch <= n; i += kBatch) {
+      float v[kBatch];
+#pragma unroll
+      for (int t = 0; t < kBatch; ++t) v[t] = dy[int64_t(i + t) * out + o];
+#pragma unroll
+      for (int t = 0; t < kBatch; ++t) acc += v[t];
+    }
+    for (; i < n; ++i) acc += dy[int64_t(i) * out + o];
     db[o] = acc;
   }
 }

@@ -1,0 +1,137 @@
+// conv2d, an activation and k x k average pooling as one op (Ops::conv2d_act_pool_forward and
+// _backward: every conv layer of LeNet and LeNet-5). The convolutions are conv2d.cu's; what lies
+// between them and the pooling, four to six passes over the convolution's output in the unfused op
+// (bias, activation and pooling forward; pooling's and the activation's backward, then dy's rows for
+// the GEMMs), is one kernel each way here. Each does the same float operations in the same order as
+// the separate kernels (conv2d.cu's bias, activation.cu, pool.cu), so the results are the same bits
+// (tests/test_ops_conv.cpp holds the fused op to the unfused one's bits).
+//
+// Their index arithmetic divides by the shapes' sizes with cuda::Divider (a multiply-high and a shift).
+// Sizes: the tensors here hold fewer than 2^31 floats (make_plan's chunks keep theirs so too).
+#include <algorithm>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/divider.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/math.h"
+
+namespace dp {
+namespace {
+
+template <Activation A>
+__device__ float activate(float x) {
+  if constexpr (A == Activation::relu) return math::relu(x);
+  return math::sigmoid(x);
+}
+template <Activation A>
+__device__ float activate_grad(float y, float dy) {
+  if constexpr (A == Activation::relu) return math::relu_grad(y, dy);
+  return math::sigmoid_grad(y, dy);
+}
+
+// y (N K, OH, OW) holds the convolution without its bias: y = act(y + b) in place, and y_pool = the
+// sum of each k x k window of y, row by row, times 1 / k^2 (the last row and column of pixels where k
+// does not divide OH or OW are activated, not pooled, as in pool.cu). Each block takes `per_block`
+// whole planes: first every pixel, neighbouring threads on neighbouring floats, each activated value
+// also kept in shared memory; then the windows' sums from there.
+template <Activation A>
+__global__ void bias_act_pool_kernel(int planes, int per_block, cuda::Divider pixels, cuda::Divider channels,
+                                     cuda::Divider pooled, cuda::Divider pw, int ow, int k, float inv, const float* b,
+                                     float* y, float* y_pool) {
+  extern __shared__ float tile[];  // per_block planes
+  const int first = int(blockIdx.x) * per_block, count = planes - first < per_block ? planes - first : per_block;
+  const int p = pixels.divisor(), ch0 = first - channels.div(first) * channels.divisor();
+  float* yb = y + int64_t(first) * p;
+  for (int e = int(threadIdx.x); e < count * p; e += int(blockDim.x)) {
+    int ch = ch0 + pixels.div(e);  // ch0 + the plane within the block, then modulo the channels
+    ch -= channels.div(ch) * channels.divisor();
+    const float v = activate<A>(yb[e] + b[ch]);
+    yb[e] = v;
+    tile[e] = v;
+  }
+  __syncthreads();
+  const int pp = pooled.divisor();
+  for (int o = int(threadIdx.x); o < count * pp; o += int(blockDim.x)) {
+    int plane = 0, cell = 0, i = 0, j = 0;
+    pooled.divmod(o, plane, cell);
+    pw.divmod(cell, i, j);
+    const float* t = tile + plane * p + i * k * ow + j * k;
+    float acc = 0.0f;
+    for (int a = 0; a < k; ++a)
+      for (int c = 0; c < k; ++c) acc += t[a * ow + c];
+    y_pool[int64_t(first) * pp + o] = acc * inv;
+  }
+}
+
+// From dy_pool (N K, OH/k, OW/k): each pixel's share of its window's gradient (zero outside the
+// windows), through the activation's derivative at y_act, written as dy's rows, dyt (K, N OH OW)[ch,
+// n OH OW + pixel], the layout the backward pass's GEMMs read. One thread per pixel, in y_act's order.
+template <Activation A>
+__global__ void act_pool_backward_rows_kernel(int total, int n, cuda::Divider pixels, cuda::Divider channels,
+                                              cuda::Divider ow, cuda::Divider k, int ph, int pw, float inv,
+                                              const float* y_act, const float* dy_pool, float* dyt) {
+  DP_GRID_STRIDE(i64, total) {
+    const int i = int(i64);
+    int plane = 0, q = 0, img = 0, ch = 0, yy = 0, xx = 0;
+    pixels.divmod(i, plane, q);
+    channels.divmod(plane, img, ch);
+    ow.divmod(q, yy, xx);
+    const int wi = k.div(yy), wj = k.div(xx);
+    const float g = wi < ph && wj < pw ? dy_pool[(int64_t(plane) * ph + wi) * pw + wj] * inv : 0.0f;
+    dyt[(int64_t(ch) * n + img) * pixels.divisor() + q] = activate_grad<A>(y_act[i], g);
+  }
+}
+
+}  // namespace
+
+// Planes per block of bias_act_pool_kernel: about 2,048 pixels (eight a thread), at least one plane,
+// within the shared memory any kernel may take without asking (48 KiB).
+constexpr int kPoolTilePixels = 2048;
+constexpr size_t kMaxPoolTileBytes = size_t(48) << 10;
+
+// The kernels index in 32 bits; a larger output (2^31 floats, 8 GiB) takes the three ops.
+bool indexable(const ConvShape& s) { return int64_t(s.n) * s.k * s.out_h() * s.out_w() < INT32_MAX; }
+
+void CudaOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
+                                      const float* b, float* y_act, float* y_pool, float* workspace) {
+  if (s.n == 0) return;
+  const int oh = s.out_h(), ow = s.out_w(), pixels = oh * ow;
+  const int per_block = std::max(1, kPoolTilePixels / pixels), pooled = (oh / k) * (ow / k);
+  const size_t tile_bytes = sizeof(float) * size_t(per_block) * size_t(pixels);
+  if (tile_bytes > kMaxPoolTileBytes || !indexable(s))  // a plane larger than a tile: the three ops
+    return Ops::conv2d_act_pool_forward(s, a, k, x, w, b, y_act, y_pool, workspace);
+  const int planes = s.n * s.k;
+  convolve(s, x, w, y_act, workspace);
+  const unsigned blocks = unsigned((planes + per_block - 1) / per_block);
+  const cuda::Divider by_pixels(pixels), by_channels(s.k), by_pooled(std::max(pooled, 1)), by_pw(std::max(ow / k, 1));
+  const float inv = 1.0f / float(k * k);  // as avgpool_forward
+  if (a == Activation::relu)
+    bias_act_pool_kernel<Activation::relu><<<blocks, cuda::kThreads, tile_bytes, stream_>>>(
+        planes, per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
+  else
+    bias_act_pool_kernel<Activation::sigmoid><<<blocks, cuda::kThreads, tile_bytes, stream_>>>(
+        planes, per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
+  DP_CUDA_LAUNCH_CHECK("bias_act_pool_kernel");
+}
+
+void CudaOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
+                                       const float* y_act, const float* dy_pool, float* scratch, float* dx, float* dw,
+                                       float* db, float* workspace) {
+  if (!indexable(s))
+    return Ops::conv2d_act_pool_backward(s, a, k, x, w, y_act, dy_pool, scratch, dx, dw, db, workspace);
+  if (s.n > 0) {  // scratch: dy's rows
+    const int oh = s.out_h(), ow = s.out_w(), total = s.n * s.k * oh * ow;
+    const cuda::Divider by_pixels(oh * ow), by_channels(s.k), by_ow(ow), by_k(k);
+    const float inv = 1.0f / float(k * k);
+    if (a == Activation::relu)
+      act_pool_backward_rows_kernel<Activation::relu><<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(
+          total, s.n, by_pixels, by_channels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool, scratch);
+    else
+      act_pool_backward_rows_kernel<Activation::sigmoid><<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(
+          total, s.n, by_pixels, by_channels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool, scratch);
+    DP_CUDA_LAUNCH_CHECK("act_pool_backward_rows_kernel");
+  }
+  conv_backward(s, x, w, scratch, /*rows*/ true, dx, dw, db, workspace);
+}
+
+}  // namespace dp
