@@ -17,6 +17,7 @@
 
 #include "engine/error.h"
 #include "train/options.h"
+#include "train/report.h"
 
 extern char** environ;
 
@@ -283,6 +284,16 @@ std::vector<std::string> run_plot(const std::string& kind, const std::string& js
     at = nl + 1;
   }
   return pngs;
+}
+
+void write_record(const std::string& kind, const nlohmann::json& j, const std::string& json_path,
+                  const std::string& plot_dir) {
+  if (!json_path.empty()) write_json(json_path, j);
+  if (plot_dir.empty()) return;
+  std::filesystem::create_directories(plot_dir);
+  const std::string data_path = (std::filesystem::path(plot_dir) / (kind + ".json")).string();
+  write_json(data_path, j);
+  for (const auto& png : run_plot(kind, data_path, plot_dir)) std::printf("plot: %s\n", png.c_str());
 }
 
 // --- small helpers --------------------------------------------------------------------------------

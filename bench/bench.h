@@ -154,6 +154,10 @@ struct PlotUnavailable : std::runtime_error {
 void check_plotting();
 // Runs bench/plot.py KIND DATA.json DIR; returns the PNGs it wrote (one per line of its stdout).
 std::vector<std::string> run_plot(const std::string& kind, const std::string& json_path, const std::string& dir);
+// A subcommand's record: to json_path where given, and with a plot directory to DIR/KIND.json, which
+// run_plot then draws there (each PNG's path printed).
+void write_record(const std::string& kind, const nlohmann::json& j, const std::string& json_path,
+                  const std::string& plot_dir);
 
 // --- small helpers --------------------------------------------------------------------------------
 

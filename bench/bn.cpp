@@ -251,13 +251,7 @@ int run_bn(const BnOptions& o) {
   std::printf("\nconclusion: %s\n", c.text.c_str());
 
   const nlohmann::json j = bn_json(o, spec, data, ref, runs, ex, c, ok, cuda);
-  if (!o.json.empty()) write_json(o.json, j);
-  if (!o.plot.empty()) {
-    std::filesystem::create_directories(o.plot);
-    const std::string data_path = (std::filesystem::path(o.plot) / "bn.json").string();
-    write_json(data_path, j);
-    for (const auto& png : run_plot("bn", data_path, o.plot)) std::printf("plot: %s\n", png.c_str());
-  }
+  write_record("bn", j, o.json, o.plot);
   return ok ? 0 : 1;
 }
 

@@ -187,13 +187,7 @@ int run_comm(const CommOptions& o) {
                       {"points", pts},
                       {"alpha_beta", ab.json()}};
   record_backend(j, o.devices.backend, devices[0]->kind(), names);
-  if (!o.json.empty()) write_json(o.json, j);
-  if (!o.plot.empty()) {
-    std::filesystem::create_directories(o.plot);
-    std::string data_path = (std::filesystem::path(o.plot) / "comm.json").string();
-    write_json(data_path, j);
-    for (const auto& png : run_plot("comm", data_path, o.plot)) std::printf("plot: %s\n", png.c_str());
-  }
+  write_record("comm", j, o.json, o.plot);
   return 0;
 }
 

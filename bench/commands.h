@@ -1,4 +1,4 @@
-// dp_bench's subcommands (compare, comm, skew, bn, ops): their options as parsed by dp_bench.cpp, and the
+// dp_bench's subcommands (compare, comm, skew, bn, ops, scale): their options as parsed by dp_bench.cpp, and the
 // functions that run them. Each returns the process exit code: 0 fine, 1 a check failed.
 #pragma once
 
@@ -80,7 +80,25 @@ struct OpsOptions {
   std::string command;
 };
 
+// scale: every strategy's step on many devices, modelled (bench/scale_model.h), with its validation.
+struct ScaleOptions {
+  std::string preset = "h100-ndr";
+  std::vector<int> devices{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
+  std::string model = "lenet";
+  int per_device = 256;    // images per device (weak scaling: the global batch grows with the devices)
+  int64_t bucket_kb = 0;   // the engine's gradient buckets, for the strategies that take them
+  double compute_us = -1;  // a one-device step; -1: measured (sim) or the preset's figure
+  // sim: the device counts the model is checked against, measured here (empty: none)
+  std::vector<int> validate{1, 2, 4};
+  int steps = 10, warmup = 2;
+  int repeats = 3;  // all_reduce sweeps for the sim preset's alpha-beta fit
+  uint64_t seed = 0;
+  std::string json, plot;
+  std::string command;
+};
+
 int run_compare(const CompareOptions& o);
+int run_scale(const ScaleOptions& o);
 int run_comm(const CommOptions& o);
 struct CommSweep;
 // comm under mpirun (comm_processes.cpp): dp's all-reduce across processes beside a bare MPI_Allreduce.

@@ -194,7 +194,18 @@ MemoryEstimate check_memory(const CompareOptions& o, const ModelSpec& spec) {
   return {need(o.batch), on_devices(o.batch)};
 }
 
-// Every strategy on one set of devices; their trace lanes are processes first_pid, first_pid + 1, ...
+// Each engine times its spans from its own start: shifted by how long after the first engine's
+// start each started, the strategies lie one after the other on one time line.
+void append_trace(nlohmann::json& trace, const StrategyRun& s, std::chrono::steady_clock::time_point first) {
+  const double shift_us = std::chrono::duration<double, std::micro>(s.origin - first).count();
+  for (nlohmann::json e : s.trace) {
+    if (e.contains("ts")) e["ts"] = e["ts"].get<double>() + shift_us;
+    trace.push_back(std::move(e));
+  }
+}
+
+}  // namespace
+
 DeviceCountRun run_devices(const std::vector<Device*>& devices, const ModelSpec& spec, const CompareOptions& o,
                            const SyntheticData& data, const std::vector<float>& init, int first_pid) {
   DeviceCountRun run;
@@ -208,18 +219,6 @@ DeviceCountRun run_devices(const std::vector<Device*>& devices, const ModelSpec&
         run_strategy(devices, s, spec, o, data, init, run.ab, first_pid + int(run.strategies.size())));
   return run;
 }
-// Each engine times its spans from its own start: shifted by how long after the first engine's
-// start each started, the strategies lie one after the other on one time line.
-void append_trace(nlohmann::json& trace, const StrategyRun& s, std::chrono::steady_clock::time_point first) {
-  const double shift_us = std::chrono::duration<double, std::micro>(s.origin - first).count();
-  for (nlohmann::json e : s.trace) {
-    if (e.contains("ts")) e["ts"] = e["ts"].get<double>() + shift_us;
-    trace.push_back(std::move(e));
-  }
-}
-
-}  // namespace
-
 int run_compare(const CompareOptions& o) {
   check_options(o);
   const ModelSpec spec = make_model(o.model, o.width);
@@ -255,14 +254,8 @@ int run_compare(const CompareOptions& o) {
 
   nlohmann::json j = compare_json(o, spec, runs, all_match);
   j["memory"] = {{"estimate_bytes", memory.total}, {"devices_estimate_bytes", memory.devices}};
-  if (!o.json.empty()) write_json(o.json, j);
   if (!o.trace.empty()) write_json(o.trace, {{"traceEvents", trace}, {"displayTimeUnit", "ms"}});
-  if (!o.plot.empty()) {
-    std::filesystem::create_directories(o.plot);
-    std::string data_path = (std::filesystem::path(o.plot) / "compare.json").string();
-    write_json(data_path, j);
-    for (const auto& png : run_plot("compare", data_path, o.plot)) std::printf("plot: %s\n", png.c_str());
-  }
+  write_record("compare", j, o.json, o.plot);
   return all_match ? 0 : 1;
 }
 

@@ -50,6 +50,11 @@ struct DeviceCountRun {
   std::vector<StrategyRun> strategies;
 };
 
+// Every strategy on one set of devices, o.batch split over them (o.bucket_kb for those that take
+// buckets); their trace lanes are processes first_pid, first_pid + 1, ...
+DeviceCountRun run_devices(const std::vector<Device*>& devices, const ModelSpec& spec, const CompareOptions& o,
+                           const SyntheticData& data, const std::vector<float>& init, int first_pid);
+
 // One set of devices: the header line, then a table with a column per strategy (kStrategies' order).
 void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOptions& o);
 // --sweep-devices: images/s per device count.

@@ -10,6 +10,9 @@
 //            test accuracy, running statistics' distance, bytes (against the model) and time per step
 //   ops      where one training step's time goes on one simulated CPU device: per kernel op and layer,
 //            calls, microseconds and share of the step, GFLOP/s, and the host's part outside every op
+//   scale    every strategy's step on 1 to 1,024 devices, modelled: compute, communication (exposed and
+//            overlapped), memory per device, over a preset topology; checked against dp's own runs
+//            (sim) or published nccl-tests figures (the GPU presets)
 // Exit codes: 0 done, 1 a check failed (bytes off the model, skew out of bounds) or a device failed
 // or --plot could not plot, 2 bad arguments, 3 a run diverged (a non-finite loss: bn).
 #include <cmath>
@@ -32,10 +35,11 @@ namespace {
 using namespace dp;
 using namespace dp::bench;
 
-std::vector<int> parse_counts(const std::string& text) {
-  std::vector<int> counts = parse_ids(text, "--sweep-devices");
+std::vector<int> parse_counts(const std::string& text, const char* flag = "--sweep-devices") {
+  std::vector<int> counts = parse_ids(text, flag);
   for (int c : counts)
-    if (c < 1) throw UsageError("--sweep-devices: '" + text + "': a device count must be at least 1, e.g. 1,2,4,8");
+    if (c < 1)
+      throw UsageError(std::string(flag) + ": '" + text + "': a device count must be at least 1, e.g. 1,2,4,8");
   return counts;
 }
 
@@ -261,14 +265,60 @@ Subcommand add_ops(CLI::App& app) {
           }};
 }
 
+Subcommand add_scale(CLI::App& app) {
+  auto so = std::make_shared<ScaleOptions>();
+  auto devices = std::make_shared<std::string>("1,2,4,8,16,32,64,128,256,512,1024");
+  auto validate = std::make_shared<std::string>("1,2,4");
+  auto seed = std::make_shared<std::string>("0");
+  CLI::App* c = app.add_subcommand(
+      "scale", "every strategy's step on 1 to 1,024 devices, modelled from dp's byte and memory models (a model)");
+  c->footer(
+      "Weak scaling: every device trains --per-device images, so the global batch grows with the devices. "
+      "Presets: sim (this machine's simulated devices: dp's alpha-beta fit and a step measured here, and the "
+      "model set beside dp's measured steps at --validate's device counts), h100-ndr, a100-hdr, pcie (NCCL's "
+      "tuning model over the preset's links; each figure's source printed with it).");
+  c->add_option("--preset", so->preset, "sim | h100-ndr | a100-hdr | pcie")->capture_default_str();
+  c->add_option("--devices", *devices, "Device counts, e.g. 8,64,1024 (past one node: whole nodes)")
+      ->capture_default_str();
+  c->add_option("--model", so->model, "lenet | lenet5 | lenet-bn")->capture_default_str();
+  c->add_option("--per-device", so->per_device, "Images per device and step")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
+  c->add_option("--bucket-kb", so->bucket_kb, "Gradient buckets overlapped with backward (allreduce, zero2), KiB")
+      ->capture_default_str()
+      ->transform(exact_integer<int64_t>());
+  c->add_option("--compute-us", so->compute_us,
+                "One device's step in microseconds (default: measured for sim, dp's H200 lenet step otherwise)");
+  c->add_option("--validate", *validate, "sim: device counts measured here beside the model ('none': skip)")
+      ->capture_default_str();
+  c->add_option("--steps", so->steps, "sim: timed steps of each measurement")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
+  c->add_option("--warmup", so->warmup, "sim: steps run before timing")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
+  add_repeats(*c, so->repeats);
+  add_seed(*c, *seed);
+  c->add_option("--json", so->json, "Write every number as JSON");
+  c->add_option("--plot", so->plot, "Directory for the figure (step time and communication share against devices)");
+  return {c, [=](const std::string& command) {
+            so->devices = parse_counts(*devices, "--devices");
+            so->validate = *validate == "none" ? std::vector<int>{} : parse_counts(*validate, "--validate");
+            so->seed = parse_seed(*seed, "--seed");
+            so->command = command;
+            return run_scale(*so);
+          }};
+}
+
 int run(int argc, char** argv, ProcessGroup* group) {
   CLI::App app(
       "dp_bench: measure the dp engine (scatter vs allreduce, collectives, memory skew, BatchNorm across replicas, "
-      "time per op)",
+      "time per op) and model it on many devices (scale)",
       "dp_bench");
   app.set_version_flag("--version", std::string("dp_bench ") + dp::version());
   app.require_subcommand(1);
-  const Subcommand subcommands[] = {add_compare(app), add_comm(app, group), add_skew(app), add_bn(app), add_ops(app)};
+  const Subcommand subcommands[] = {add_compare(app), add_comm(app, group), add_skew(app),
+                                    add_bn(app),      add_ops(app),         add_scale(app)};
   bool parsed = false;
   const Subcommand* chosen = subcommands;  // CLI11 requires one
   auto read = [&] {

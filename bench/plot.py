@@ -3,7 +3,7 @@
 
     python3 bench/plot.py KIND DIR/KIND.json DIR
 
-KIND is compare, comm, skew or bn. Prints the path of every PNG it writes, one a line. Needs only
+KIND is compare, comm, skew, bn or scale. Prints the path of every PNG it writes, one a line. Needs only
 matplotlib (Debian: python3-matplotlib); never needed to build, train or test.
 """
 import json
@@ -275,14 +275,45 @@ def bn(d, out):
     save(fig, out, "bn.png")
 
 
+def scale(d, out):
+    """dp_bench scale: the modelled step time and its exposed communication share against the device
+    count, one line per strategy, log scale; the validation's measured steps (sim preset) as dots."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, s in enumerate(d["strategies"]):
+        pts = s["points"]
+        n = [p["devices"] for p in pts]
+        color = f"C{i}"
+        ax1.plot(n, [p["step_seconds"] * 1e3 for p in pts], "-o", ms=3, color=color, label=s["strategy"])
+        ax2.plot(n, [100 * p["comm_share"] for p in pts], "-o", ms=3, color=color, label=s["strategy"])
+        measured = [v for v in d.get("validation", []) if v.get("strategy") == s["strategy"]]
+        if measured:
+            ax1.plot([v["devices"] for v in measured], [v["step_seconds"] * 1e3 for v in measured], "x", color=color)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("step (ms), modelled; x: measured here")
+    ax1.set_title("step time")
+    ax2.set_ylabel("exposed communication (% of the step)")
+    ax2.set_title("communication share")
+    ax2.legend(frameon=False, fontsize=8)
+    t = d["preset"]
+    fig.suptitle(f"{d['model']}, {d['per_device']} images per device (weak scaling): a MODEL, preset {t['name']}\n"
+                 f"{t['what']}")
+    fig.tight_layout()
+    save(fig, out, "scale.png")
+
+
 def main():
-    if len(sys.argv) != 4 or sys.argv[1] not in ("compare", "comm", "skew", "bn"):
-        sys.exit("usage: plot.py compare|comm|skew|bn DATA.json OUTDIR")
+    kinds = {"compare": compare, "comm": comm, "skew": skew, "bn": bn, "scale": scale}
+    if len(sys.argv) != 4 or sys.argv[1] not in kinds:
+        sys.exit("usage: plot.py compare|comm|skew|bn|scale DATA.json OUTDIR")
     kind, path, out = sys.argv[1:]
     with open(path) as f:
         d = json.load(f)
     os.makedirs(out, exist_ok=True)
-    {"compare": compare, "comm": comm, "skew": skew, "bn": bn}[kind](d, out)
+    kinds[kind](d, out)
 
 
 if __name__ == "__main__":

@@ -412,13 +412,7 @@ int run_skew(const SkewOptions& o) {
   }
 
   const nlohmann::json j = skew_json(o, spec, devices[0]->kind(), names, results, search, ok);
-  if (!o.json.empty()) write_json(o.json, j);
-  if (!o.plot.empty()) {
-    std::filesystem::create_directories(o.plot);
-    std::string data_path = (std::filesystem::path(o.plot) / "skew.json").string();
-    write_json(data_path, j);
-    for (const auto& png : run_plot("skew", data_path, o.plot)) std::printf("plot: %s\n", png.c_str());
-  }
+  write_record("skew", j, o.json, o.plot);
   return ok ? 0 : 1;
 }
 

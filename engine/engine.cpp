@@ -117,29 +117,7 @@ void Engine::allocate_replicas() {
 // gradients), closed once they reach bucket_kb. Layers are contiguous in the flat buffer, so each
 // bucket is one contiguous range.
 void Engine::make_buckets() {
-  layer_bucket_.assign(spec_.layers.size(), -1);
-  // Without --bucket-kb zero2 closes a bucket at every layer: each layer's gradient is freed as soon
-  // as it is reduce-scattered.
-  const int64_t close_at = cfg_.bucket_kb > 0 ? cfg_.bucket_kb * 1024 : strategy_.zero_stage() >= 2 ? 1 : 0;
-  if (strategy_.takes_buckets() && close_at > 0) {
-    Bucket cur;
-    int64_t hi = spec_.param_count;
-    for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
-      const Layer& l = spec_.layers[i];
-      if (l.weight < 0) continue;
-      int64_t lo = spec_.params[l.weight].offset;
-      cur.offset = lo;
-      cur.count = hi - lo;
-      cur.layers++;
-      layer_bucket_[i] = int(buckets_.size());
-      if (cur.count * int64_t(sizeof(float)) >= close_at) {
-        buckets_.push_back(cur);
-        hi = lo;
-        cur = Bucket();
-      }
-    }
-    if (cur.layers > 0) buckets_.push_back(cur);
-  }
+  buckets_ = gradient_buckets(spec_, strategy_, cfg_.bucket_kb, &layer_bucket_);
   recorder_.set_buckets(int(buckets_.size()));
 }
 

@@ -109,4 +109,32 @@ int StepContext::layer_bucket(int layer) const { return engine_.layer_bucket_[si
 Interval* StepContext::bucket_timing(int bucket) { return engine_.recorder_.bucket_timing(rank_, bucket); }
 void StepContext::close_buckets() { engine_.recorder_.close_buckets(rank_, engine_.steps()); }
 
+std::vector<Bucket> gradient_buckets(const ModelSpec& spec, const Strategy& strategy, int64_t bucket_kb,
+                                     std::vector<int>* layer_bucket) {
+  std::vector<Bucket> buckets;
+  std::vector<int> which(spec.layers.size(), -1);
+  const int64_t close_at = bucket_kb > 0 ? bucket_kb * 1024 : strategy.zero_stage() >= 2 ? 1 : 0;
+  if (strategy.takes_buckets() && close_at > 0) {
+    Bucket cur;
+    int64_t hi = spec.param_count;
+    for (int i = int(spec.layers.size()) - 1; i >= 0; --i) {
+      const Layer& l = spec.layers[size_t(i)];
+      if (l.weight < 0) continue;
+      const int64_t lo = spec.params[size_t(l.weight)].offset;
+      cur.offset = lo;
+      cur.count = hi - lo;
+      cur.layers++;
+      which[size_t(i)] = int(buckets.size());
+      if (cur.count * int64_t(sizeof(float)) >= close_at) {
+        buckets.push_back(cur);
+        hi = lo;
+        cur = Bucket();
+      }
+    }
+    if (cur.layers > 0) buckets.push_back(cur);
+  }
+  if (layer_bucket) *layer_bucket = std::move(which);
+  return buckets;
+}
+
 }  // namespace dp

@@ -206,6 +206,14 @@ class Strategy {
 // others hold the whole gradient and square it there (two more passes over it, no collective).
 void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard);
 
+// The gradient buckets a strategy's engine uses for --bucket-kb (0: none), in backward order: layers
+// from the last, a bucket closed once it holds bucket_kb KiB or more (the buckets DDP makes); zero2
+// without --bucket-kb closes one at every layer, so each layer's gradient is freed as soon as it is
+// reduce-scattered; none for a strategy that takes no buckets. layer_bucket, when given: each layer's
+// bucket (-1: a layer without parameters).
+std::vector<Bucket> gradient_buckets(const ModelSpec& spec, const Strategy& strategy, int64_t bucket_kb,
+                                     std::vector<int>* layer_bucket = nullptr);
+
 // The registry: every strategy, in the order help and dp_bench list them.
 const std::vector<const Strategy*>& strategies();
 // The strategy named `name`; UsageError naming --sync and the accepted values for another.

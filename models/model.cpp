@@ -181,17 +181,18 @@ double train_flops_per_sample(const ModelSpec& spec) {
   // needs and network.cpp does not compute. bench/torch_compare.py uses the same formula.
   double macs = 0, first = -1;
   for (auto& l : spec.layers) {
-    double m = 0;
-    if (l.kind == LayerKind::conv)
-      m = double(l.out_size()) * l.in_c * l.kernel * l.kernel;  // per output: C*KH*KW
-    else if (l.kind == LayerKind::linear)
-      m = double(l.in_size()) * l.out_c;
-    else
-      continue;
+    const double m = layer_macs(l);
+    if (m == 0) continue;
     if (first < 0) first = m;
     macs += m;
   }
   return first < 0 ? 0.0 : 2.0 * (3.0 * macs - first);
+}
+
+double layer_macs(const Layer& l) {
+  if (l.kind == LayerKind::conv) return double(l.out_size()) * l.in_c * l.kernel * l.kernel;  // per output: C*KH*KW
+  if (l.kind == LayerKind::linear) return double(l.in_size()) * l.out_c;
+  return 0;
 }
 
 }  // namespace dp

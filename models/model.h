@@ -94,5 +94,7 @@ void init_buffers(const ModelSpec& spec, float* buffers /* (R) */);
 // Training FLOPs of one sample (forward + backward), counted from the layer list: 2 per multiply-add
 // of the conv and linear layers; forward, weight gradient, and data gradient but the first layer's.
 double train_flops_per_sample(const ModelSpec& spec);
+// A layer's multiply-adds per sample in its forward pass: a convolution's or linear layer's, 0 for the rest.
+double layer_macs(const Layer& l);
 
 }  // namespace dp

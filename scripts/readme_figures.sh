@@ -61,7 +61,7 @@ ln -s "$here/bench" "$scratch/bench"
 mkdir "$scratch/docs"
 cp "$here"/docs/*.py "$scratch/docs/"
 
-# Small sizes for --check: every dp_train gets a data subset, every dp_bench compare/comm/bn fewer steps
+# Small sizes for --check: every dp_train gets a data subset, every dp_bench compare/comm/bn/scale fewer steps
 # and sizes; --plot is dropped where matplotlib is missing (plots are optional).
 quick() {
   local line=$1
@@ -69,6 +69,7 @@ quick() {
   line=${line//build\/dp_bench compare/build/dp_bench compare --steps 2 --warmup 1 --repeats 2}
   line=${line//build\/dp_bench comm/build/dp_bench comm --max-bytes 64K --iters 4 --repeats 2}
   line=${line//build\/dp_bench bn/build/dp_bench bn --steps 2 --per-device 16,64 --limit-train 1024 --limit-test 256}
+  line=${line//build\/dp_bench scale/build/dp_bench scale --steps 2 --warmup 1 --repeats 1}
   /usr/bin/python3 -c "import matplotlib" 2> /dev/null || line=$(sed 's/--plot [^ |;]*//g' <<< "$line")
   echo "$line"
 }

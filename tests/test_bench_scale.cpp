@@ -1,0 +1,127 @@
+// dp_bench scale end to end (bench/scale_model.h): the model's closed forms as its records show them
+// (the ring and the tree each where NCCL's model takes it, scatter's device 0 growing linearly with
+// the devices, the sharded strategies' 2x and 3x bytes, what sharding saves), the validation's
+// records, and bad input. Whether the model is near this machine's measured steps is the bench's to
+// say (it prints the errors), not a timed assertion here.
+#include <doctest/doctest.h>
+
+#include <map>
+#include <string>
+
+#include "tests/bench_runner.h"
+
+#ifdef DP_BENCH_BIN
+
+using namespace dp::test::bench_runner;
+
+namespace {
+
+// strategy -> devices -> its point
+std::map<std::string, std::map<int, json>> points(const json& j) {
+  std::map<std::string, std::map<int, json>> out;
+  for (const json& s : j["strategies"])
+    for (const json& p : s["points"]) out[s["strategy"].get<std::string>()][p["devices"].get<int>()] = p;
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("bench: scale models every strategy on 1 to 1024 GPUs by NCCL's tuning model and dp's byte models") {
+  TempDir dir;
+  const std::string log = dir / "out.log", out = dir / "scale.json";
+  REQUIRE(bench("scale --devices 1,8,16,64,512,1024 --json '" + out + "'", log) == 0);
+  const json j = load(out);
+  auto p = points(j);
+  INFO(slurp(log));
+  CHECK(j["preset"]["name"] == "h100-ndr");
+  CHECK(p.size() == 5);  // scatter, allreduce, zero1, zero2, zero3 (the naive all-reduce is not modelled)
+  // One device: no collective, the step is the compute.
+  for (auto& [name, by_n] : p) {
+    CAPTURE(name);
+    CHECK(by_n[1]["comm_seconds"] == 0.0);
+    CHECK(by_n[1]["step_seconds"] == j["compute"]["seconds"]);
+  }
+  // LeNet's 1.7 MB all-reduce: the ring inside one node, the tree (log2 of the nodes in latency)
+  // across 64 nodes and more: NCCL's model picks it.
+  CHECK(p["allreduce"][8]["all_reduce"].get<std::string>().rfind("ring/", 0) == 0);
+  CHECK(p["allreduce"][1024]["all_reduce"].get<std::string>().rfind("tree/", 0) == 0);
+  // At 1 GiB the ring's bandwidth wins again at two nodes, within 2% of the figures the preset quotes.
+  for (const json& v : j["validation"]) {
+    CHECK(v["algorithm"] == "ring/Simple");
+    CHECK(v["busbw_gbps"].get<double>() == doctest::Approx(v["published_gbps"].get<double>()).epsilon(0.02));
+  }
+  // scatter: device 0 sends and receives every other device's share, so its bytes and time grow with n
+  const double bytes_ratio = p["scatter"][1024]["bytes"].get<double>() / p["scatter"][512]["bytes"].get<double>();
+  const double time_ratio =
+      p["scatter"][1024]["comm_seconds"].get<double>() / p["scatter"][512]["comm_seconds"].get<double>();
+  CHECK(bytes_ratio == doctest::Approx(2.0).epsilon(0.01));
+  CHECK(time_ratio == doctest::Approx(2.0).epsilon(0.05));
+  // the ring's bytes do not: 2 (n - 1) / n of P each way
+  CHECK(p["allreduce"][1024]["bytes"].get<double>() ==
+        doctest::Approx(p["allreduce"][512]["bytes"].get<double>()).epsilon(0.01));
+  // ZeRO-1 and -2 move what the all-reduce moves (a reduce-scatter and an all-gather); ZeRO-3 gathers
+  // the parameters twice, forward and backward: 3 halves, 1.5x
+  for (int n : {8, 64}) {
+    CAPTURE(n);
+    const double ring = p["allreduce"][n]["bytes"].get<double>();
+    CHECK(p["zero1"][n]["bytes"].get<double>() / ring == doctest::Approx(1.0).epsilon(0.02));
+    CHECK(p["zero2"][n]["bytes"].get<double>() / ring == doctest::Approx(1.0).epsilon(0.02));
+    CHECK(p["zero3"][n]["bytes"].get<double>() / ring == doctest::Approx(1.5).epsilon(0.02));
+  }
+  // What each stage saves per device, and that sharding saves nothing on one device.
+  const int64_t m_all = p["allreduce"][64]["memory_bytes"], m1 = p["zero1"][64]["memory_bytes"],
+                m2 = p["zero2"][64]["memory_bytes"], m3 = p["zero3"][64]["memory_bytes"];
+  CHECK(m1 < m_all);
+  CHECK(m2 < m1);
+  CHECK(m3 < m2);
+  // The exposed share grows with the devices under every strategy but allreduce's latency-bound tree.
+  CHECK(p["zero3"][1024]["comm_share"].get<double>() > p["zero3"][8]["comm_share"].get<double>());
+}
+
+TEST_CASE("bench: scale on this machine's simulated devices measures the step and sets the model beside it") {
+  TempDir dir;
+  const std::string log = dir / "out.log", out = dir / "scale.json";
+  REQUIRE(bench("scale --preset sim --devices 1,2,4 --validate 1,2 --per-device 8 --steps 2 --repeats 1 --json '" +
+                    out + "'",
+                log) == 0);
+  const json j = load(out);
+  INFO(slurp(log));
+  CHECK(j["preset"]["nccl"] == false);
+  CHECK(j["preset"]["alpha_beta"]["beta_gbps"].get<double>() > 0);  // fitted here
+  CHECK(j["compute"]["seconds"].get<double>() > 0);
+  std::map<std::string, int> per_strategy;
+  for (const json& v : j["validation"]) {
+    per_strategy[v["strategy"].get<std::string>()]++;
+    CHECK(v["step_seconds"].get<double>() > 0);
+    CHECK(v["model_step_seconds"].get<double>() > 0);
+    // one device: the model's step is the measured allreduce step it started from
+    if (v["devices"] == 1 && v["strategy"] == "allreduce")
+      CHECK(v["model_step_seconds"].get<double>() == doctest::Approx(v["step_seconds"].get<double>()));
+  }
+  CHECK(per_strategy.size() == 5);
+  for (auto& [name, count] : per_strategy) CHECK(count == 2);  // at 1 and at 2 devices
+  CHECK(slurp(log).find("A MODEL, not a measurement") != std::string::npos);
+}
+
+TEST_CASE("bench: scale refuses a device count below 1, nodes it cannot fill and an unknown preset with exit 2") {
+  TempDir dir;
+  const std::string log = dir / "out.log";
+  struct Case {
+    std::string args, words;
+  };
+  const Case cases[] = {
+      {"scale --devices 0,8", "--devices: '0,8': a device count must be at least 1"},
+      {"scale --devices 12", "12 devices do not fill whole nodes of 8"},
+      {"scale --preset tpu", "--preset: unknown 'tpu'; the presets are sim, h100-ndr, a100-hdr, pcie"},
+      {"scale --model lenet5", "--compute-us: the h100-ndr preset knows dp's step for lenet at --per-device 256 only"},
+      {"scale --per-device 0", "--per-device: at least 1 image per device"},
+      {"scale --compute-us -5", "--compute-us: a one-device step in microseconds, more than 0"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.args);
+    CHECK(bench(c.args, log) == 2);
+    CHECK(slurp(log).find(c.words) != std::string::npos);
+  }
+}
+
+#endif  // DP_BENCH_BIN
