@@ -32,6 +32,7 @@ EngineConfig engine_config(const Design& d, const CompareOptions& o) {
   ec.sync = d.strategy->name(), ec.split = o.split, ec.batch = o.batch, ec.lr = o.lr, ec.momentum = o.momentum;
   ec.bucket_kb = d.strategy->takes_buckets() ? o.bucket_kb : 0;
   ec.all_reduce = d.all_reduce;
+  ec.clip_grad_norm = o.clip_grad_norm;
   ec.trace = !o.trace.empty();
   return ec;
 }
@@ -65,7 +66,7 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, const Design& desi
 
   run.buckets = engine.buckets();
   run.collectives = design.strategy->step_collectives(
-      {spec, split_batch(o.batch, n, o.split), run.buckets, ec.sync_bn, design.all_reduce});
+      {spec, split_batch(o.batch, n, o.split), run.buckets, ec.sync_bn, design.all_reduce, ec.clip_grad_norm > 0});
   run.predicted = total_traffic(run.collectives, n);
   for (int r = 0; r < n; ++r) {
     Traffic t = engine.recorder().step_traffic(r);

@@ -76,6 +76,7 @@ Subcommand add_compare(CLI::App& app) {
   auto dev = std::make_shared<DeviceFlags>();
   auto split = std::make_shared<std::string>("even");
   auto sweep = std::make_shared<std::string>(), seed = std::make_shared<std::string>("0");
+  auto clip = std::make_shared<std::string>();
   dev->gpus = "0,1,2,3";
   CLI::App* c = app.add_subcommand(
       "compare",
@@ -99,6 +100,8 @@ Subcommand add_compare(CLI::App& app) {
       ->capture_default_str()
       ->transform(exact_integer<int64_t>());
   c->add_option("--split", *split, "even | chunk (torch.chunk)")->capture_default_str();
+  c->add_option("--clip-grad-norm", *clip,
+                "dp_train's --clip-grad-norm (the sharded strategies all-reduce one float more a step)");
   add_seed(*c, *seed);
   c->add_option("--alpha-us", co->alpha_us, "Latency for the alpha-beta model, µs (default: fit it here)");
   c->add_option("--beta-gbps", co->beta_gbps, "Bandwidth for the alpha-beta model, GB/s (with --alpha-us)");
@@ -117,6 +120,7 @@ Subcommand add_compare(CLI::App& app) {
             if (c->count("--beta-gbps") && !(co->beta_gbps > 0 && std::isfinite(co->beta_gbps)))
               throw UsageError("--beta-gbps: must be a finite bandwidth > 0 in GB/s");
             co->split = parse_split(*split);
+            if (!clip->empty()) co->clip_grad_norm = parse_clip_grad_norm(*clip);
             if (!sweep->empty()) co->sweep = parse_counts(*sweep);
             co->command = command;
             return run_compare(*co);

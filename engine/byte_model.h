@@ -29,6 +29,9 @@ struct StepShape {
   std::vector<Bucket> buckets;  // empty: the gradients in one piece
   bool sync_bn = false;         // SyncBatchNorm (EngineConfig::sync_bn)
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;
+  // --clip-grad-norm: the sharded strategies all-reduce their shares' squared norms, one float
+  // (clip_gradients, strategy.h)
+  bool clip_norm = false;
   int devices() const { return int(sizes.size()); }
 };
 

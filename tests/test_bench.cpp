@@ -194,6 +194,30 @@ TEST_CASE("dp_bench compare - the naive column's bucketed bytes equal the model:
   CHECK(j["scaling"][0]["naive_images_per_second"].get<double>() > 0);
 }
 
+TEST_CASE("dp_bench compare - with --clip-grad-norm the sharded strategies' one more float equals the model") {
+  // zero1-3 hold their shares of the gradient alone, so the norm needs their squared norms summed: an
+  // all-reduce of one float a step, in the model (Strategy::step_collectives) as in the engine
+  TempDir dir;
+  const std::string log = dir / "clip.log";
+  int rc = bench(
+      "compare --batch 16 --steps 1 --warmup 0 --alpha-us 5 --beta-gbps 10 --clip-grad-norm 0.5 "
+      "--sweep-devices 2,3 --json '" +
+          (dir / "c.json") + "'",
+      log);
+  INFO(slurp(log));
+  REQUIRE(rc == 0);
+  json j = load(dir / "c.json");
+  CHECK(j["match"] == true);
+  CHECK(j["config"]["clip_grad_norm"] == 0.5);
+  for (const json& run : j["runs"])
+    for (const json& s : run["strategies"]) {
+      int norms = 0;
+      for (const json& c : s["collectives"]) norms += c["what"] == "the gradient's squared norm";
+      CAPTURE(s["strategy"].get<std::string>());
+      CHECK(norms == (s["strategy"].get<std::string>().rfind("zero", 0) == 0 ? 1 : 0));
+    }
+}
+
 TEST_CASE(
     "dp_bench skew - device 0 holds more under scatter, the same under allreduce and ZeRO-1 to 3, their shares of "
     "the optimizer state, gradients and parameters in closed form, and the ledger adds up") {

@@ -394,13 +394,7 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.split = parse_split(t.split);
   o.timeout = parse_timeout(t.timeout);
   o.lr_gamma = parse_float(t.lr_gamma, "--lr-gamma");
-  if (!t.clip_grad_norm.empty()) {
-    o.clip_grad_norm = parse_float(t.clip_grad_norm, "--clip-grad-norm");
-    if (!std::isfinite(o.clip_grad_norm) || o.clip_grad_norm <= 0)
-      throw UsageError("--clip-grad-norm: " + t.clip_grad_norm +
-                       " is not a positive finite norm; give the largest gradient norm to allow, e.g. 1.0 (leave "
-                       "the option out for no clipping)");
-  }
+  if (!t.clip_grad_norm.empty()) o.clip_grad_norm = parse_clip_grad_norm(t.clip_grad_norm);
   o.lr_schedule = parse_lr_schedule(t.lr_schedule);
   o.shuffle = !t.no_shuffle;
   if (o.flight_records < 0)

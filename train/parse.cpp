@@ -105,6 +105,15 @@ float parse_float(const std::string& text, const std::string& flag) {
   return f;
 }
 
+float parse_clip_grad_norm(const std::string& text) {
+  const float v = parse_float(text, "--clip-grad-norm");
+  if (!std::isfinite(v) || v <= 0)
+    throw UsageError("--clip-grad-norm: " + text +
+                     " is not a positive finite norm; give the largest gradient norm to allow, e.g. 1.0 (leave "
+                     "the option out for no clipping)");
+  return v;
+}
+
 std::vector<int> parse_int_list(const std::string& text, const std::string& flag, const std::string& what,
                                 const std::string& example) {
   std::vector<int> out;

@@ -24,6 +24,8 @@ uint64_t parse_seed(const std::string& text, const std::string& flag);
 // text that is not a number throws UsageError naming the flag. NaN, infinity and negative values
 // pass: the range checks after parsing name those.
 float parse_float(const std::string& text, const std::string& flag);
+// --clip-grad-norm's value: a positive finite norm, else UsageError saying what to give.
+float parse_clip_grad_norm(const std::string& text);
 // Whether text has only what a decimal number is written with (digits, a sign, a point, an exponent):
 // dp's one number syntax, where strtod would also take hexadecimal, inf and nan.
 bool decimal_characters(const std::string& text);

@@ -62,6 +62,7 @@ class Zero1 final : public OwnBatch {
     m.batchnorm(s.spec, s.sync_bn, false);
     m.batchnorm(s.spec, s.sync_bn, true);
     m.sharded(Collective::reduce_scatter, "gradients", chunk);
+    if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
     m.sharded(Collective::all_gather, "parameters", chunk);
     return m.take();
   }

@@ -82,6 +82,7 @@ class Zero2 final : public OwnBatch {
     m.batchnorm(s.spec, s.sync_bn, true);
     for (size_t u = 0; u < units.size(); ++u)
       m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
+    if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
     for (size_t u = 0; u < units.size(); ++u)
       m.sharded(Collective::all_gather, "parameters of bucket " + std::to_string(u), units[u].chunk);
     return m.take();

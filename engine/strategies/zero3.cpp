@@ -77,6 +77,7 @@ class Zero3 final : public OwnBatch {
       m.sharded(Collective::all_gather, "backward's parameters of bucket " + std::to_string(u), units[u].chunk);
       m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
     }
+    if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
     return m.take();
   }
 
