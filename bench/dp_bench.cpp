@@ -293,6 +293,9 @@ Subcommand add_scale(CLI::App& app) {
       ->transform(exact_integer<int64_t>());
   c->add_option("--compute-us", so->compute_us,
                 "One device's step in microseconds (default: measured for sim, dp's H200 lenet step otherwise)");
+  c->add_option("--alpha-us", so->alpha_us,
+                "sim: the collectives' latency, µs (with --beta-gbps; default: fit it here)");
+  c->add_option("--beta-gbps", so->beta_gbps, "sim: the collectives' bandwidth, GB/s (with --alpha-us)");
   c->add_option("--validate", *validate, "sim: device counts measured here beside the model ('none': skip)")
       ->capture_default_str();
   c->add_option("--steps", so->steps, "sim: timed steps of each measurement")

@@ -5,6 +5,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -49,6 +50,10 @@ void check_options(const ScaleOptions& o, const Topology& t) {
                      o.model + " at " + std::to_string(o.per_device) + " images");
   for (int n : o.validate)
     if (n < 1) throw UsageError("--validate: a device count must be at least 1, not " + std::to_string(n));
+  if ((o.alpha_us >= 0) != (o.beta_gbps >= 0))
+    throw UsageError("--alpha-us and --beta-gbps: give both (or neither, to fit them here)");
+  if (o.alpha_us >= 0 && (t.nccl || !(o.beta_gbps > 0) || !std::isfinite(o.alpha_us + o.beta_gbps)))
+    throw UsageError("--alpha-us/--beta-gbps: the sim preset's collectives, a latency >= 0 and a bandwidth > 0");
   if (o.steps < 1 || o.warmup < 0 || o.repeats < 1)
     throw UsageError("--steps and --repeats: at least 1, --warmup: at least 0");
   check_output_file("--json", o.json);
@@ -106,10 +111,17 @@ ComputeTime compute_time(const ScaleOptions& o, const ModelSpec& spec, Topology&
                          const std::map<int, DeviceCountRun>& measured) {
   ComputeTime compute;
   compute.backward_share = flop_backward_share(spec);
+  if (!t.nccl && o.alpha_us >= 0) {
+    t.ab.alpha = o.alpha_us * 1e-6, t.ab.beta = o.beta_gbps * 1e9;
+    t.ab.source = "(given: --alpha-us/--beta-gbps)";
+    t.source = "given: --alpha-us/--beta-gbps";
+  }
   if (!t.nccl) {
     for (auto& [n, r] : measured)  // the fit of the first run over more than one device
       if (n > 1 && r.ab.valid() && !t.ab.valid()) t.ab = r.ab;
     if (!t.ab.valid()) throw std::runtime_error("scale: no alpha-beta fit on this machine's simulated devices");
+  }
+  if (!t.nccl && measured.count(1)) {
     const StrategyRun& one = *find_run(measured.at(1), "allreduce");
     compute.seconds = median_step(one);
     double total = 0;
@@ -243,7 +255,11 @@ int run_scale(const ScaleOptions& o) {
   const ModelSpec spec = make_model(o.model);
   const int machine_cores = cores();
   std::map<int, DeviceCountRun> measured;
-  if (!t.nccl) measured = measure(o, spec, o.validate.empty() ? std::vector<int>{1, 2} : o.validate);
+  // sim measures what it validates, and what it is not given: the one-device step, the fit (two devices)
+  std::vector<int> counts = o.validate;
+  if (counts.empty() && o.compute_us < 0) counts.push_back(1);
+  if (counts.empty() || (o.alpha_us < 0 && *std::max_element(counts.begin(), counts.end()) < 2)) counts.push_back(2);
+  if (!t.nccl && !(o.validate.empty() && o.compute_us > 0 && o.alpha_us >= 0)) measured = measure(o, spec, counts);
   const ComputeTime compute = compute_time(o, spec, t, measured);
   print_header(o, t, compute, machine_cores);
   nlohmann::json j = {

@@ -8,6 +8,7 @@
 #include <map>
 #include <string>
 
+#include "models/model.h"
 #include "tests/bench_runner.h"
 
 #ifdef DP_BENCH_BIN
@@ -104,6 +105,26 @@ TEST_CASE("bench: scale on this machine's simulated devices measures the step an
   CHECK(slurp(log).find("A MODEL, not a measurement") != std::string::npos);
 }
 
+TEST_CASE(
+    "bench: scale on sim with the collectives and the step given measures nothing and costs alpha + bytes / beta") {
+  TempDir dir;
+  const std::string log = dir / "out.log", out = dir / "scale.json";
+  REQUIRE(bench("scale --preset sim --alpha-us 10 --beta-gbps 1 --compute-us 1000 --validate none --devices 1,2 "
+                "--json '" +
+                    out + "'",
+                log) == 0);
+  const json j = load(out);
+  INFO(slurp(log));
+  CHECK(slurp(log).find("measuring") == std::string::npos);
+  CHECK(j["validation"].empty());
+  const auto p = points(j);
+  // the ring over 2 devices: each sends and receives the whole gradient, P floats, once
+  const double P = double(dp::make_model("lenet").param_count);
+  const json& two = p.at("allreduce").at(2);
+  CHECK(two["comm_seconds"].get<double>() == doctest::Approx(10e-6 + P * 4 / 1e9).epsilon(1e-9));
+  CHECK(two["step_seconds"].get<double>() == doctest::Approx(1000e-6 + 10e-6 + P * 4 / 1e9).epsilon(1e-9));
+}
+
 TEST_CASE("bench: scale refuses a device count below 1, nodes it cannot fill and an unknown preset with exit 2") {
   TempDir dir;
   const std::string log = dir / "out.log";
@@ -117,6 +138,8 @@ TEST_CASE("bench: scale refuses a device count below 1, nodes it cannot fill and
       {"scale --model lenet5", "--compute-us: the h100-ndr preset knows dp's step for lenet at --per-device 256 only"},
       {"scale --per-device 0", "--per-device: at least 1 image per device"},
       {"scale --compute-us -5", "--compute-us: a one-device step in microseconds, more than 0"},
+      {"scale --preset sim --alpha-us 3", "--alpha-us and --beta-gbps: give both"},
+      {"scale --alpha-us 3 --beta-gbps 1", "--alpha-us/--beta-gbps: the sim preset's collectives"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.args);
