@@ -63,10 +63,10 @@ void check_options(const ScaleOptions& o, const Topology& t) {
 
 // Backward's share of a step by the FLOP count (the weight and data gradients against the forward).
 double flop_backward_share(const ModelSpec& spec) {
-  double macs = 0;
-  for (const Layer& l : spec.layers) macs += layer_macs(l);
-  const double total = train_flops_per_sample(spec);
-  return total > 0 ? (total - 2 * macs) / total : 0;
+  const std::vector<double> backward = backward_macs(spec);
+  double forward = 0, back = 0;
+  for (size_t i = 0; i < spec.layers.size(); ++i) forward += layer_macs(spec.layers[i]), back += backward[i];
+  return forward + back > 0 ? back / (forward + back) : 0;
 }
 
 // The sim preset: dp's engine on n simulated devices, every strategy at n x per_device images (the
@@ -256,10 +256,9 @@ int run_scale(const ScaleOptions& o) {
   const int machine_cores = cores();
   std::map<int, DeviceCountRun> measured;
   // sim measures what it validates, and what it is not given: the one-device step, the fit (two devices)
-  std::vector<int> counts = o.validate;
-  if (counts.empty() && o.compute_us < 0) counts.push_back(1);
-  if (counts.empty() || (o.alpha_us < 0 && *std::max_element(counts.begin(), counts.end()) < 2)) counts.push_back(2);
-  if (!t.nccl && !(o.validate.empty() && o.compute_us > 0 && o.alpha_us >= 0)) measured = measure(o, spec, counts);
+  std::vector<int> counts = o.validate;  // measure() adds the one-device run
+  if (o.alpha_us < 0 && std::none_of(counts.begin(), counts.end(), [](int n) { return n > 1; })) counts.push_back(2);
+  if (!t.nccl && (!o.validate.empty() || o.compute_us < 0 || o.alpha_us < 0)) measured = measure(o, spec, counts);
   const ComputeTime compute = compute_time(o, spec, t, measured);
   print_header(o, t, compute, machine_cores);
   nlohmann::json j = {

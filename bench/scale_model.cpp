@@ -20,6 +20,9 @@ constexpr double kHwLat[3][2][2] = {{{0.52, 28}, {0.47, 3.4}},  // NVLink: tree,
                                     {{1.0, 28}, {1.0, 5.7}},    // PCIe
                                     {{5.0, 50}, {2.7, 9.6}}};   // network
 
+// A device's bus bandwidth in bytes/s: its node's links inside one node, its NIC across nodes.
+double bus_bandwidth(const Topology& t, int nodes) { return (nodes == 1 ? t.intra_busbw : t.inter_busbw) * 1e9; }
+
 int log2i(int n) {
   int l = 0;
   while (n >>= 1) ++l;
@@ -31,7 +34,7 @@ double nccl_seconds(const Topology& t, Collective c, int64_t busiest, int n, Alg
   const int nodes = nodes_of(t, n);
   const bool all_reduce = c == Collective::all_reduce;
   const int nsteps = all_reduce ? 2 * (n - 1) : n - 1, inter_steps = all_reduce ? 2 * (nodes - 1) : nodes - 1;
-  const double busbw = (nodes == 1 ? t.intra_busbw : t.inter_busbw) * 1e9;
+  const double busbw = bus_bandwidth(t, nodes);
   double intra_lat = kHwLat[t.nvlink ? kNvlink : kPci][a][p], inter_lat = kHwLat[kNet][a][p];
   if (nodes > 1 && p == kLL) intra_lat *= 1.8;
   double lat = kBaseLat[a][p], bw = busbw;
@@ -124,26 +127,18 @@ CollectiveCost collective_cost(const Topology& t, Collective c, int64_t busiest,
   // dp's rooted collectives: device 0 copies to (or from) each other device in turn on its own link
   const int nodes = nodes_of(t, n);
   const double hop = kHwLat[nodes == 1 ? (t.nvlink ? kNvlink : kPci) : kNet][kRing][kSimple];
-  const double busbw = (nodes == 1 ? t.intra_busbw : t.inter_busbw) * 1e9;
+  const double busbw = bus_bandwidth(t, nodes);
   return {(kBaseLat[kRing][kSimple] + (n - 1) * hop) * 1e-6 + double(busiest) / busbw, "device 0's link"};
 }
 
 namespace {
 
 // When each of the step's bucketed collectives may start: backward's seconds until it has written
-// every layer of the bucket, each layer's share of backward by its multiply-adds (twice: the weight
-// and the data gradient, once for the first layer, which computes no data gradient).
+// every layer of the bucket, each layer's share of backward by its multiply-adds (backward_macs).
 std::vector<double> bucket_ready(const ModelSpec& spec, const std::vector<Bucket>& buckets, double backward) {
-  std::vector<double> cost(spec.layers.size(), 0.0);
+  const std::vector<double> cost = backward_macs(spec);
   double total = 0;
-  bool first = true;
-  for (size_t i = 0; i < spec.layers.size(); ++i) {
-    const double m = layer_macs(spec.layers[i]);
-    if (m == 0) continue;
-    cost[i] = first ? m : 2 * m;
-    first = false;
-    total += cost[i];
-  }
+  for (double c : cost) total += c;
   std::vector<double> ready;
   double done = 0;
   size_t b = 0;
@@ -196,9 +191,6 @@ ScalePoint predict_step(const Strategy& s, const ModelSpec& spec, const Topology
     const CollectiveCost cost = collective_cost(t, ct.collective, ct.busiest(), n);
     p.comm += cost.seconds;
     if (ct.collective == Collective::all_reduce) p.how = cost.how;
-    int64_t most = 0;
-    for (const Traffic& tr : ct.per_rank) most = std::max(most, tr.sent + tr.received);
-    p.bytes += most;
     if (ct.what.rfind("gradient bucket", 0) == 0 && bucket < ready.size()) {  // overlaps backward
       queue_end = std::max(queue_end, ready[bucket++]) + cost.seconds;
     } else {
@@ -206,6 +198,7 @@ ScalePoint predict_step(const Strategy& s, const ModelSpec& spec, const Topology
     }
   }
   exposed += std::max(0.0, queue_end - backward);
+  for (const Traffic& tr : total_traffic(collectives, n)) p.bytes = std::max(p.bytes, tr.sent + tr.received);
   p.exposed = exposed;
   p.step = p.compute + p.exposed;
   p.memory = model_memory(s, spec, c, n);

@@ -113,9 +113,7 @@ void Engine::allocate_replicas() {
   });
 }
 
-// Buckets: parameterised layers from the last to the first (the order backward produces their
-// gradients), closed once they reach bucket_kb. Layers are contiguous in the flat buffer, so each
-// bucket is one contiguous range.
+// The gradient buckets and each layer's (gradient_buckets, strategy.h: the rule dp_bench models too).
 void Engine::make_buckets() {
   buckets_ = gradient_buckets(spec_, strategy_, cfg_.bucket_kb, &layer_bucket_);
   recorder_.set_buckets(int(buckets_.size()));

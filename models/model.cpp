@@ -179,20 +179,28 @@ double train_flops_per_sample(const ModelSpec& spec) {
   // and the optimizer are O(activations), not counted), 2 FLOPs each: forward 1x, weight gradient
   // 1x, data gradient 1x except for the first parameterised layer, whose input gradient nobody
   // needs and network.cpp does not compute. bench/torch_compare.py uses the same formula.
-  double macs = 0, first = -1;
-  for (auto& l : spec.layers) {
-    const double m = layer_macs(l);
-    if (m == 0) continue;
-    if (first < 0) first = m;
-    macs += m;
-  }
-  return first < 0 ? 0.0 : 2.0 * (3.0 * macs - first);
+  const std::vector<double> backward = backward_macs(spec);
+  double macs = 0;
+  for (size_t i = 0; i < spec.layers.size(); ++i) macs += layer_macs(spec.layers[i]) + backward[i];
+  return 2.0 * macs;
 }
 
 double layer_macs(const Layer& l) {
   if (l.kind == LayerKind::conv) return double(l.out_size()) * l.in_c * l.kernel * l.kernel;  // per output: C*KH*KW
   if (l.kind == LayerKind::linear) return double(l.in_size()) * l.out_c;
   return 0;
+}
+
+std::vector<double> backward_macs(const ModelSpec& spec) {
+  std::vector<double> out(spec.layers.size(), 0.0);
+  bool first = true;
+  for (size_t i = 0; i < spec.layers.size(); ++i) {
+    const double m = layer_macs(spec.layers[i]);
+    if (m == 0) continue;
+    out[i] = first ? m : 2 * m;  // the weight gradient, and the data gradient but the first layer's
+    first = false;
+  }
+  return out;
 }
 
 }  // namespace dp

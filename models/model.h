@@ -96,5 +96,9 @@ void init_buffers(const ModelSpec& spec, float* buffers /* (R) */);
 double train_flops_per_sample(const ModelSpec& spec);
 // A layer's multiply-adds per sample in its forward pass: a convolution's or linear layer's, 0 for the rest.
 double layer_macs(const Layer& l);
+// Each layer's multiply-adds per sample in its backward pass, by layer index: a convolution's or linear
+// layer's weight and data gradient, the weight gradient alone for the first of them (whose input
+// gradient network.cpp does not compute), 0 for the rest.
+std::vector<double> backward_macs(const ModelSpec& spec);
 
 }  // namespace dp

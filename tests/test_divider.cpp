@@ -18,8 +18,9 @@ void check_divides(int d, int n) {
   const cuda::Divider by(d);
   int q = -1, r = -1;
   by.divmod(n, q, r);
-  if (q == n / d && r == n % d) return;  // one CHECK per failure, not per division (millions)
-  FAIL_CHECK(n << " / " << d << ": " << q << " remainder " << r << ", not " << n / d << " remainder " << n % d);
+  if (q == n / d && r == n % d && by.mod(n) == r) return;  // one CHECK per failure, not per division (millions)
+  FAIL_CHECK(n << " / " << d << ": " << q << " remainder " << r << " (mod " << by.mod(n) << "), not " << n / d
+               << " remainder " << n % d);
 }
 
 TEST_CASE("Divider: n / d and n % d for every divisor and dividend edge, and at random") {

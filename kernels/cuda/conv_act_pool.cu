@@ -40,12 +40,10 @@ __global__ void bias_act_pool_kernel(int planes, int per_block, cuda::Divider pi
                                      float* y, float* y_pool) {
   extern __shared__ float tile[];  // per_block planes
   const int first = int(blockIdx.x) * per_block, count = planes - first < per_block ? planes - first : per_block;
-  const int p = pixels.divisor(), ch0 = first - channels.div(first) * channels.divisor();
+  const int p = pixels.divisor(), ch0 = channels.mod(first);
   float* yb = y + int64_t(first) * p;
   for (int e = int(threadIdx.x); e < count * p; e += int(blockDim.x)) {
-    int ch = ch0 + pixels.div(e);  // ch0 + the plane within the block, then modulo the channels
-    ch -= channels.div(ch) * channels.divisor();
-    const float v = activate<A>(yb[e] + b[ch]);
+    const float v = activate<A>(yb[e] + b[channels.mod(ch0 + pixels.div(e))]);  // the plane's channel
     yb[e] = v;
     tile[e] = v;
   }
@@ -82,8 +80,6 @@ __global__ void act_pool_backward_rows_kernel(int total, int n, cuda::Divider pi
   }
 }
 
-}  // namespace
-
 // Planes per block of bias_act_pool_kernel: about 2,048 pixels (eight a thread), at least one plane,
 // within the shared memory any kernel may take without asking (48 KiB).
 constexpr int kPoolTilePixels = 2048;
@@ -91,6 +87,8 @@ constexpr size_t kMaxPoolTileBytes = size_t(48) << 10;
 
 // The kernels index in 32 bits; a larger output (2^31 floats, 8 GiB) takes the three ops.
 bool indexable(const ConvShape& s) { return int64_t(s.n) * s.k * s.out_h() * s.out_w() < INT32_MAX; }
+
+}  // namespace
 
 void CudaOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
                                       const float* b, float* y_act, float* y_pool, float* workspace) {

@@ -39,6 +39,8 @@ class Divider {
 #endif
     return int((hi + uint32_t(n)) >> shift_);
   }
+  // n % d
+  DP_DIVIDER_HD int mod(int n) const { return n - div(n) * int(d_); }
   // n / d and n % d
   DP_DIVIDER_HD void divmod(int n, int& q, int& r) const {
     q = div(n);
