@@ -319,6 +319,9 @@ TEST_CASE("a device that stops answering in a collective: the step is aborted wi
       CHECK(what.find("stopped answering") != std::string::npos);
     }
     CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 10);
+    // The next step with the default timeout: under ThreadSanitizer on a loaded machine a healthy
+    // device has reached a reduce-scatter more than 0.25 s after its peers (seen in CI), which is no stall.
+    e.comm().set_timeout(dp::kDefaultTimeout);
     auto r = e.step(data.x[1].data(), data.y[1].data(), 12);
     CHECK(r.n == 12);
   });
