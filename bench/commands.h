@@ -22,6 +22,7 @@ struct CompareOptions {
   uint64_t seed = 0;
   float lr = 0.1f, momentum = 0.9f;  // dp_train's defaults
   float clip_grad_norm = 0;          // --clip-grad-norm (0: off)
+  int accumulate = 1;                // --accumulate: micro-batches of `batch` per optimizer step
   std::vector<int> sweep;            // --sweep-devices: device counts
   double alpha_us = -1, beta_gbps = -1;
   int repeats = 5;  // all_reduce sweeps for the alpha-beta fit, each fitted alone: the median is used

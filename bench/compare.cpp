@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 
 #include "bench/bench.h"
 #include "bench/commands.h"
@@ -33,6 +34,7 @@ EngineConfig engine_config(const Design& d, const CompareOptions& o) {
   ec.bucket_kb = d.strategy->takes_buckets() ? o.bucket_kb : 0;
   ec.all_reduce = d.all_reduce;
   ec.clip_grad_norm = o.clip_grad_norm;
+  ec.accumulate = o.accumulate;
   ec.trace = !o.trace.empty();
   return ec;
 }
@@ -50,23 +52,24 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, const Design& desi
 
   StepResult last;
   int64_t step = 0;
-  for (int i = 0; i < o.warmup; ++i, ++step) engine.step(data.images(step), data.labels(step), o.batch);
+  const int images = o.batch * o.accumulate;  // a step's: --accumulate micro-batches of --batch
+  for (int i = 0; i < o.warmup; ++i, ++step) engine.step(data.images(step), data.labels(step), images);
   engine.recorder().reset_timing();
   StrategyRun run;
   run.design = design, run.origin = engine.recorder().start_time();  // the origin of the engine's span times
   for (int i = 0; i < o.steps; ++i, ++step) {
     auto t0 = clock::now();
-    last = engine.step(data.images(step), data.labels(step), o.batch);
+    last = engine.step(data.images(step), data.labels(step), images);
     run.step_seconds.push_back(std::chrono::duration<double>(clock::now() - t0).count());
   }
   double total = 0;
   for (double s : run.step_seconds) total += s;
-  run.images_per_second = double(o.batch) * o.steps / total;
+  run.images_per_second = double(images) * o.steps / total;
   run.loss = last.loss;  // the mean over the batch
 
   run.buckets = engine.buckets();
-  run.collectives = design.strategy->step_collectives(
-      {spec, split_batch(o.batch, n, o.split), run.buckets, ec.sync_bn, design.all_reduce, ec.clip_grad_norm > 0});
+  run.collectives = design.strategy->step_collectives({spec, split_batch(o.batch, n, o.split), run.buckets, ec.sync_bn,
+                                                       design.all_reduce, ec.clip_grad_norm > 0, o.accumulate});
   run.predicted = total_traffic(run.collectives, n);
   for (int r = 0; r < n; ++r) {
     Traffic t = engine.recorder().step_traffic(r);
@@ -97,6 +100,9 @@ void check_options(const CompareOptions& o) {
     throw UsageError("--batch: " + std::to_string(o.batch) +
                      " is not a batch size; give a positive number of images, e.g. 256");
   if (o.steps <= 0) throw UsageError("--steps: " + std::to_string(o.steps) + " measured steps; give at least 1");
+  if (o.accumulate <= 0 || int64_t(o.batch) * o.accumulate > std::numeric_limits<int>::max())
+    throw UsageError("--accumulate: " + std::to_string(o.accumulate) +
+                     " micro-batches per step; give at least 1, with --batch x --accumulate below 2^31");
   if (o.warmup < 0) throw UsageError("--warmup: must be >= 0");
   if (o.repeats < 1) throw UsageError("--repeats: " + std::to_string(o.repeats) + " sweeps; give at least 1");
   if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");
@@ -226,7 +232,7 @@ int run_compare(const CompareOptions& o) {
   const MemoryEstimate memory = check_memory(o, spec);
   // Every strategy sees the same initial weights and the same batches in the same order.
   const SyntheticData data =
-      make_synthetic(spec, o.batch, int(std::min<int64_t>(int64_t(o.warmup) + o.steps, 8)), o.seed);
+      make_synthetic(spec, o.batch * o.accumulate, int(std::min<int64_t>(int64_t(o.warmup) + o.steps, 8)), o.seed);
   std::vector<float> init(size_t(spec.param_count));
   init_params(spec, o.seed, init.data());
 

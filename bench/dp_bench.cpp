@@ -102,6 +102,10 @@ Subcommand add_compare(CLI::App& app) {
   c->add_option("--split", *split, "even | chunk (torch.chunk)")->capture_default_str();
   c->add_option("--clip-grad-norm", *clip,
                 "dp_train's --clip-grad-norm (the sharded strategies all-reduce one float more a step)");
+  c->add_option("--accumulate", co->accumulate,
+                "dp_train's --accumulate: micro-batches of --batch per step, the gradients communicated once")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
   add_seed(*c, *seed);
   c->add_option("--alpha-us", co->alpha_us, "Latency for the alpha-beta model, µs (default: fit it here)");
   c->add_option("--beta-gbps", co->beta_gbps, "Bandwidth for the alpha-beta model, GB/s (with --alpha-us)");

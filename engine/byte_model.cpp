@@ -19,6 +19,15 @@ std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
   return t;
 }
 
+void ByteModel::micro_batch(int k, int count) {
+  note_ = count > 1 && k >= 0 ? " (micro-batch " + std::to_string(k + 1) + " of " + std::to_string(count) + ")" : "";
+}
+
+void ByteModel::push(CollectiveTraffic ct) {
+  ct.what += note_;
+  out_.push_back(std::move(ct));
+}
+
 void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, const std::vector<int64_t>& share) {
   CollectiveTraffic ct{c, what, std::vector<Traffic>(size_t(n_))};
   for (int i = 1; i < n_; ++i) {
@@ -27,7 +36,7 @@ void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, c
     (root_sends ? root.sent : root.received) += b;
     (root_sends ? peer.received : peer.sent) += b;
   }
-  out_.push_back(ct);
+  push(std::move(ct));
 }
 
 void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, int64_t each) {
@@ -36,14 +45,14 @@ void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, i
 
 void ByteModel::all_reduce(const std::string& what, int64_t count) {
   if (algorithm_ == AllReduceAlgorithm::ring)
-    return out_.push_back({Collective::all_reduce, what, ring_all_reduce_traffic(count, n_)});
+    return push({Collective::all_reduce, what, ring_all_reduce_traffic(count, n_)});
   rooted(Collective::all_reduce, what + ": reduce to device 0", false, count);
   rooted(Collective::all_reduce, what + ": broadcast from device 0", true, count);
 }
 
 void ByteModel::sharded(Collective c, const std::string& what, int64_t chunk) {
   const int64_t b = (n_ - 1) * chunk * F;
-  out_.push_back({c, what, std::vector<Traffic>(size_t(n_), Traffic{b, b})});
+  push({c, what, std::vector<Traffic>(size_t(n_), Traffic{b, b})});
 }
 
 void ByteModel::batchnorm(const ModelSpec& spec, bool sync_bn, bool backward) {

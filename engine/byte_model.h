@@ -32,6 +32,8 @@ struct StepShape {
   // --clip-grad-norm: the sharded strategies all-reduce their shares' squared norms, one float
   // (clip_gradients, strategy.h)
   bool clip_norm = false;
+  // --accumulate: an optimizer step of this many micro-batches, each split as `sizes`
+  int micro_batches = 1;
   int devices() const { return int(sizes.size()); }
 };
 
@@ -56,9 +58,14 @@ class ByteModel {
   // forward; SyncBatchNorm all-reduces, per BatchNorm layer of C channels, two sums of C floats in
   // forward (mean, variance) and one of 2C in backward (layer order, then reversed).
   void batchnorm(const ModelSpec& spec, bool sync_bn, bool backward);
+  // The collectives that follow are micro-batch k's of `count` (--accumulate), and say so when there
+  // is more than one; k < 0: the optimizer step's own again.
+  void micro_batch(int k, int count);
   std::vector<CollectiveTraffic> take() { return std::move(out_); }
 
  private:
+  void push(CollectiveTraffic ct);  // with the micro-batch's note
+  std::string note_;
   int n_;
   AllReduceAlgorithm algorithm_;
   std::vector<CollectiveTraffic> out_;

@@ -42,7 +42,13 @@ enum class Optimizer { sgd, adam, adamw };
 struct EngineConfig {
   std::string sync = "scatter";  // the strategy (strategy.h): a name the registry knows
   Split split = Split::even;
-  int batch = 256;  // the largest global batch a step will see; buffers are sized for it
+  int batch = 256;  // the largest global (micro-)batch a step will see; buffers are sized for it
+  // Micro-batches per optimizer step (--accumulate; DDP's no_sync, DeepSpeed's gradient_accumulation_steps):
+  // a step trains on up to batch·accumulate images, `batch` at a time; each device adds the gradients of
+  // its rows of every micro-batch to its own and they are communicated once, with the last (scatter,
+  // as nn.DataParallel, reduces them to device 0 every micro-batch). The loss is weighted by the whole
+  // step's images, so a step equals one on all of them at once, up to float summation order.
+  int accumulate = 1;
   Optimizer optimizer = Optimizer::sgd;
   float lr = 0.1f, momentum = 0.9f, weight_decay = 0.0f;  // momentum: SGD's
   // Gradient clipping by the norm of the whole averaged gradient before the optimizer, as PyTorch's

@@ -42,6 +42,12 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       strategy_(find_strategy(cfg_.sync)),
       recorder_(int(devices_.size()), cfg_.trace) {
   if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
+  if (cfg_.accumulate <= 0)
+    throw UsageError("--accumulate: " + std::to_string(cfg_.accumulate) +
+                     " micro-batches per step; give at least 1 (1: no accumulation)");
+  if (int64_t(cfg_.batch) * cfg_.accumulate > std::numeric_limits<int>::max())
+    throw UsageError("--accumulate " + std::to_string(cfg_.accumulate) + ": " + std::to_string(cfg_.batch) +
+                     "-image micro-batches make a step of more than 2^31 - 1 images");
   if (!(cfg_.timeout > 0)) throw UsageError("--timeout: must be a positive number of seconds");
   const int n = size();
   world_ = n;
@@ -84,6 +90,7 @@ void Engine::allocate_replicas() {
     dev.ops().fill(flat, 0.0f, rep->params.f());
     rep->grads = dev.alloc_floats(grads, Category::gradients);
     dev.ops().fill(grads, 0.0f, rep->grads.f());  // backward writes [0, P); the padding stays zero
+    if (cfg_.accumulate > 1 && stage >= 2) rep->accumulated = dev.alloc_floats(P, Category::gradients);
     if (strategy_.steps_optimizer(r))
       for (size_t i = 0; i < optimizer_state_names(cfg_).size(); ++i) {
         rep->state.push_back(dev.alloc_floats(state, Category::optimizer));
@@ -96,7 +103,7 @@ void Engine::allocate_replicas() {
       dev.upload(rep->running.f(), init.data(), init.size() * sizeof(float));
       dev.synchronize();  // init is a local
     }
-    rep->net = std::make_unique<Network>(spec_, dev, b);
+    rep->net = std::make_unique<Network>(spec_, dev, b, -1, /*accumulates=*/cfg_.accumulate > 1);
     rep->stats = dev.alloc_floats(kStats, Category::outputs);
     if (cfg_.clip_grad_norm > 0 && strategy_.steps_optimizer(r)) rep->norm = dev.alloc_floats(1, Category::workspace);
     strategy_.allocate(dev, *rep, spec_, cfg_, r, b);
@@ -169,9 +176,17 @@ std::pair<int, int> Engine::upload_rows(int r, int n) const {
   return strategy_.upload_rows(split_batch(n, world_, cfg_.split), first_, r);
 }
 
+StagedBatch Engine::micro_batch(const StagedBatch& b, int k) const {
+  const int first = k * cfg_.batch;
+  return {b.x + int64_t(first) * spec_.input_size(), b.y + first, std::min(cfg_.batch, b.n - first), b.slot,
+          k == 0 && b.ahead};
+}
+
 void Engine::upload(int r, const StagedBatch& b, bool ahead) {
-  const auto [first, rows] = upload_rows(r, b.n);
+  auto [first, rows] = upload_rows(r, b.n);
   if (rows == 0) return;
+  // With --accumulate the process holds every row of the step (slice): its own start after the others'.
+  if (cfg_.accumulate > 1) first += process_rows(b.n).first;
   Device& dev = *devices_[r];
   const Replica::Upload& to = replicas_[r]->batch[size_t(b.slot)];
   const int64_t D = spec_.input_size();
@@ -187,8 +202,10 @@ void Engine::upload(int r, const StagedBatch& b, bool ahead) {
   }
 }
 
+// With prefetch a step's first micro-batch was uploaded ahead; the others upload at their turn, into
+// the same slot, on the compute stream after the micro-batch before them.
 void Engine::load(int r, const StagedBatch& b) {
-  if (!cfg_.prefetch)
+  if (!b.ahead)
     upload(r, b, /*ahead=*/false);
   else if (upload_rows(r, b.n).second > 0)
     devices_[r]->await_upload(b.slot);
@@ -200,18 +217,19 @@ void Engine::drop_staged() noexcept {
 }
 
 void Engine::stage(const float* x, const int32_t* y, int n) {
-  if (n <= 0 || n > cfg_.batch)
+  if (n <= 0 || n > cfg_.batch * cfg_.accumulate)
     throw UsageError("step: batch of " + std::to_string(n) + " samples; this engine takes 1.." +
-                     std::to_string(cfg_.batch));
+                     std::to_string(cfg_.batch * cfg_.accumulate) +
+                     (cfg_.accumulate > 1 ? " (" + std::to_string(cfg_.accumulate) + " micro-batches)" : ""));
   const size_t capacity = cfg_.prefetch ? Device::kUploadSlots : 1;
   if (staged_.size() >= capacity)
     throw std::logic_error("Engine::stage: " + std::to_string(capacity) + " batch(es) staged already, the most " +
                            (cfg_.prefetch ? "prefetch allows" : "an engine without prefetch takes") + "; step() first");
   StagedBatch b{x, y, n, 0};
   if (cfg_.prefetch) {
-    b.slot = next_slot_;
+    b.slot = next_slot_, b.ahead = true;
     try {
-      for (int r = 0; r < size(); ++r) upload(r, b, /*ahead=*/true);
+      for (int r = 0; r < size(); ++r) upload(r, micro_batch(b, 0), /*ahead=*/true);
     } catch (...) {
       drop_staged();
       throw;
@@ -225,14 +243,20 @@ StepResult Engine::step() {
   if (staged_.empty()) throw std::logic_error("Engine::step: no batch staged; stage() one first");
   const StagedBatch b = staged_.front();
   staged_.pop_front();
-  const std::vector<int> sizes = split_batch(b.n, world_, cfg_.split);
+  // The micro-batches of the step (--accumulate): `batch` rows each, the last what is left.
+  const int micros = (b.n + cfg_.batch - 1) / cfg_.batch;
+  std::vector<std::vector<int>> sizes;
+  for (int k = 0; k < micros; ++k) sizes.push_back(split_batch(micro_batch(b, k).n, world_, cfg_.split));
   const auto traffic_before = recorder_.before(*comm_);
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
   try {
     run_all([&](int r) {
       recorder_.begin_step(*devices_[r], r);
-      StepContext context(*this, r, b, sizes);
-      strategy_.step(context);
+      for (int k = 0; k < micros; ++k) {
+        const StagedBatch mb = micro_batch(b, k);
+        StepContext context(*this, r, mb, sizes[size_t(k)], {k, micros, b.n});
+        strategy_.step(context);
+      }
       // The loss and the correct count, on the devices that compute it; device 0's also says whether
       // the gradient was finite. The download waits for the step's work (the step's one round trip);
       // close_phases then waits for the copy stream too: the next batch's upload, staged before this
@@ -247,6 +271,7 @@ StepResult Engine::step() {
   }
   StepResult res;
   res.n = b.n;
+  res.micro_batches = micros;
   for (const auto& s : stats) {
     res.loss += s[0];
     res.correct += int64_t(s[1]);
@@ -254,14 +279,22 @@ StepResult Engine::step() {
   // Each device flags what it checked: device 0 the whole gradient, or each device its own shard.
   for (const auto& s : stats) res.finite_gradients = res.finite_gradients && s[kNonfinite] == 0.0f;
   // Saturates at 2^63 - 1 rather than wrapping to a negative count, which a checkpoint could not hold.
-  if (spec_.has_batchnorm() && batches_tracked_ < std::numeric_limits<int64_t>::max()) ++batches_tracked_;
+  // BatchNorm's count goes on per micro-batch, each a forward in training (PyTorch's num_batches_tracked).
+  if (spec_.has_batchnorm())
+    batches_tracked_ = batches_tracked_ > std::numeric_limits<int64_t>::max() - micros
+                           ? std::numeric_limits<int64_t>::max()
+                           : batches_tracked_ + micros;
   ++optimizer_steps_;
-  recorder_.after(*comm_, traffic_before, b.n == cfg_.batch);
+  recorder_.after(*comm_, traffic_before, b.n == cfg_.batch * cfg_.accumulate);
   ++step_;
   return res;
 }
 
 std::pair<int, int> Engine::slice(int n) const {
+  return cfg_.accumulate > 1 ? std::pair<int, int>{0, n} : process_rows(n);
+}
+
+std::pair<int, int> Engine::process_rows(int n) const {
   const std::vector<int> sizes = split_batch(n, world_, cfg_.split);
   int lo = 0, hi = 0;
   for (int g = 0; g < first_ + size(); ++g) (g < first_ ? lo : hi) += sizes[size_t(g)];

@@ -28,6 +28,7 @@ struct StepResult {
   double loss = 0;      // mean over the batch
   int64_t correct = 0;  // argmax == label
   int n = 0;
+  int micro_batches = 1;         // --accumulate: the micro-batches n was trained in
   bool finite_gradients = true;  // every element of the step's (reduced) gradient is finite
 };
 
@@ -64,12 +65,15 @@ class Engine {
   // One training step over a global batch of n: x (rows, C, H, W) and y (rows) are the rows of it this
   // process's devices train on, rows [slice(n).first, slice(n).second) (in one process: all n). The
   // result is this process's share: its devices' losses (each already scaled by 1/n) and correct
-  // counts; across processes the trainer sums the shares.
+  // counts; across processes the trainer sums the shares. With EngineConfig::accumulate, n is up to
+  // batch·accumulate: micro-batch k is rows [k·batch, (k+1)·batch), the last what is left, each split
+  // over the devices as a batch of its own, and one optimizer step ends the last.
   // stage(x, y, n) then step().
   StepResult step(const float* x, const int32_t* y, int n);
   // The same in two halves, so that a batch uploads while the step before it trains (prefetch):
-  // stage() queues the batch of a later step(); with EngineConfig::prefetch its upload starts at
-  // once on every device's copy stream (Device::upload_ahead), without it the step uploads it. Either
+  // stage() queues the batch of a later step(); with EngineConfig::prefetch its upload (its first
+  // micro-batch's) starts at once on every device's copy stream (Device::upload_ahead), without it
+  // the step uploads it. Either
   // way x and y must stay untouched until the step() that trains on it returns. step() trains on the
   // oldest staged batch. At most two staged with prefetch (the next step's and the one after it),
   // one without: more, or a step() with none staged, is a std::logic_error. A failed step drops
@@ -79,7 +83,8 @@ class Engine {
   int staged() const { return int(staged_.size()); }
   // Forgets every staged batch after waiting for their uploads: before the host memory they read goes.
   void drop_staged() noexcept;
-  // The rows of a global batch of n that this process's devices train on.
+  // The rows of a global batch of n that this process's devices train on: with --accumulate all n
+  // (its devices' rows of every micro-batch are spread over the step's).
   std::pair<int, int> slice(int n) const;
   // The job's devices (P·K), and the job's index of this engine's device 0.
   int world_size() const { return world_; }
@@ -114,6 +119,10 @@ class Engine {
   void allocate_replicas();
   // The rows of a batch of n that device `rank` uploads (the first and how many), by the strategy.
   std::pair<int, int> upload_rows(int rank, int n) const;
+  // The rows of a (micro-)batch of n that this process's devices train on.
+  std::pair<int, int> process_rows(int n) const;
+  // Micro-batch k of a staged step (EngineConfig::accumulate), its rows among the step's.
+  StagedBatch micro_batch(const StagedBatch& b, int k) const;
   void upload(int rank, const StagedBatch& b, bool ahead);
   void load(int rank, const StagedBatch& b);
   // The BatchNorm pass of a training step on `rank` over a global batch of B.

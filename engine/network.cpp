@@ -23,8 +23,8 @@ int Network::prefix_layers(const ModelSpec& spec) {
   return n;
 }
 
-Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
-    : spec_(spec), dev_(dev), max_batch_(max_batch) {
+Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk, bool accumulates)
+    : spec_(spec), dev_(dev), max_batch_(max_batch), accumulates_(accumulates) {
   int64_t widest = spec.input_size();
   size_t ws = 0;
   prefix_ = prefix_layers(spec);
@@ -32,6 +32,7 @@ Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
   if (chunk > 0 && max_batch > chunk) chunk_ = chunk;
   for (int i = 0; i < prefix_; i += step_layers(i)) steps_.push_back(i);
   int64_t prefix_params = 0;  // the largest weight + bias of a parameterised prefix layer
+  int64_t layer_params = 0;   // of any parameterised layer
   int64_t prefix_widest = 0;  // the widest input of a prefix layer (its dx)
   for (int i = 0; i < int(spec.layers.size()); ++i) {
     const Layer& l = spec.layers[i];
@@ -49,8 +50,11 @@ Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
     // A chunked conv layer sees at most chunk_ samples; the workspace never depends on more.
     if (l.kind == LayerKind::conv)
       ws = std::max(ws, dev.ops().conv2d_workspace_floats(conv_shape(l, i < prefix_ && chunk_ ? chunk_ : max_batch)));
-    if (i < prefix_ && l.weight >= 0)
-      prefix_params = std::max(prefix_params, spec.params[l.weight].size + spec.params[l.bias].size);
+    if (l.weight >= 0) {
+      const int64_t w = spec.params[l.weight].size + (l.bias >= 0 ? spec.params[l.bias].size : 0);
+      layer_params = std::max(layer_params, w);
+      if (i < prefix_) prefix_params = std::max(prefix_params, w);
+    }
     bn_stats_.push_back(l.kind == LayerKind::batchnorm ? dev.alloc_floats(2 * l.out_c, Category::activations)
                                                        : Buffer());
     if (l.kind == LayerKind::batchnorm && 2 * l.out_c > int64_t(bn_sums_.bytes() / sizeof(float)))
@@ -62,8 +66,14 @@ Network::Network(const ModelSpec& spec, Device& dev, int max_batch, int chunk)
   if (chunk_) {
     chunk_a_ = dev.alloc_floats(chunk_ * prefix_widest, Category::activations);
     chunk_b_ = dev.alloc_floats(chunk_ * prefix_widest, Category::activations);
-    chunk_grads_ = dev.alloc_floats(prefix_params, Category::workspace);
   }
+  if (accumulates || chunk_)
+    sum_grads_ = dev.alloc_floats(accumulates ? layer_params : prefix_params, Category::workspace);
+}
+
+void Network::set_accumulating(bool on) {
+  if (on && !accumulates_) throw std::logic_error("Network::set_accumulating: built without accumulates");
+  accumulating_ = on;
 }
 
 bool Network::fused(int i) const {
@@ -274,12 +284,22 @@ void Network::backward(const ParameterBlocks& p, const GradientBlocks& blocks, c
   // A layer's weight gradient where `blocks` puts it, its bias gradient right after.
   auto dw_of = [&](const Layer& l) { return l.weight >= 0 ? blocks(int(&l - spec_.layers.data())) : nullptr; };
   auto db_of = [&](const Layer& l) { return l.bias >= 0 ? dw_of(l) + spec_.params[l.weight].size : nullptr; };
+  // Adding (a prefix chunk after the first, or accumulating): a layer's gradients go to sum_grads_
+  // first, then are added to where they go.
+  float* sum_w = sum_grads_ ? sum_grads_.f() : nullptr;
+  auto sum_b = [&](const Layer& l) { return l.bias >= 0 ? sum_w + spec_.params[l.weight].size : nullptr; };
+  auto add_on = [&](const Layer& l) {
+    const int64_t count = spec_.params[l.weight].size + (l.bias >= 0 ? spec_.params[l.bias].size : 0);
+    dev_.ops().add(count, sum_w, dw_of(l));  // the bias gradient right after the weights', in both
+  };
   // The layers after the prefix, on the whole batch.
   for (int i = int(spec_.layers.size()) - 1; i >= prefix_; --i) {
     const Layer& l = spec_.layers[i];
     if (l.kind == LayerKind::flatten) continue;
     float* dx = i > 0 ? spare[next] : nullptr;
-    backward_layer(i, acquire(p, i), dy, dx, dw_of(l), db_of(l), 0, n);
+    const bool sum = accumulating_ && l.weight >= 0;
+    backward_layer(i, acquire(p, i), dy, dx, sum ? sum_w : dw_of(l), sum ? sum_b(l) : db_of(l), 0, n);
+    if (sum) add_on(l);
     if (l.weight >= 0 && on_ready) on_ready(i);
     release(p, i);
     if (dx) dy = dx, next ^= 1;
@@ -287,7 +307,7 @@ void Network::backward(const ParameterBlocks& p, const GradientBlocks& blocks, c
   if (prefix_ == 0) return;
   // The prefix, chunk by chunk (unchunked: the whole batch as one chunk, through the same ping-pong
   // as the layers after it). The first chunk writes each layer's weight gradients into grads, the
-  // others into chunk_grads_, added on. Its weights are acquired before the first chunk and released
+  // others into sum_grads_, added on. Its weights are acquired before the first chunk and released
   // after the last, as in forward.
   std::vector<const float*> w(spec_.layers.size(), nullptr);
   for (auto st = steps_.rbegin(); st != steps_.rend(); ++st) w[size_t(*st)] = acquire(p, *st);
@@ -301,14 +321,9 @@ void Network::backward(const ParameterBlocks& p, const GradientBlocks& blocks, c
       const int i = *st;
       const Layer& l = spec_.layers[i];
       float* dx = i > 0 ? prefix_spare[nextc] : nullptr;
-      float *dw = dw_of(l), *db = db_of(l);
-      const bool sum = first > 0 && dw;
-      if (sum) dw = chunk_grads_.f(), db = chunk_grads_.f() + spec_.params[l.weight].size;
-      backward_step(i, w[size_t(i)], dyc, dx, dw, db, first, m);
-      if (sum) {
-        dev_.ops().add(spec_.params[l.weight].size, dw, dw_of(l));
-        dev_.ops().add(spec_.params[l.bias].size, db, db_of(l));
-      }
+      const bool sum = (first > 0 || accumulating_) && l.weight >= 0;
+      backward_step(i, w[size_t(i)], dyc, dx, sum ? sum_w : dw_of(l), sum ? sum_b(l) : db_of(l), first, m);
+      if (sum) add_on(l);
       if (l.weight >= 0 && on_ready && first + m == n) on_ready(i);  // its last chunk
       if (dx) dyc = dx, nextc ^= 1;
     }
@@ -337,13 +352,15 @@ void Network::backward_without_samples(const GradientBlocks& blocks, const std::
   bn_ = bn;
   // The collectives of a pass with samples, in its order: after the prefix layer by layer, then the
   // prefix's weights acquired together, its gradients ready in turn, its weights released.
+  // Accumulating, they are written to sum_grads_ and added on, as with samples.
   auto zero_and_ready = [&](int i) {
     const Layer& l = spec_.layers[i];
-    float* dw = blocks(i);
+    float* dw = accumulating_ ? sum_grads_.f() : blocks(i);
     const int64_t w = spec_.params[l.weight].size, b = l.bias >= 0 ? spec_.params[l.bias].size : 0;
     dev_.ops().fill(w + b, 0.0f, dw);
     if (l.kind == LayerKind::batchnorm && bn && bn->all_reduce)
       batchnorm_backward(i, nullptr, nullptr, nullptr, dw, dw + w, 0);
+    if (accumulating_) dev_.ops().add(w + b, dw, blocks(i));
     dev_.synchronize();
     if (on_ready) on_ready(i);
   };

@@ -58,11 +58,16 @@ struct ParameterBlocks {
 class Network {
  public:
   // chunk: samples per chunk of the prefix; 0: the whole batch at once; -1: what the device's Ops prefer.
-  Network(const ModelSpec& spec, Device& device, int max_batch, int chunk = -1);
+  // accumulates: backward may be told to add its gradients (set_accumulating).
+  Network(const ModelSpec& spec, Device& device, int max_batch, int chunk = -1, bool accumulates = false);
   // The per-sample prefix: the layers before the first flatten, linear or BatchNorm layer. Chunked,
   // backward writes the gradients of all its layers from the first chunk on, and each is ready after
   // the last.
   static int prefix_layers(const ModelSpec& spec);
+  // From now on backward adds each layer's gradients to what is where they go instead of overwriting
+  // it (--accumulate's micro-batches after the first; a network built to accumulate). A layer's are
+  // written to a scratch of the largest layer's and added: the kernels' GEMMs and sums overwrite.
+  void set_accumulating(bool on);
 
   // x (n, C, H, W) -> logits (n, classes), which live in this network's activations. A model with
   // BatchNorm needs `bn`; its backward follows a training forward.
@@ -91,17 +96,20 @@ class Network {
   const ModelSpec& spec_;
   Device& dev_;
   int max_batch_;
-  int prefix_ = 0;                     // layers [0, prefix_) are the per-sample prefix
-  std::vector<int> steps_;             // the prefix as steps: first layer of each, 3 layers when fused
-  bool fused(int i) const;             // layers i, i+1, i+2 are conv, activation, average pooling
-  int chunk_ = 0;                      // samples per chunk of the prefix; 0: the whole batch at once
-  std::vector<Buffer> acts_;           // per layer: its output, (max_batch, out_size); none for flatten
-  std::vector<Buffer> argmax_;         // per max-pool layer: (max_batch, out_size) indices
-  Buffer grad_a_, grad_b_;             // ping-pong activation gradients, (max_batch, largest layer); with
-                                       // chunks, (max_batch, largest layer after the prefix)
-  Buffer chunk_a_, chunk_b_;           // with chunks: the prefix's ping-pong, (chunk_, largest prefix layer)
-  Buffer workspace_;                   // conv scratch
-  Buffer chunk_grads_;                 // a chunk's weight and bias gradients of one prefix layer, summed into grads
+  int prefix_ = 0;              // layers [0, prefix_) are the per-sample prefix
+  std::vector<int> steps_;      // the prefix as steps: first layer of each, 3 layers when fused
+  bool fused(int i) const;      // layers i, i+1, i+2 are conv, activation, average pooling
+  int chunk_ = 0;               // samples per chunk of the prefix; 0: the whole batch at once
+  std::vector<Buffer> acts_;    // per layer: its output, (max_batch, out_size); none for flatten
+  std::vector<Buffer> argmax_;  // per max-pool layer: (max_batch, out_size) indices
+  Buffer grad_a_, grad_b_;      // ping-pong activation gradients, (max_batch, largest layer); with
+                                // chunks, (max_batch, largest layer after the prefix)
+  Buffer chunk_a_, chunk_b_;    // with chunks: the prefix's ping-pong, (chunk_, largest prefix layer)
+  Buffer workspace_;            // conv scratch
+  // A chunk's weight and bias gradients of one prefix layer, summed into grads; accumulating, any
+  // layer's, added to where they go.
+  Buffer sum_grads_;
+  bool accumulates_ = false, accumulating_ = false;
   const float* input_ = nullptr;       // the x of the last forward
   std::vector<Buffer> bn_stats_;       // per batchnorm layer: the batch's mean and biased variance, (2, C)
   Buffer bn_sums_;                     // a batchnorm backward's two gradient sums, (2, largest C)

@@ -57,8 +57,9 @@ const char* Strategy::phase_name(Phase p) const {
   return names[int(p)];
 }
 
-StepContext::StepContext(Engine& engine, int rank, const StagedBatch& batch, const std::vector<int>& sizes)
-    : engine_(engine), rank_(rank), batch_rows_(batch), sizes_(sizes), batch_(0) {
+StepContext::StepContext(Engine& engine, int rank, const StagedBatch& batch, const std::vector<int>& sizes,
+                         const MicroBatch& micro)
+    : engine_(engine), rank_(rank), batch_rows_(batch), sizes_(sizes), batch_(0), micro_(micro) {
   for (int s : sizes) batch_ += s;
 }
 

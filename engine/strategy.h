@@ -61,6 +61,9 @@ inline constexpr int kStats = 3, kNonfinite = 2;
 struct Replica {
   Buffer params;  // (P), padded under zero1 (Strategy::zero_stage)
   Buffer grads;   // (P), padded likewise; under zero2 the device's chunks alone
+  // (P) under zero2 and zero3 with --accumulate: the whole gradient of the step's micro-batches so
+  // far, which backward adds to until the last reduce-scatters it (FSDP's no_sync holds it likewise).
+  Buffer accumulated;
   // (P) each, on a device that steps the optimizer: its state (optimizer_state_names: SGD's momentum
   // buffer, Adam's two moments; none for SGD at momentum 0); the owned chunk's alone when sharded.
   std::vector<Buffer> state;
@@ -81,19 +84,29 @@ struct Replica {
   Buffer gathered_grad;  // (B, C) and their gradients
 };
 
-// A batch as Engine::stage took it: the host rows, and the upload slot it goes to.
+// A batch as Engine::stage took it: the host rows, and the upload slot it goes to. A step's
+// micro-batch (EngineConfig::accumulate) is one too, its rows among the step's.
 struct StagedBatch {
   const float* x;
   const int32_t* y;
   int n;
-  int slot;  // Replica::batch[slot]; always 0 without prefetch
+  int slot;            // Replica::batch[slot]; always 0 without prefetch
+  bool ahead = false;  // uploaded on the copy stream while the step before ran (prefetch)
+};
+
+// Where a micro-batch stands in its optimizer step (EngineConfig::accumulate): the k-th of `count`,
+// and the step's images over all of them (its loss weight is 1/images).
+struct MicroBatch {
+  int index = 0, count = 1;
+  int images = 0;
 };
 
 // One device's part of one training step: what a strategy's step() works with. The engine builds one
 // per device per step, on that device's compute thread.
 class StepContext {
  public:
-  StepContext(Engine& engine, int rank, const StagedBatch& batch, const std::vector<int>& sizes);
+  StepContext(Engine& engine, int rank, const StagedBatch& batch, const std::vector<int>& sizes,
+              const MicroBatch& micro);
   int rank() const { return rank_; }  // the device, among the engine's
   Device& device() const;
   Replica& replica() const;
@@ -101,9 +114,15 @@ class StepContext {
   const ModelSpec& spec() const;
   const EngineConfig& config() const;
   const std::vector<int>& sizes() const { return sizes_; }  // every device of the job's share of the batch
-  int batch() const { return batch_; }                      // B: the step's global batch
+  int batch() const { return batch_; }                      // B: the (micro-)batch's global size
   int mine() const;                                         // this device's share of it
-  const Replica::Upload& upload() const;                    // where this step's rows were uploaded
+  // With --accumulate: the micro-batch among its optimizer step's. Backward adds its gradients to
+  // those of the micro-batches before (Network::set_accumulating) from the second on, and the
+  // gradients are communicated and the optimizer stepped at the last alone (scatter: reduced each time).
+  const MicroBatch& micro() const { return micro_; }
+  bool last_micro() const { return micro_.index + 1 == micro_.count; }
+  int images() const { return micro_.images; }  // the optimizer step's: the loss is weighted 1/images
+  const Replica::Upload& upload() const;        // where this step's rows were uploaded
   // Runs `work` as phase p of the step, timed on the device (Recorder::phase).
   void phase(Phase p, const std::function<void()>& work);
   // The batch onto this device: its upload on the compute stream or, with prefetch, the compute
@@ -131,6 +150,7 @@ class StepContext {
   const StagedBatch& batch_rows_;
   const std::vector<int>& sizes_;
   int batch_;
+  MicroBatch micro_;
 };
 
 // What a device of the strategy holds of one category beyond what every replica holds (the bytes its

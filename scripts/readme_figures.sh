@@ -71,6 +71,7 @@ quick() {
   line=${line//build\/dp_bench bn/build/dp_bench bn --steps 2 --per-device 16,64 --limit-train 1024 --limit-test 256}
   line=${line//build\/dp_bench scale/build/dp_bench scale --steps 2 --warmup 1 --repeats 1}
   line=${line//bench\/scale_processes.sh/bench/scale_processes.sh 1}
+  line=${line//bench\/accumulate.sh/bench/accumulate.sh 1 1024}
   /usr/bin/python3 -c "import matplotlib" 2> /dev/null || line=$(sed 's/--plot [^ |;]*//g' <<< "$line")
   echo "$line"
 }

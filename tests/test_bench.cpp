@@ -364,3 +364,33 @@ TEST_CASE("dp_bench ops - the ops' microseconds fit in the step and conv and lin
 }
 
 #endif  // DP_BENCH_BIN
+
+TEST_CASE(
+    "dp_bench compare - --accumulate: the gradients travel once a step, scatter's every micro-batch, on the model") {
+  TempDir dir;
+  std::vector<json> runs;
+  for (int accumulate : {1, 3}) {
+    const std::string log = dir / ("acc" + std::to_string(accumulate) + ".log");
+    const std::string out = dir / ("a" + std::to_string(accumulate) + ".json");
+    int rc = bench("compare --devices 3 --batch 12 --steps 1 --warmup 0 --alpha-us 5 --beta-gbps 10 --accumulate " +
+                       std::to_string(accumulate) + " --json '" + out + "'",
+                   log);
+    INFO(slurp(log));
+    REQUIRE(rc == 0);
+    runs.push_back(load(out));
+    CHECK(runs.back()["match"] == true);  // measured bytes equal the byte model, micro-batches and all
+    CHECK(runs.back()["config"]["step_images"] == 12 * accumulate);
+  }
+  const json &one = runs[0]["runs"][0]["strategies"], &three = runs[1]["runs"][0]["strategies"];
+  REQUIRE(one.size() == three.size());
+  for (size_t i = 0; i < one.size(); ++i) {
+    const std::string name = one[i]["strategy"];
+    CAPTURE(name);
+    const int64_t sent1 = one[i]["devices"][1]["bytes_sent"], sent3 = three[i]["devices"][1]["bytes_sent"];
+    CHECK(sent3 == (name == "scatter" ? 3 * sent1 : name == "zero3" ? sent3 : sent1));
+    if (name == "zero3") CHECK(sent3 > sent1);  // its weights gathered for every micro-batch's passes
+  }
+  int rc = bench("compare --devices 2 --batch 12 --steps 1 --accumulate 0", dir / "bad.log");
+  CHECK(rc == 2);
+  CHECK(slurp(dir / "bad.log").find("--accumulate: 0 micro-batches per step; give at least 1") != std::string::npos);
+}

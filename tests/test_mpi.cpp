@@ -39,11 +39,13 @@ TEST_CASE("mpi: P processes x K devices train as one process with P*K devices, r
   };
   // 24 over 4 devices even; --batch 10 over 2x2 with chunk: 3/3/3/1; buckets overlapped with backward;
   // 3 processes of one device; the ZeRO stages (their shards across processes, the momentum gathered
-  // on save; zero3's weights gathered on save, for --verify and for the report's hashes too).
+  // on save; zero3's weights gathered on save, for --verify and for the report's hashes too); --accumulate
+  // (each process holds the step's every row, its devices' spread over the micro-batches).
   for (const Case& c :
        {Case{2, 1, ""}, Case{2, 2, ""}, Case{2, 2, "--batch 10 --split chunk"}, Case{2, 2, "--bucket-kb 16"},
         Case{3, 1, "--split chunk"}, Case{2, 1, "--sync zero1"}, Case{2, 2, "--sync zero1 --batch 10 --split chunk"},
-        Case{2, 2, "--sync zero2"}, Case{2, 2, "--sync zero3 --verify"}}) {
+        Case{2, 2, "--sync zero2"}, Case{2, 2, "--sync zero3 --verify"},
+        Case{2, 2, "--accumulate 3 --batch 10 --split chunk"}, Case{2, 1, "--sync zero2 --accumulate 2 --verify"}}) {
     CAPTURE(c.processes);
     CAPTURE(c.devices);
     CAPTURE(c.extra);

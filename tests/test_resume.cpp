@@ -131,6 +131,19 @@ TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: ada
   check_resume_chain("--optimizer adam --lr 0.002 --model lenet-bn --devices 3 --sync zero3");
 }
 
+// --accumulate: a step is micro-batches of 32, 64 or 96 images in all (the epoch's last: 56 as 32 + 24, or
+// 24 alone); an interrupted run saved between steps restarts at the next step's first micro-batch.
+TEST_CASE(
+    "resume is bit-exact at every later step, across epoch boundaries: --accumulate 2, lenet-bn, 2-device allreduce") {
+  check_resume_chain("--accumulate 2 --model lenet-bn --devices 2 --sync allreduce");
+}
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: --accumulate 3, 2-device scatter") {
+  check_resume_chain("--accumulate 3 --devices 2 --sync scatter");
+}
+TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: --accumulate 3, adam, 3-device zero3") {
+  check_resume_chain("--accumulate 3 --optimizer adam --lr 0.002 --devices 3 --sync zero3");
+}
+
 TEST_CASE("resume on another strategy or device count runs, with a one-line warning") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 120, 32);

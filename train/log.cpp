@@ -81,7 +81,7 @@ void TrainLog::write_line(const std::string& line) {
 }
 
 void TrainLog::step(int64_t step, int epoch, const StepResult& r, double lr, const PhaseSeconds& phases, bool last) {
-  ++steps_, images_ += r.n, loss_sum_ += r.loss * r.n;
+  ++steps_, images_ += r.n, micro_batches_ += r.micro_batches, loss_sum_ += r.loss * r.n;
   lr_ = json_float(float(lr));
   last_step_ = step, epoch_ = epoch;
   if (last || step % every_ == 0) flush(phases);
@@ -95,6 +95,8 @@ void TrainLog::flush(const PhaseSeconds& phases) {
                               {"step", last_step_},
                               {"epoch", epoch_},
                               {"loss", images_ ? loss_sum_ / double(images_) : 0.0},
+                              {"images", images_},                // since the record before
+                              {"micro_batches", micro_batches_},  // --accumulate's, likewise
                               {"images_per_second", seconds > 0 ? double(images_) / seconds : 0.0},
                               {"elapsed_s", elapsed_before_ + std::chrono::duration<double>(now - start_).count()},
                               {"lr", lr_},
@@ -102,7 +104,7 @@ void TrainLog::flush(const PhaseSeconds& phases) {
   failpoint::at("log", last_step_);
   write_line(j.dump() + "\n");
   recorded_step_ = last_step_;
-  steps_ = images_ = 0;
+  steps_ = images_ = micro_batches_ = 0;
   loss_sum_ = paused_ = 0;
   interval_start_ = now;
   interval_phases_ = phases;

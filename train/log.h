@@ -61,7 +61,7 @@ class TrainLog {
   PhaseSeconds interval_phases_;
   // The interval since the last step record: its steps, images, sum of loss * images, and the
   // evaluation time inside it.
-  int64_t steps_ = 0, images_ = 0, last_step_ = 0, recorded_step_ = 0;
+  int64_t steps_ = 0, images_ = 0, micro_batches_ = 0, last_step_ = 0, recorded_step_ = 0;
   int epoch_ = 0;
   double loss_sum_ = 0, paused_ = 0;
   double elapsed_before_ = 0;  // a resumed run's: the kept records' training time

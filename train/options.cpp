@@ -230,6 +230,12 @@ void add_training(CLI::App& app, TrainOptions& o, TrainText& t) {
       ->type_name("K")
       ->transform(exact_integer<int>());
   app.add_option("--batch", o.batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
+  app.add_option("--accumulate", o.accumulate,
+                 "Micro-batches of --batch images per optimizer step: the gradients add up on each device and are "
+                 "communicated once per step (DDP's no_sync; scatter reduces every micro-batch)")
+      ->capture_default_str()
+      ->type_name("N")
+      ->transform(exact_integer<int>());
   auto* epochs =
       app.add_option("--epochs", o.epochs, "Epochs to train")->capture_default_str()->transform(exact_integer<int>());
   app.add_option("--steps", o.steps, "Train this many steps instead of whole epochs")

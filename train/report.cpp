@@ -10,6 +10,7 @@
 #include "engine/error.h"
 #include "engine/optimizer.h"
 #include "train/output_files.h"
+#include "train/setup.h"
 
 namespace dp {
 namespace {
@@ -75,6 +76,8 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
           {"width", spec.width},
           {"parameters", spec.param_count},
           {"batch", o.batch},
+          {"accumulate", o.accumulate},
+          {"step_images", o.step_images()},
           {"steps", steps},
           {"optimizer", optimizer_name(o.optimizer)},
           {"lr", json_float(o.lr)},
@@ -139,6 +142,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                       {"load_wait_seconds", result.load_wait_seconds},
                       {"devices", device_report(engine)},
                       {"notes", device_notes()}};
+  if (o.accumulate > 1) j["accumulation"] = accumulation_note(o);  // what it does under this strategy
   if (o.verify)
     j["verify"] = {
         {"max_abs_diff", result.verify_max_diff}, {"tolerance", result.verify_tolerance}, {"ok", result.verify_ok}};

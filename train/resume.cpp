@@ -94,6 +94,7 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
   id.required = {{"seed", std::to_string(o.seed)},
                  {"shuffle", o.shuffle ? "1" : "0"},
                  {"batch", std::to_string(o.batch)},
+                 {"accumulate", std::to_string(o.accumulate)},
                  {"train_samples", std::to_string(train_set.count)},
                  {"train_labels_crc32", std::to_string(labels_crc)}};
   id.exact_only = {{"sync", o.sync},

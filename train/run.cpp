@@ -235,7 +235,7 @@ Interrupted Run::interrupted(int sig) {
 
 void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   Progress progress(!o_.quiet);  // cleared when this returns or throws
-  LoaderPlan lp{o_.batch, plan_.per_epoch, step_, plan_.total_steps, o_.seed, o_.shuffle, {}, {}};
+  LoaderPlan lp{int(o_.step_images()), plan_.per_epoch, step_, plan_.total_steps, o_.seed, o_.shuffle, {}, {}};
   // Across processes, this process's rows only; but rank 0 under --verify (the one process with a
   // Verifier) loads the whole batch for the reference, of which its engine's rows are the first
   // (Engine::slice starts at row 0 on rank 0).

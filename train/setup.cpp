@@ -20,6 +20,12 @@ void check_options(const TrainOptions& o, bool lead) {
   if (o.batch <= 0)
     throw UsageError("--batch: " + std::to_string(o.batch) +
                      " is not a batch size; give a positive number of images, e.g. 256");
+  if (o.accumulate <= 0)
+    throw UsageError("--accumulate: " + std::to_string(o.accumulate) +
+                     " is not a number of micro-batches; give at least 1 (1: every batch is a step)");
+  if (o.step_images() > std::numeric_limits<int>::max())
+    throw UsageError("--accumulate " + std::to_string(o.accumulate) + " with --batch " + std::to_string(o.batch) +
+                     ": a step of more than 2^31 - 1 images; give fewer micro-batches");
   if (o.epochs <= 0 && o.steps <= 0) throw UsageError("--epochs: must be at least 1 (or give --steps)");
   if (o.steps < 0) throw UsageError("--steps: must be positive");
   if (!std::isfinite(o.lr) || o.lr <= 0) throw UsageError("--lr: must be a positive finite number, e.g. 0.1");
@@ -83,7 +89,9 @@ LrSchedule lr_schedule(const TrainOptions& o, int64_t total_steps) {
 // records and the report count in.
 Schedule schedule(const TrainOptions& o, int64_t train_count) {
   Schedule s;
-  s.per_epoch = train_count / o.batch + (train_count % o.batch != 0);
+  // A step trains on batch·accumulate images (the epoch's last on what is left).
+  const int64_t step = o.step_images();
+  s.per_epoch = train_count / step + (train_count % step != 0);
   s.total_steps = o.steps > 0 ? o.steps : s.per_epoch * o.epochs;
   const int64_t epochs = s.total_steps / s.per_epoch + (s.total_steps % s.per_epoch != 0);
   if (epochs > std::numeric_limits<int>::max())
@@ -114,6 +122,7 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   ec.optimizer = o.optimizer, ec.beta1 = o.beta1, ec.beta2 = o.beta2, ec.eps = o.eps;
   ec.momentum = o.momentum, ec.weight_decay = o.weight_decay, ec.bucket_kb = o.bucket_kb, ec.trace = !o.trace.empty();
   ec.sync_bn = o.sync_bn;
+  ec.accumulate = o.accumulate;
   ec.clip_grad_norm = o.clip_grad_norm;
   ec.all_reduce = o.all_reduce;
   ec.timeout = o.timeout;
@@ -196,6 +205,28 @@ void check_model_fits(const TrainOptions& o, const ModelSpec& spec, const Device
                              : "not even width 1 fits; give more memory"));
 }
 
+void check_accumulate(const TrainOptions& o, int job_devices) {
+  if (o.accumulate > 1 && o.batch < job_devices)
+    throw UsageError("--accumulate " + std::to_string(o.accumulate) + ": micro-batches of --batch " +
+                     std::to_string(o.batch) + " leave some of the " + std::to_string(job_devices) +
+                     " devices without samples in every one; give --batch " + std::to_string(job_devices) +
+                     " or more (the step's images are --batch x --accumulate)");
+}
+
+std::string accumulation_note(const TrainOptions& o) {
+  if (o.accumulate <= 1) return "";
+  const Strategy& s = find_strategy(o.sync);
+  const std::string step = "a step is " + std::to_string(o.accumulate) + " micro-batches of " +
+                           std::to_string(o.batch) + " images, " + std::to_string(o.step_images()) + " in all; ";
+  if (!s.steps_optimizer(1))  // scatter: nn.DataParallel
+    return step +
+           "scatter reduces the gradients to device 0 every micro-batch, as nn.DataParallel's backward does, "
+           "and device 0 adds them up and steps the optimizer once";
+  return step + "each device adds its gradients up over them and " + s.name() + " " + s.reduces() +
+         " once a step, at the last micro-batch (DDP's no_sync)" +
+         (s.zero_stage() >= 2 ? "; meanwhile each device holds the whole gradient, as FSDP's no_sync does" : "");
+}
+
 // BatchNorm in training divides by the count's variance less one: a replica normalising one sample
 // (PyTorch: "Expected more than 1 value per channel when training") is refused before any step, for
 // the full batch and, where the run gets there, the epoch's last, smaller one. With --sync-bn only
@@ -215,8 +246,9 @@ void check_batchnorm(const TrainOptions& o, const ModelSpec& spec, const Schedul
         "--verify: with BatchNorm each of the " + std::to_string(devices) +
         " devices normalises its own samples, which one device on the full batch does not: the runs differ by "
         "more than summation order. Add --sync-bn (then they match), or run --verify on one device");
+  // The micro-batches (--accumulate): --batch's, and the last of the epoch's last step.
   const int64_t batch = std::min<int64_t>(o.batch, train_count);
-  const int64_t last = plan.total_steps >= plan.per_epoch ? train_count % batch : 0;
+  const int64_t last = plan.total_steps >= plan.per_epoch ? train_count % o.step_images() % batch : 0;
   for (int64_t b : {batch, last}) {
     if (b == 0) continue;
     const std::string which = (b == batch ? "a batch of " : "the epoch's last batch of ") + std::to_string(b);

@@ -49,6 +49,11 @@ void check_model_fits(const TrainOptions& o, const ModelSpec& spec, const Device
 // Before any device is made: more simulated devices than this process's memory holds (each a thread
 // holding at least the model's state), UsageError naming how many fit. `processes`: of the job.
 void check_simulated_devices(const TrainOptions& o, const ModelSpec& spec, int processes, int64_t train_count);
+// --accumulate with a micro-batch smaller than the job's devices: UsageError (a device would idle in
+// every micro-batch of every step, which accumulation exists to avoid: give it the larger --batch).
+void check_accumulate(const TrainOptions& o, int job_devices);
+// What --accumulate does under the run's strategy, in a line ("" without it): printed and reported.
+std::string accumulation_note(const TrainOptions& o);
 void check_batchnorm(const TrainOptions& o, const ModelSpec& spec, const Schedule& plan, int64_t train_count,
                      int devices);
 std::vector<Device*> pointers(const DeviceSet& set);

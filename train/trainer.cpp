@@ -66,6 +66,7 @@ Prepared prepare(const TrainOptions& opt, ProcessGroup* g) {
   DeviceSet devs = make_devices(opt.devices);
   const int job_devices = int(devs.devices.size()) * (g ? g->size() : 1);
   check_model_fits(opt, spec, devs, job_devices, data.train.count);
+  check_accumulate(opt, job_devices);
   check_batchnorm(opt, spec, plan, data.train.count, job_devices);
   RunIdentity id = run_identity(opt, data.train, kind_name(devs.devices[0]->kind()), job_devices, plan.lr);
   // Step 0 and no weights without --resume. Across processes rank 0 alone reads the checkpoint; the
@@ -176,6 +177,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   if (!opt.quiet) std::printf("%s\n", p.devs.notice.c_str());
   if (!opt.quiet && g) print_world(*g, int(p.devs.devices.size()));
   if (!opt.quiet && !p.plan.lr.is_constant()) std::printf("lr schedule: %s\n", p.plan.lr.describe().c_str());
+  if (!opt.quiet && opt.accumulate > 1) std::printf("accumulate: %s\n", accumulation_note(opt).c_str());
   EngineConfig ec = engine_config(opt, p.data.train.count);
   ec.group = g;
   Engine engine(pointers(p.devs), p.spec, ec);

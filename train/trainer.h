@@ -19,6 +19,10 @@ struct TrainOptions {
   std::string model = "lenet";
   int width = 1;  // --width: the model's channels and hidden widths times this (make_model)
   int batch = 256;
+  // --accumulate: micro-batches of `batch` images per optimizer step (EngineConfig::accumulate); a step,
+  // --steps, --save-every and every count of steps are optimizer steps of batch·accumulate images
+  int accumulate = 1;
+  int64_t step_images() const { return int64_t(batch) * accumulate; }
   int epochs = 10;
   int64_t steps = 0;                     // when > 0, train this many steps instead of `epochs`
   Optimizer optimizer = Optimizer::sgd;  // --optimizer (engine/optimizer.h)

@@ -35,7 +35,9 @@ class AllReduce final : public OwnBatch {
         comm.all_reduce_async(r, rep.grads.f() + buckets[size_t(b)].offset, buckets[size_t(b)].count,
                               s.bucket_timing(b));
     };
-    forward_backward(s, buckets.empty() ? std::function<void(int)>() : on_ready);
+    // --accumulate (DDP's no_sync): the gradients stay on the device until the step's last micro-batch.
+    forward_backward(s, buckets.empty() || !s.last_micro() ? std::function<void(int)>() : on_ready);
+    if (!s.last_micro()) return;
     s.phase(Phase::reduce, [&] {
       if (buckets.empty())
         comm.all_reduce(r, rep.grads.f(), P);
@@ -77,8 +79,12 @@ class AllReduce final : public OwnBatch {
   std::vector<CollectiveTraffic> step_collectives(const StepShape& s) const override {
     ByteModel m(s.devices(), s.all_reduce);
     if (s.devices() == 1) return m.take();
-    m.batchnorm(s.spec, s.sync_bn, false);
-    m.batchnorm(s.spec, s.sync_bn, true);
+    for (int k = 0; k < s.micro_batches; ++k) {  // --accumulate: BatchNorm's every micro-batch
+      m.micro_batch(k, s.micro_batches);
+      m.batchnorm(s.spec, s.sync_bn, false);
+      m.batchnorm(s.spec, s.sync_bn, true);
+    }
+    m.micro_batch(-1, s.micro_batches);
     std::vector<Bucket> bs = s.buckets;
     if (bs.empty()) bs.push_back({0, s.spec.param_count, 0});
     for (size_t b = 0; b < bs.size(); ++b)

@@ -21,7 +21,7 @@ std::pair<int, int> OwnBatch::upload_rows(const std::vector<int>& sizes, int fir
 
 void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& ready, const GradientBlocks* blocks,
                                 const ParameterBlocks* params) {
-  const int r = s.rank(), B = s.batch(), mine = s.mine();
+  const int r = s.rank(), mine = s.mine();
   Replica& rep = s.replica();
   Ops& ops = s.device().ops();
   const int64_t C = s.spec().classes;
@@ -40,11 +40,15 @@ void OwnBatch::forward_backward(StepContext& s, const std::function<void(int)>& 
     else
       rep.net->forward_without_samples(&bn, params);
   });
-  // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly.
+  // Scaled by 1/B, not 1/mine: the shards' gradients then sum to the full batch's exactly (B: the
+  // optimizer step's images, every micro-batch's; the loss and correct count add up over them).
   s.phase(Phase::gather_loss, [&] {
-    ops.fill(kStats, 0.0f, rep.stats.f());
-    if (mine > 0) ops.softmax_xent(mine, int(C), logits, up.y.i32(), 1.0f / float(B), rep.dlogits.f(), rep.stats.f());
+    if (s.micro().index == 0) ops.fill(kStats, 0.0f, rep.stats.f());
+    if (mine > 0)
+      ops.softmax_xent(mine, int(C), logits, up.y.i32(), 1.0f / float(s.images()), rep.dlogits.f(), rep.stats.f());
   });
+  // After the first micro-batch each layer's gradients add to the step's so far, wherever they are.
+  rep.net->set_accumulating(s.micro().index > 0);
   s.phase(Phase::backward, [&] {
     if (blocks && params && mine > 0)
       rep.net->backward(*params, *blocks, rep.dlogits.f(), mine, ready, &bn);

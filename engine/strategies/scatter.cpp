@@ -74,13 +74,16 @@ class Scatter final : public Strategy {
     });
     s.phase(Phase::gather_loss, [&] {
       comm.gather(r, logits, rep.gathered.f(), out_counts, 0);
-      if (r == 0) {
-        ops.fill(kStats, 0.0f, rep.stats.f());
-        ops.softmax_xent(B, int(C), rep.gathered.f(), up.y.i32(), 1.0f / float(B), rep.gathered_grad.f(),
+      if (r == 0) {  // weighted by the optimizer step's images, every micro-batch's (--accumulate)
+        if (s.micro().index == 0) ops.fill(kStats, 0.0f, rep.stats.f());
+        ops.softmax_xent(B, int(C), rep.gathered.f(), up.y.i32(), 1.0f / float(s.images()), rep.gathered_grad.f(),
                          rep.stats.f());
       }
       comm.scatter(r, r == 0 ? rep.gathered_grad.f() : nullptr, rep.dlogits.f(), out_counts, 0);
     });
+    // --accumulate: every micro-batch's gradients are reduced to device 0, as nn.DataParallel's are at
+    // each backward, where they add to the step's so far; the others' start afresh each time.
+    rep.net->set_accumulating(r == 0 && s.micro().index > 0);
     s.phase(Phase::backward, [&] {
       // A device without samples (batch smaller than the device count) contributes zeros.
       if (mine > 0)
@@ -90,6 +93,7 @@ class Scatter final : public Strategy {
         rep.net->backward_without_samples(rep.grads.f(), {}, &bn);
     });
     s.phase(Phase::reduce, [&] { comm.reduce(r, rep.grads.f(), P, 0); });
+    if (!s.last_micro()) return;
     s.phase(Phase::optimizer, [&] {
       if (r != 0) return;
       const EngineConfig& c = s.config();
@@ -125,13 +129,16 @@ class Scatter final : public Strategy {
     if (s.devices() == 1) return m.take();
     std::vector<int64_t> inputs, logits;
     for (int n : s.sizes) inputs.push_back(n * s.spec.input_size()), logits.push_back(n * int64_t(s.spec.classes));
-    m.rooted(Collective::scatter, "input chunks", true, inputs);
-    m.rooted(Collective::broadcast, "parameters", true, s.spec.param_count);
-    m.batchnorm(s.spec, s.sync_bn, false);
-    m.rooted(Collective::gather, "logits", false, logits);
-    m.rooted(Collective::scatter, "logit gradients", true, logits);
-    m.batchnorm(s.spec, s.sync_bn, true);
-    m.rooted(Collective::reduce, "gradients", false, s.spec.param_count);
+    for (int k = 0; k < s.micro_batches; ++k) {  // --accumulate: all of it every micro-batch, as DataParallel
+      m.micro_batch(k, s.micro_batches);
+      m.rooted(Collective::scatter, "input chunks", true, inputs);
+      m.rooted(Collective::broadcast, "parameters", true, s.spec.param_count);
+      m.batchnorm(s.spec, s.sync_bn, false);
+      m.rooted(Collective::gather, "logits", false, logits);
+      m.rooted(Collective::scatter, "logit gradients", true, logits);
+      m.batchnorm(s.spec, s.sync_bn, true);
+      m.rooted(Collective::reduce, "gradients", false, s.spec.param_count);
+    }
     return m.take();
   }
 

@@ -63,6 +63,10 @@ std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig&
                                : ", and the buckets alive at once: the one being reduce-scattered and those "
                                  "backward writes") +
                    " (the convolutions' together), " + commas(alive) + " floats (padded)"});
+  if (c.accumulate > 1)
+    h.push_back({Category::gradients, spec.param_count * F,
+                 "--accumulate: the whole gradient of the step's micro-batches so far, " + commas(spec.param_count) +
+                     " floats, as FSDP's no_sync holds it"});
   if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
     h.push_back({Category::optimizer, states * owned * F,
                  "1/" + std::to_string(n) + " of every layer's " + optimizer_state_text(c) +
@@ -70,10 +74,17 @@ std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig&
   return h;
 }
 
+// With --accumulate backward writes every micro-batch's gradients into the device's whole
+// accumulated gradient (Replica::accumulated), the second and later adding on; in the last
+// micro-batch's backward a bucket, once ready, is copied from there into its buffer and
+// reduce-scattered as without.
 BucketReducer::BucketReducer(StepContext& s)
     : s_(s), bucket_(s.units().size()), prefix_(Network::prefix_layers(s.spec())) {
   for (const Bucket& b : s.buckets()) remaining_.push_back(b.layers);
-  blocks_ = [this](int layer) {
+  auto offset = [this](int layer) { return s_.spec().params[size_t(s_.spec().layers[size_t(layer)].weight)].offset; };
+  float* whole = s.config().accumulate > 1 ? s.replica().accumulated.f() : nullptr;
+  blocks_ = [this, whole, offset](int layer) {
+    if (whole) return whole + offset(layer);
     const size_t u = size_t(s_.layer_bucket(layer));
     // The prefix's buckets all at once, as its first chunk needs them when the prefix runs in chunks:
     // what a device holds is then the same whether it does or not.
@@ -81,14 +92,18 @@ BucketReducer::BucketReducer(StepContext& s)
       for (int i = 0; i < prefix_; ++i)
         if (s_.spec().layers[size_t(i)].weight >= 0) allocate(size_t(s_.layer_bucket(i)));
     allocate(u);
-    return bucket_[u].f() +
-           (s_.spec().params[size_t(s_.spec().layers[size_t(layer)].weight)].offset - s_.units()[u].offset);
+    return bucket_[u].f() + (offset(layer) - s_.units()[u].offset);
   };
-  ready_ = [this](int layer) {
+  if (whole && !s.last_micro()) return;  // nothing communicated until the step's last micro-batch
+  ready_ = [this, whole](int layer) {
     const int u = s_.layer_bucket(layer);
     if (--remaining_[size_t(u)] > 0) return;
     finish();
     const ShardUnit& unit = s_.units()[size_t(u)];
+    if (whole) {
+      allocate(size_t(u));
+      s_.device().copy(bucket_[size_t(u)].f(), whole + unit.offset, size_t(unit.count) * sizeof(float));
+    }
     s_.comm().reduce_scatter_async(s_.rank(), bucket_[size_t(u)].f(), unit.chunk, s_.replica().grads.f() + unit.owned,
                                    s_.bucket_timing(u));
     in_flight_ = u;

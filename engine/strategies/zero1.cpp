@@ -30,6 +30,7 @@ class Zero1 final : public OwnBatch {
     const ShardUnit& unit = s.units()[0];  // the whole model, its flat buffers padded to n chunks
     const int64_t chunk = unit.chunk, first = chunk * s.shard();
     forward_backward(s, {});
+    if (!s.last_micro()) return;  // --accumulate: reduce-scattered once, after the last micro-batch
     s.phase(Phase::reduce, [&] { comm.reduce_scatter(r, rep.grads.f(), chunk); });
     s.phase(Phase::optimizer, [&] {
       // Each device checks the chunk it owns, the one chunk of the global gradient it holds.
@@ -59,8 +60,12 @@ class Zero1 final : public OwnBatch {
     ByteModel m(s.devices(), s.all_reduce);
     if (s.devices() == 1) return m.take();
     const int64_t chunk = shard_chunk(s.spec.param_count, s.devices());
-    m.batchnorm(s.spec, s.sync_bn, false);
-    m.batchnorm(s.spec, s.sync_bn, true);
+    for (int k = 0; k < s.micro_batches; ++k) {  // --accumulate: BatchNorm's every micro-batch
+      m.micro_batch(k, s.micro_batches);
+      m.batchnorm(s.spec, s.sync_bn, false);
+      m.batchnorm(s.spec, s.sync_bn, true);
+    }
+    m.micro_batch(-1, s.micro_batches);
     m.sharded(Collective::reduce_scatter, "gradients", chunk);
     if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
     m.sharded(Collective::all_gather, "parameters", chunk);

@@ -39,6 +39,7 @@ class Zero2 final : public OwnBatch {
     {
       BucketReducer reduce(s);  // each bucket's gradient buffer freed once its reduce-scatter is done
       forward_backward(s, reduce.ready(), &reduce.blocks());
+      if (!s.last_micro()) return;  // --accumulate: reduce-scattered once, in the last micro-batch's backward
       s.phase(Phase::reduce, [&] { reduce.finish(); });
       s.close_buckets();
     }
@@ -78,8 +79,12 @@ class Zero2 final : public OwnBatch {
     ByteModel m(s.devices(), s.all_reduce);
     if (s.devices() == 1) return m.take();
     const std::vector<ShardUnit> units = shard_units(s.buckets, s.devices());
-    m.batchnorm(s.spec, s.sync_bn, false);
-    m.batchnorm(s.spec, s.sync_bn, true);
+    for (int k = 0; k < s.micro_batches; ++k) {  // --accumulate: BatchNorm's every micro-batch
+      m.micro_batch(k, s.micro_batches);
+      m.batchnorm(s.spec, s.sync_bn, false);
+      m.batchnorm(s.spec, s.sync_bn, true);
+    }
+    m.micro_batch(-1, s.micro_batches);
     for (size_t u = 0; u < units.size(); ++u)
       m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
     if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);

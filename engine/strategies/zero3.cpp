@@ -38,6 +38,7 @@ class Zero3 final : public OwnBatch {
       BucketReducer reduce(s);
       LayerGatherer gather(s, &reduce);  // forward's layers, then backward's, each gathered and freed in turn
       forward_backward(s, reduce.ready(), &reduce.blocks(), &gather.blocks());
+      if (!s.last_micro()) return;  // --accumulate: as zero2; the weights are gathered every micro-batch
       s.phase(Phase::reduce, [&] { reduce.finish(); });
       s.close_buckets();
     }
@@ -69,14 +70,21 @@ class Zero3 final : public OwnBatch {
     ByteModel m(s.devices(), s.all_reduce);
     if (s.devices() == 1) return m.take();
     const std::vector<ShardUnit> units = shard_units(s.buckets, s.devices());
-    m.batchnorm(s.spec, s.sync_bn, false);
-    m.batchnorm(s.spec, s.sync_bn, true);
-    for (size_t u = units.size(); u-- > 0;)
-      m.sharded(Collective::all_gather, "forward's parameters of bucket " + std::to_string(u), units[u].chunk);
-    for (size_t u = 0; u < units.size(); ++u) {
-      m.sharded(Collective::all_gather, "backward's parameters of bucket " + std::to_string(u), units[u].chunk);
-      m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
+    // --accumulate: the weights are gathered for every micro-batch's passes, the gradients
+    // reduce-scattered in the last's backward alone
+    for (int k = 0; k < s.micro_batches; ++k) {
+      m.micro_batch(k, s.micro_batches);
+      m.batchnorm(s.spec, s.sync_bn, false);
+      m.batchnorm(s.spec, s.sync_bn, true);
+      for (size_t u = units.size(); u-- > 0;)
+        m.sharded(Collective::all_gather, "forward's parameters of bucket " + std::to_string(u), units[u].chunk);
+      for (size_t u = 0; u < units.size(); ++u) {
+        m.sharded(Collective::all_gather, "backward's parameters of bucket " + std::to_string(u), units[u].chunk);
+        if (k + 1 == s.micro_batches)
+          m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
+      }
     }
+    m.micro_batch(-1, s.micro_batches);
     if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
     return m.take();
   }
