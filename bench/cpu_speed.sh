@@ -8,7 +8,8 @@
 #   bench/cpu_speed.sh --repeats 5 --json out.json   # arguments go to torch_compare.py
 #   bench/cpu_speed.sh --dp-before /path/to/old/dp_train   # also measure an older dp_train
 #
-# Needs Debian's python3-torch (run with /usr/bin/python3, torch 1.13); nothing is downloaded. On a
+# Measures the PyTorch of scripts/deps.sh --bench's environment (.venv-bench: today's 2.x, eager and
+# torch.compile'd) and Debian's python3-torch (1.13) where installed; nothing is downloaded. On a
 # machine other processes are using, pass --quiet-wait 120 to wait for quiet moments before each
 # measurement; each line reports how many cores the other processes used meanwhile ("bg").
 set -euo pipefail
@@ -16,4 +17,6 @@ here=$(cd -P "$(dirname "$0")/.." && pwd)  # -P: the repository, also when bench
 build=${BUILD:-$here/build-cpu-speed}
 cmake -S "$here" -B "$build" -DDP_CUDA=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$build" --target dp_train -j"$(nproc)" >/dev/null
-exec /usr/bin/python3 "$here/bench/torch_compare.py" --dp-train "$build/dp_train" "$@"
+python=/usr/bin/python3  # the driver: any interpreter with torch (for the models' FLOP count)
+[ -x "$here/.venv-bench/bin/python" ] && python=$here/.venv-bench/bin/python
+exec "$python" "$here/bench/torch_compare.py" --dp-train "$build/dp_train" "$@"

@@ -15,7 +15,7 @@ for a, d in (("--batch", 256), ("--epochs", 10), ("--max-steps", 0)):
 args = p.parse_args()
 import numpy as np
 import torch
-from torch_compare import build, find_idx, load_train, read_idx
+from torch_workers import build, find_idx, load_train, read_idx
 
 dev = torch.device(args.device)
 if dev.type == "cuda" and not torch.cuda.is_available():

@@ -1,0 +1,43 @@
+// bench/torch_workers.py, PyTorch's side of bench/cpu_speed.sh, run with every PyTorch the bench
+// compares: today's 2.x from scripts/deps.sh --bench's environment (.venv-bench) and Debian's 1.13
+// (/usr/bin/python3). An interpreter without torch is skipped, and the case says so.
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "tests/util.h"
+
+using namespace dp::test;
+
+TEST_CASE("bench: torch_workers.py measures eager PyTorch with each interpreter there is, and says which") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 96, 16);
+  int measured = 0;
+  for (const std::string python :
+       {std::string(DP_SOURCE_DIR) + "/.venv-bench/bin/python", std::string("/usr/bin/python3")}) {
+    CAPTURE(python);
+    CommandResult has =
+        run_command(python + " -c \"import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)\"");
+    if (has.exit_code != 0) {
+      MESSAGE("skipped: " << python
+                          << " has no torch (scripts/deps.sh --bench makes .venv-bench; Debian: python3-torch)");
+      continue;
+    }
+    const std::string version = run_command(python + " -c \"import torch; print(torch.__version__, end='')\"").output;
+    CommandResult r = run_command(python + " " + DP_SOURCE_DIR +
+                                  "/bench/torch_workers.py --mode eager --model lenet5 --threads 1 --batch 32 "
+                                  "--seconds 0.2 --warmup 2 --data " +
+                                  dir.path.string());
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    const nlohmann::json j = nlohmann::json::parse(r.output.substr(r.output.rfind('{')));
+    CHECK(j["torch"] == version);
+    CHECK(j["mode"] == "eager");
+    CHECK(j["images_per_second"].get<double>() > 0);
+    CHECK(j["steps"].get<int>() >= 10);
+    CHECK(j["compile_s"].get<double>() > 0);
+    ++measured;
+  }
+  MESSAGE(measured << " PyTorch(es) measured");
+}
