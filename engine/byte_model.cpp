@@ -23,6 +23,15 @@ void ByteModel::micro_batch(int k, int count) {
   note_ = count > 1 && k >= 0 ? " (micro-batch " + std::to_string(k + 1) + " of " + std::to_string(count) + ")" : "";
 }
 
+void ByteModel::batchnorm_per_micro_batch(const StepShape& s) {
+  for (int k = 0; k < s.micro_batches; ++k) {
+    micro_batch(k, s.micro_batches);
+    batchnorm(s.spec, s.sync_bn, false);
+    batchnorm(s.spec, s.sync_bn, true);
+  }
+  micro_batch(-1, s.micro_batches);
+}
+
 void ByteModel::push(CollectiveTraffic ct) {
   ct.what += note_;
   out_.push_back(std::move(ct));

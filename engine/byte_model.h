@@ -61,6 +61,9 @@ class ByteModel {
   // The collectives that follow are micro-batch k's of `count` (--accumulate), and say so when there
   // is more than one; k < 0: the optimizer step's own again.
   void micro_batch(int k, int count);
+  // BatchNorm's forward and backward collectives (batchnorm) of each of the step's micro-batches, for
+  // a strategy whose other collectives come once a step; the notes then end.
+  void batchnorm_per_micro_batch(const StepShape& s);
   std::vector<CollectiveTraffic> take() { return std::move(out_); }
 
  private:

@@ -245,16 +245,19 @@ StepResult Engine::step() {
   staged_.pop_front();
   // The micro-batches of the step (--accumulate): `batch` rows each, the last what is left.
   const int micros = (b.n + cfg_.batch - 1) / cfg_.batch;
+  std::vector<StagedBatch> parts;
   std::vector<std::vector<int>> sizes;
-  for (int k = 0; k < micros; ++k) sizes.push_back(split_batch(micro_batch(b, k).n, world_, cfg_.split));
+  for (int k = 0; k < micros; ++k) {
+    parts.push_back(micro_batch(b, k));
+    sizes.push_back(split_batch(parts.back().n, world_, cfg_.split));
+  }
   const auto traffic_before = recorder_.before(*comm_);
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
   try {
     run_all([&](int r) {
       recorder_.begin_step(*devices_[r], r);
       for (int k = 0; k < micros; ++k) {
-        const StagedBatch mb = micro_batch(b, k);
-        StepContext context(*this, r, mb, sizes[size_t(k)], {k, micros, b.n});
+        StepContext context(*this, r, parts[size_t(k)], sizes[size_t(k)], {k, micros, b.n});
         strategy_.step(context);
       }
       // The loss and the correct count, on the devices that compute it; device 0's also says whether

@@ -79,12 +79,7 @@ class AllReduce final : public OwnBatch {
   std::vector<CollectiveTraffic> step_collectives(const StepShape& s) const override {
     ByteModel m(s.devices(), s.all_reduce);
     if (s.devices() == 1) return m.take();
-    for (int k = 0; k < s.micro_batches; ++k) {  // --accumulate: BatchNorm's every micro-batch
-      m.micro_batch(k, s.micro_batches);
-      m.batchnorm(s.spec, s.sync_bn, false);
-      m.batchnorm(s.spec, s.sync_bn, true);
-    }
-    m.micro_batch(-1, s.micro_batches);
+    m.batchnorm_per_micro_batch(s);  // --accumulate: the gradients' collectives below come once
     std::vector<Bucket> bs = s.buckets;
     if (bs.empty()) bs.push_back({0, s.spec.param_count, 0});
     for (size_t b = 0; b < bs.size(); ++b)

@@ -60,12 +60,7 @@ class Zero1 final : public OwnBatch {
     ByteModel m(s.devices(), s.all_reduce);
     if (s.devices() == 1) return m.take();
     const int64_t chunk = shard_chunk(s.spec.param_count, s.devices());
-    for (int k = 0; k < s.micro_batches; ++k) {  // --accumulate: BatchNorm's every micro-batch
-      m.micro_batch(k, s.micro_batches);
-      m.batchnorm(s.spec, s.sync_bn, false);
-      m.batchnorm(s.spec, s.sync_bn, true);
-    }
-    m.micro_batch(-1, s.micro_batches);
+    m.batchnorm_per_micro_batch(s);  // --accumulate: the gradients' collectives below come once
     m.sharded(Collective::reduce_scatter, "gradients", chunk);
     if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
     m.sharded(Collective::all_gather, "parameters", chunk);

@@ -79,12 +79,7 @@ class Zero2 final : public OwnBatch {
     ByteModel m(s.devices(), s.all_reduce);
     if (s.devices() == 1) return m.take();
     const std::vector<ShardUnit> units = shard_units(s.buckets, s.devices());
-    for (int k = 0; k < s.micro_batches; ++k) {  // --accumulate: BatchNorm's every micro-batch
-      m.micro_batch(k, s.micro_batches);
-      m.batchnorm(s.spec, s.sync_bn, false);
-      m.batchnorm(s.spec, s.sync_bn, true);
-    }
-    m.micro_batch(-1, s.micro_batches);
+    m.batchnorm_per_micro_batch(s);  // --accumulate: the gradients' collectives below come once
     for (size_t u = 0; u < units.size(); ++u)
       m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
     if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
