@@ -23,6 +23,7 @@ struct CompareOptions {
   float lr = 0.1f, momentum = 0.9f;  // dp_train's defaults
   float clip_grad_norm = 0;          // --clip-grad-norm (0: off)
   int accumulate = 1;                // --accumulate: micro-batches of `batch` per optimizer step
+  DType grad_dtype = DType::fp32;    // --grad-dtype: the gradients' collectives (scatter's stay fp32)
   std::vector<int> sweep;            // --sweep-devices: device counts
   double alpha_us = -1, beta_gbps = -1;
   int repeats = 5;  // all_reduce sweeps for the alpha-beta fit, each fitted alone: the median is used

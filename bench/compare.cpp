@@ -35,6 +35,7 @@ EngineConfig engine_config(const Design& d, const CompareOptions& o) {
   ec.all_reduce = d.all_reduce;
   ec.clip_grad_norm = o.clip_grad_norm;
   ec.accumulate = o.accumulate;
+  ec.grad_dtype = d.strategy->takes_grad_dtype() ? o.grad_dtype : DType::fp32;
   ec.trace = !o.trace.empty();
   return ec;
 }
@@ -68,8 +69,9 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, const Design& desi
   run.loss = last.loss;  // the mean over the batch
 
   run.buckets = engine.buckets();
-  run.collectives = design.strategy->step_collectives({spec, split_batch(o.batch, n, o.split), run.buckets, ec.sync_bn,
-                                                       design.all_reduce, ec.clip_grad_norm > 0, o.accumulate});
+  run.collectives =
+      design.strategy->step_collectives({spec, split_batch(o.batch, n, o.split), run.buckets, ec.sync_bn,
+                                         design.all_reduce, ec.clip_grad_norm > 0, o.accumulate, ec.grad_dtype});
   run.predicted = total_traffic(run.collectives, n);
   for (int r = 0; r < n; ++r) {
     Traffic t = engine.recorder().step_traffic(r);

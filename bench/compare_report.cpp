@@ -91,7 +91,7 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
   const char* kind = run.kind == DeviceKind::cuda ? "CUDA" : "simulated";
   std::printf(
       "\n%s (P = %s parameters), global batch %d = %s over %d %s device%s (%s)%s, %d measured steps after %d "
-      "warm-up, seed %llu%s%s; no prefetch (dp_train --no-prefetch: each step's upload is its load phase)\n\n",
+      "warm-up, seed %llu%s%s%s; no prefetch (dp_train --no-prefetch: each step's upload is its load phase)\n\n",
       spec.title().c_str(), commas(spec.param_count).c_str(), o.batch, sizes_text(run.sizes).c_str(), n, kind,
       n > 1 ? "s" : "", device_range(run.names).c_str(),
       o.accumulate > 1 ? (", " + std::to_string(o.accumulate) + " micro-batches a step (--accumulate; bytes and " +
@@ -100,7 +100,10 @@ void print_run(const DeviceCountRun& run, const ModelSpec& spec, const CompareOp
                        : "",
       o.steps, o.warmup, (unsigned long long)o.seed,
       o.bucket_kb > 0 ? (", naive and allreduce buckets of " + std::to_string(o.bucket_kb) + " KiB").c_str() : "",
-      o.clip_grad_norm > 0 ? (", --clip-grad-norm " + fixed(o.clip_grad_norm, 3)).c_str() : "");
+      o.clip_grad_norm > 0 ? (", --clip-grad-norm " + fixed(o.clip_grad_norm, 3)).c_str() : "",
+      o.grad_dtype != DType::fp32
+          ? (std::string(", gradients in ") + dtype_name(o.grad_dtype) + " (--grad-dtype; scatter's in fp32)").c_str()
+          : "");
   StrategyTable t(run);
   t.add("step time, median / min / max (ms)", [&](const StrategyRun& s) {
     auto [lo, hi] = std::minmax_element(s.step_seconds.begin(), s.step_seconds.end());
@@ -131,7 +134,7 @@ TrainOptions as_training(const CompareOptions& o) {
   TrainOptions t;
   t.model = o.model, t.width = o.width, t.batch = o.batch, t.lr = o.lr, t.momentum = o.momentum, t.seed = o.seed;
   t.devices = o.devices, t.split = o.split, t.bucket_kb = o.bucket_kb, t.clip_grad_norm = o.clip_grad_norm;
-  t.accumulate = o.accumulate;
+  t.accumulate = o.accumulate, t.grad_dtype = o.grad_dtype;
   return t;
 }
 

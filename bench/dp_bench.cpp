@@ -71,10 +71,24 @@ struct Subcommand {
   std::function<int(const std::string& command)> run;
 };
 
+// compare's options that change what a step does, as dp_train's do; the texts parsed when it runs.
+void add_step_options(CLI::App& c, CompareOptions& co, std::string& split, std::string& clip, std::string& grad_dtype) {
+  c.add_option("--split", split, "even | chunk (torch.chunk)")->capture_default_str();
+  c.add_option("--clip-grad-norm", clip,
+               "dp_train's --clip-grad-norm (the sharded strategies all-reduce one float more a step)");
+  c.add_option("--accumulate", co.accumulate,
+               "dp_train's --accumulate: micro-batches of --batch per step, the gradients communicated once")
+      ->capture_default_str()
+      ->transform(exact_integer<int>());
+  c.add_option("--grad-dtype", grad_dtype,
+               "dp_train's --grad-dtype: fp32 | bf16 | fp16, the gradients' collectives (scatter's stay fp32)")
+      ->capture_default_str();
+}
+
 Subcommand add_compare(CLI::App& app) {
   auto co = std::make_shared<CompareOptions>();
   auto dev = std::make_shared<DeviceFlags>();
-  auto split = std::make_shared<std::string>("even");
+  auto split = std::make_shared<std::string>("even"), grad_dtype = std::make_shared<std::string>("fp32");
   auto sweep = std::make_shared<std::string>(), seed = std::make_shared<std::string>("0");
   auto clip = std::make_shared<std::string>();
   dev->gpus = "0,1,2,3";
@@ -99,13 +113,7 @@ Subcommand add_compare(CLI::App& app) {
   c->add_option("--bucket-kb", co->bucket_kb, "naive and allreduce: gradient bucket size in KiB (0: one all-reduce)")
       ->capture_default_str()
       ->transform(exact_integer<int64_t>());
-  c->add_option("--split", *split, "even | chunk (torch.chunk)")->capture_default_str();
-  c->add_option("--clip-grad-norm", *clip,
-                "dp_train's --clip-grad-norm (the sharded strategies all-reduce one float more a step)");
-  c->add_option("--accumulate", co->accumulate,
-                "dp_train's --accumulate: micro-batches of --batch per step, the gradients communicated once")
-      ->capture_default_str()
-      ->transform(exact_integer<int>());
+  add_step_options(*c, *co, *split, *clip, *grad_dtype);
   add_seed(*c, *seed);
   c->add_option("--alpha-us", co->alpha_us, "Latency for the alpha-beta model, µs (default: fit it here)");
   c->add_option("--beta-gbps", co->beta_gbps, "Bandwidth for the alpha-beta model, GB/s (with --alpha-us)");
@@ -124,6 +132,7 @@ Subcommand add_compare(CLI::App& app) {
             if (c->count("--beta-gbps") && !(co->beta_gbps > 0 && std::isfinite(co->beta_gbps)))
               throw UsageError("--beta-gbps: must be a finite bandwidth > 0 in GB/s");
             co->split = parse_split(*split);
+            co->grad_dtype = parse_grad_dtype(*grad_dtype);
             if (!clip->empty()) co->clip_grad_norm = parse_clip_grad_norm(*clip);
             if (!sweep->empty()) co->sweep = parse_counts(*sweep);
             co->command = command;

@@ -150,6 +150,15 @@ class ProfilingOps final : public Ops {
   void fill(int64_t n, float value, float* x) override {
     timed({"fill", {n}}, 0, [&] { inner_->fill(n, value, x); });
   }
+  void narrow(DType t, int64_t n, const float* x, void* y) override {
+    timed({"narrow", {n, int64_t(t)}}, 0, [&] { inner_->narrow(t, n, x, y); });
+  }
+  void widen(DType t, int64_t n, const void* x, float* y) override {
+    timed({"widen", {n, int64_t(t)}}, 0, [&] { inner_->widen(t, n, x, y); });
+  }
+  void add_typed(DType t, int64_t n, const void* x, void* y) override {
+    timed({"add_typed", {n, int64_t(t)}}, 0, [&] { inner_->add_typed(t, n, x, y); });
+  }
   bool all_finite(int64_t n, const float* x) override {
     bool finite = true;
     timed({"all_finite", {n}}, 0, [&] { finite = inner_->all_finite(n, x); });

@@ -3,19 +3,15 @@
 #include <algorithm>
 
 namespace dp {
-namespace {
-constexpr int64_t F = sizeof(float);
-}  // namespace
-
 int64_t CollectiveTraffic::busiest() const {
   int64_t b = 0;
   for (const Traffic& t : per_rank) b = std::max({b, t.sent, t.received});
   return b;
 }
 
-std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n) {
+std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n, DType type) {
   std::vector<Traffic> t;
-  for (int r = 0; r < n; ++r) t.push_back(ring_all_reduce_traffic(r, n, count));
+  for (int r = 0; r < n; ++r) t.push_back(ring_all_reduce_traffic(r, n, count, type));
   return t;
 }
 
@@ -37,10 +33,11 @@ void ByteModel::push(CollectiveTraffic ct) {
   out_.push_back(std::move(ct));
 }
 
-void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, const std::vector<int64_t>& share) {
+void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, const std::vector<int64_t>& share,
+                       DType t) {
   CollectiveTraffic ct{c, what, std::vector<Traffic>(size_t(n_))};
   for (int i = 1; i < n_; ++i) {
-    const int64_t b = share[size_t(i)] * F;
+    const int64_t b = share[size_t(i)] * dtype_size(t);
     Traffic &root = ct.per_rank[0], &peer = ct.per_rank[size_t(i)];
     (root_sends ? root.sent : root.received) += b;
     (root_sends ? peer.received : peer.sent) += b;
@@ -48,19 +45,19 @@ void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, c
   push(std::move(ct));
 }
 
-void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, int64_t each) {
-  rooted(c, what, root_sends, std::vector<int64_t>(size_t(n_), each));
+void ByteModel::rooted(Collective c, const std::string& what, bool root_sends, int64_t each, DType t) {
+  rooted(c, what, root_sends, std::vector<int64_t>(size_t(n_), each), t);
 }
 
-void ByteModel::all_reduce(const std::string& what, int64_t count) {
+void ByteModel::all_reduce(const std::string& what, int64_t count, DType t) {
   if (algorithm_ == AllReduceAlgorithm::ring)
-    return push({Collective::all_reduce, what, ring_all_reduce_traffic(count, n_)});
-  rooted(Collective::all_reduce, what + ": reduce to device 0", false, count);
-  rooted(Collective::all_reduce, what + ": broadcast from device 0", true, count);
+    return push({Collective::all_reduce, what, ring_all_reduce_traffic(count, n_, t)});
+  rooted(Collective::all_reduce, what + ": reduce to device 0", false, count, t);
+  rooted(Collective::all_reduce, what + ": broadcast from device 0", true, count, t);
 }
 
-void ByteModel::sharded(Collective c, const std::string& what, int64_t chunk) {
-  const int64_t b = (n_ - 1) * chunk * F;
+void ByteModel::sharded(Collective c, const std::string& what, int64_t chunk, DType t) {
+  const int64_t b = (n_ - 1) * chunk * dtype_size(t);
   push({c, what, std::vector<Traffic>(size_t(n_), Traffic{b, b})});
 }
 

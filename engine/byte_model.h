@@ -34,12 +34,14 @@ struct StepShape {
   bool clip_norm = false;
   // --accumulate: an optimizer step of this many micro-batches, each split as `sizes`
   int micro_batches = 1;
+  // --grad-dtype: the type the gradients' collectives carry (the others stay float)
+  DType grad_dtype = DType::fp32;
   int devices() const { return int(sizes.size()); }
 };
 
 // Ring all-reduce of `count` floats over n ranks (reduce-scatter then all-gather over
 // even_chunks(count, n)): what each rank sends and receives.
-std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n);
+std::vector<Traffic> ring_all_reduce_traffic(int64_t count, int n, DType t = DType::fp32);
 
 // The collectives of a step as a strategy lists them, in the order it runs them. All sizes in floats.
 class ByteModel {
@@ -47,13 +49,15 @@ class ByteModel {
   ByteModel(int n, AllReduceAlgorithm algorithm) : n_(n), algorithm_(algorithm) {}
   // A collective rooted at device 0: with root_sends device 0 sends device i share(i) floats (scatter,
   // broadcast), otherwise it receives them (gather, reduce).
-  void rooted(Collective c, const std::string& what, bool root_sends, const std::vector<int64_t>& share);
-  void rooted(Collective c, const std::string& what, bool root_sends, int64_t each);
-  // An all-reduce of count floats by the model's algorithm: the ring, or naive's two rooted halves.
-  void all_reduce(const std::string& what, int64_t count);
-  // A reduce-scatter or all-gather (Collective c) of n chunks of `chunk` floats: each rank sends and
-  // receives (n-1) chunks, as the ring does and nccl-tests counts (busbw: (n-1)/n of the whole).
-  void sharded(Collective c, const std::string& what, int64_t chunk);
+  void rooted(Collective c, const std::string& what, bool root_sends, const std::vector<int64_t>& share,
+              DType t = DType::fp32);
+  void rooted(Collective c, const std::string& what, bool root_sends, int64_t each, DType t = DType::fp32);
+  // An all-reduce of count elements of type t by the model's algorithm: the ring, or naive's two rooted
+  // halves.
+  void all_reduce(const std::string& what, int64_t count, DType t = DType::fp32);
+  // A reduce-scatter or all-gather (Collective c) of n chunks of `chunk` elements of type t: each rank
+  // sends and receives (n-1) chunks, as the ring does and nccl-tests counts (busbw: (n-1)/n of the whole).
+  void sharded(Collective c, const std::string& what, int64_t chunk, DType t = DType::fp32);
   // BatchNorm's part of a step: local BatchNorm broadcasts device 0's running statistics before the
   // forward; SyncBatchNorm all-reduces, per BatchNorm layer of C channels, two sums of C floats in
   // forward (mean, variance) and one of 2C in backward (layer order, then reversed).

@@ -85,56 +85,56 @@ std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& counts) {
 }
 
 namespace {
-// Bytes of chunk c of count floats split evenly over n, c taken modulo n.
-int64_t chunk_bytes(const std::vector<int64_t>& chunk, int n, int c) {
-  return chunk[size_t((c % n + n) % n)] * int64_t(sizeof(float));
+// Bytes of chunk c of count elements of type t split evenly over n, c taken modulo n.
+int64_t chunk_bytes(const std::vector<int64_t>& chunk, int n, int c, DType t) {
+  return chunk[size_t((c % n + n) % n)] * dtype_size(t);
 }
 }  // namespace
 
-Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count) {
+Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count, DType type) {
   Traffic t;
   if (n == 1 || count == 0) return t;
   const std::vector<int64_t> chunk = even_chunks(count, n);
   for (int s = 0; s < n - 1; ++s) {  // step s: chunk (rank - s) out, chunk (rank - 1 - s) in
-    t.sent += chunk_bytes(chunk, n, rank - s);
-    t.received += chunk_bytes(chunk, n, rank - 1 - s);
+    t.sent += chunk_bytes(chunk, n, rank - s, type);
+    t.received += chunk_bytes(chunk, n, rank - 1 - s, type);
   }
   return t;
 }
 
-Traffic ring_all_gather_traffic(int rank, int n, int64_t count) {
+Traffic ring_all_gather_traffic(int rank, int n, int64_t count, DType type) {
   Traffic t;
   if (n == 1 || count == 0) return t;
   const std::vector<int64_t> chunk = even_chunks(count, n);
   for (int s = 0; s < n - 1; ++s) {  // step s: chunk (rank + 1 - s) out, chunk (rank - s) in
-    t.sent += chunk_bytes(chunk, n, rank + 1 - s);
-    t.received += chunk_bytes(chunk, n, rank - s);
+    t.sent += chunk_bytes(chunk, n, rank + 1 - s, type);
+    t.received += chunk_bytes(chunk, n, rank - s, type);
   }
   return t;
 }
 
-Traffic ring_all_reduce_traffic(int rank, int n, int64_t count) {
-  const Traffic a = ring_reduce_scatter_traffic(rank, n, count), b = ring_all_gather_traffic(rank, n, count);
+Traffic ring_all_reduce_traffic(int rank, int n, int64_t count, DType type) {
+  const Traffic a = ring_reduce_scatter_traffic(rank, n, count, type),
+                b = ring_all_gather_traffic(rank, n, count, type);
   return {a.sent + b.sent, a.received + b.received};
 }
 
-Traffic naive_all_reduce_traffic(int rank, int n, int64_t count) {
+Traffic naive_all_reduce_traffic(int rank, int n, int64_t count, DType type) {
   if (n == 1 || count == 0) return {};
-  const int64_t bytes = count * int64_t(sizeof(float));
+  const int64_t bytes = count * dtype_size(type);
   if (rank == 0) return {(n - 1) * bytes, (n - 1) * bytes};  // the sum to each peer; each peer's buffer
   return {bytes, bytes};                                     // its buffer to rank 0; the sum back
 }
 
-Traffic all_reduce_traffic(AllReduceAlgorithm a, int rank, int n, int64_t count) {
-  return a == AllReduceAlgorithm::ring ? ring_all_reduce_traffic(rank, n, count)
-                                       : naive_all_reduce_traffic(rank, n, count);
+Traffic all_reduce_traffic(AllReduceAlgorithm a, int rank, int n, int64_t count, DType type) {
+  return a == AllReduceAlgorithm::ring ? ring_all_reduce_traffic(rank, n, count, type)
+                                       : naive_all_reduce_traffic(rank, n, count, type);
 }
 
 Communicator::Communicator(std::vector<Device*> devices)
     : devices_(std::move(devices)),
       barrier_(int(devices_.size())),
       slots_(devices_.size()),
-      scratch_slots_(devices_.size()),
       scratch_(devices_.size()),
       traffic_(devices_.size()),
       inter_(devices_.size()),
@@ -169,13 +169,12 @@ void Communicator::meet(int rank, const std::string& what, const Deadline& deadl
   }
 }
 
-float* Communicator::scratch(int rank, int64_t floats) {
-  size_t bytes = size_t(floats) * sizeof(float);
-  if (scratch_[rank].bytes() < bytes) {
+void* Communicator::scratch(int rank, int64_t bytes) {
+  if (scratch_[rank].bytes() < size_t(bytes)) {
     scratch_[rank].reset();
-    scratch_[rank] = devices_[rank]->alloc(bytes, Category::comm);
+    scratch_[rank] = devices_[rank]->alloc(size_t(bytes), Category::comm);
   }
-  return scratch_[rank].f();
+  return scratch_[rank].data();
 }
 
 void Communicator::sync_and_wait(int rank, Collective c) {
@@ -208,13 +207,13 @@ void Communicator::recover() {
 }
 
 void Communicator::broadcast(int rank, float* buf, int64_t count, int root) {
-  broadcast_as(Collective::broadcast, rank, buf, count, root);
+  broadcast_as(Collective::broadcast, rank, buf, count, root, DType::fp32);
 }
 
-void Communicator::broadcast_as(Collective as, int rank, float* buf, int64_t count, int root) {
+void Communicator::broadcast_as(Collective as, int rank, void* buf, int64_t count, int root, DType type) {
   const int n = size();
   if (n == 1 || count == 0) return;
-  const int64_t bytes = count * int64_t(sizeof(float));
+  const int64_t bytes = count * dtype_size(type);
   slots_[rank] = buf;
   meet(rank, as);
   if (rank == root) {
@@ -238,7 +237,8 @@ void Communicator::scatter(int rank, const float* send, float* recv, const std::
       if (r != root) sent += counts[r];
     tally(rank, Collective::scatter, sent * int64_t(sizeof(float)), 0);
   } else if (counts[rank] > 0) {
-    devices_[rank]->copy_from_peer(recv, *devices_[root], slots_[root] + offset, size_t(counts[rank]) * sizeof(float));
+    devices_[rank]->copy_from_peer(recv, *devices_[root], at(slots_[root], offset, DType::fp32),
+                                   size_t(counts[rank]) * sizeof(float));
     tally(rank, Collective::scatter, 0, counts[rank] * int64_t(sizeof(float)));
   }
   sync_and_wait(rank, Collective::scatter);
@@ -253,13 +253,13 @@ void Communicator::gather(int rank, const float* send, float* recv, const std::v
   slots_[rank] = send;
   meet(rank, Collective::gather);
   if (rank == root) {
-    int64_t received = 0, at = 0;
+    int64_t received = 0, pos = 0;
     for (int r = 0; r < n; ++r) {
       if (r != root && counts[r] > 0) {
-        devices_[rank]->copy_from_peer(recv + at, *devices_[r], slots_[r], size_t(counts[r]) * sizeof(float));
+        devices_[rank]->copy_from_peer(recv + pos, *devices_[r], slots_[r], size_t(counts[r]) * sizeof(float));
         received += counts[r];
       }
-      at += counts[r];
+      pos += counts[r];
     }
     tally(rank, Collective::gather, 0, received * int64_t(sizeof(float)));
   } else {
@@ -268,22 +268,22 @@ void Communicator::gather(int rank, const float* send, float* recv, const std::v
   sync_and_wait(rank, Collective::gather);
 }
 
-void Communicator::reduce(int rank, float* buf, int64_t count, int root) {
-  reduce_as(Collective::reduce, rank, buf, count, root);
+void Communicator::reduce(int rank, void* buf, int64_t count, int root, DType type) {
+  reduce_as(Collective::reduce, rank, buf, count, root, type);
 }
 
-void Communicator::reduce_as(Collective as, int rank, float* buf, int64_t count, int root) {
+void Communicator::reduce_as(Collective as, int rank, void* buf, int64_t count, int root, DType type) {
   const int n = size();
   if (n == 1 || count == 0) return;
-  const int64_t bytes = count * int64_t(sizeof(float));
-  float* recv = rank == root ? scratch(rank, (n - 1) * count) : nullptr;  // (n-1, count)
+  const int64_t bytes = count * dtype_size(type);
+  void* recv = rank == root ? scratch(rank, (n - 1) * bytes) : nullptr;  // (n-1, count)
   slots_[rank] = buf;
   meet(rank, as);
   if (rank == root) {
     int slot = 0;
     for (int r = 0; r < n; ++r) {
       if (r == root) continue;
-      devices_[rank]->copy_from_peer(recv + slot * count, *devices_[r], slots_[r], size_t(bytes));
+      devices_[rank]->copy_from_peer(at(recv, slot * count, type), *devices_[r], slots_[r], size_t(bytes));
       ++slot;
     }
     tally(rank, as, 0, (n - 1) * bytes);
@@ -292,44 +292,45 @@ void Communicator::reduce_as(Collective as, int rank, float* buf, int64_t count,
   }
   sync_and_wait(rank, as);  // peers may reuse their buffers once the root holds the copies
   if (rank == root)
-    for (int s = 0; s < n - 1; ++s) devices_[rank]->ops().add(count, recv + s * count, buf);
+    for (int s = 0; s < n - 1; ++s) devices_[rank]->ops().add_typed(type, count, at(recv, s * count, type), buf);
 }
 
-void Communicator::all_reduce(int rank, float* buf, int64_t count) {
-  if (all_reduce_algorithm_ == AllReduceAlgorithm::ring) return ring_all_reduce(rank, buf, count);
+void Communicator::all_reduce(int rank, void* buf, int64_t count, DType type) {
+  if (all_reduce_algorithm_ == AllReduceAlgorithm::ring) return ring_all_reduce(rank, buf, count, type);
   // d2l's allreduce: every buffer added into rank 0's, in rank order, then rank 0's sum copied to
   // every rank, which so holds the same bits. The broadcast's copies come after rank 0's adds (done
   // in place on simulated devices; on CUDA copy_from_peer waits on rank 0's stream).
-  reduce_as(Collective::all_reduce, rank, buf, count, 0);
-  broadcast_as(Collective::all_reduce, rank, buf, count, 0);
+  reduce_as(Collective::all_reduce, rank, buf, count, 0, type);
+  broadcast_as(Collective::all_reduce, rank, buf, count, 0, type);
 }
 
-void Communicator::ring_all_reduce(int rank, float* buf, int64_t count) {
+void Communicator::ring_all_reduce(int rank, void* buf, int64_t count, DType type) {
   if (size() == 1 || count == 0) return;
   const std::vector<int64_t> chunks = even_chunks(count, size());
-  ring_reduce_scatter(rank, buf, chunks, 1, Collective::all_reduce);
-  ring_all_gather(rank, buf, chunks, 1, Collective::all_reduce, /*publish=*/false);
+  ring_reduce_scatter(rank, buf, chunks, 1, Collective::all_reduce, type);
+  ring_all_gather(rank, buf, chunks, 1, Collective::all_reduce, /*publish=*/false, type);
 }
 
-void Communicator::reduce_scatter(int rank, float* buf, int64_t chunk) {
+void Communicator::reduce_scatter(int rank, void* buf, int64_t chunk, DType type) {
   if (size() == 1 || chunk == 0) return;
-  ring_reduce_scatter(rank, buf, std::vector<int64_t>(size_t(size()), chunk), 0, Collective::reduce_scatter);
+  ring_reduce_scatter(rank, buf, std::vector<int64_t>(size_t(size()), chunk), 0, Collective::reduce_scatter, type);
 }
 
 void Communicator::all_gather(int rank, float* buf, int64_t chunk) {
   if (size() == 1 || chunk == 0) return;
-  ring_all_gather(rank, buf, std::vector<int64_t>(size_t(size()), chunk), 0, Collective::all_gather, true);
+  ring_all_gather(rank, buf, std::vector<int64_t>(size_t(size()), chunk), 0, Collective::all_gather, true, DType::fp32);
 }
 
 // The ring's two halves. After reduce_scatter rank r holds the sum of chunk (r + lead) % n and every
 // rank has met; all_gather passes the finished chunks around. Within an all-reduce it reads the
 // buffers reduce_scatter published: whatever a caller does to its chunk between the two
 // (ProcessCommunicator: the all-reduce across processes) it must finish and meet before all_gather.
-void Communicator::ring_reduce_scatter(int rank, float* buf, const std::vector<int64_t>& chunk, int lead,
-                                       Collective as) {
+void Communicator::ring_reduce_scatter(int rank, void* buf, const std::vector<int64_t>& chunk, int lead, Collective as,
+                                       DType type) {
   const int n = size();
+  const int64_t size = dtype_size(type);
   const std::vector<int64_t> offset = chunk_offsets(chunk);
-  float* recv = scratch(rank, *std::max_element(chunk.begin(), chunk.end()));  // (largest chunk)
+  void* recv = scratch(rank, *std::max_element(chunk.begin(), chunk.end()) * size);  // (largest chunk)
   const int prev = (rank + n - 1) % n;
   slots_[rank] = buf;
   meet(rank, as);
@@ -338,18 +339,19 @@ void Communicator::ring_reduce_scatter(int rank, float* buf, const std::vector<i
   // r - 1, adding it into its own. Nobody writes a chunk while its neighbour reads it.
   for (int s = 0; s < n - 1; ++s) {
     const int send_c = (rank + lead - 1 - s + 2 * n) % n, recv_c = (rank + lead - 2 - s + 2 * n) % n;
-    tally(rank, as, chunk[size_t(send_c)] * int64_t(sizeof(float)), chunk[size_t(recv_c)] * int64_t(sizeof(float)));
+    tally(rank, as, chunk[size_t(send_c)] * size, chunk[size_t(recv_c)] * size);
     if (chunk[recv_c] > 0)
-      dev.copy_from_peer(recv, *devices_[prev], slots_[prev] + offset[recv_c], size_t(chunk[recv_c]) * sizeof(float));
+      dev.copy_from_peer(recv, *devices_[prev], at(slots_[prev], offset[recv_c], type), size_t(chunk[recv_c] * size));
     sync_and_wait(rank, as);
-    dev.ops().add(chunk[recv_c], recv, buf + offset[recv_c]);
+    dev.ops().add_typed(type, chunk[recv_c], recv, at(buf, offset[recv_c], type));
     sync_and_wait(rank, as);
   }
 }
 
-void Communicator::ring_all_gather(int rank, float* buf, const std::vector<int64_t>& chunk, int lead, Collective as,
-                                   bool publish) {
+void Communicator::ring_all_gather(int rank, void* buf, const std::vector<int64_t>& chunk, int lead, Collective as,
+                                   bool publish, DType type) {
   const int n = size();
+  const int64_t size = dtype_size(type);
   const std::vector<int64_t> offset = chunk_offsets(chunk);
   const int prev = (rank + n - 1) % n;
   Device& dev = *devices_[rank];
@@ -361,27 +363,28 @@ void Communicator::ring_all_gather(int rank, float* buf, const std::vector<int64
   // (r + lead - 1 - s) from r - 1.
   for (int s = 0; s < n - 1; ++s) {
     const int send_c = (rank + lead - s + 2 * n) % n, recv_c = (rank + lead - 1 - s + 2 * n) % n;
-    tally(rank, as, chunk[size_t(send_c)] * int64_t(sizeof(float)), chunk[size_t(recv_c)] * int64_t(sizeof(float)));
+    tally(rank, as, chunk[size_t(send_c)] * size, chunk[size_t(recv_c)] * size);
     if (chunk[recv_c] > 0)
-      dev.copy_from_peer(buf + offset[recv_c], *devices_[prev], slots_[prev] + offset[recv_c],
-                         size_t(chunk[recv_c]) * sizeof(float));
+      dev.copy_from_peer(at(buf, offset[recv_c], type), *devices_[prev], at(slots_[prev], offset[recv_c], type),
+                         size_t(chunk[recv_c] * size));
     sync_and_wait(rank, as);
   }
 }
 
-void Communicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
-  submit_comm(rank, timing, [this, rank, buf, count] { all_reduce(rank, buf, count); });
+void Communicator::all_reduce_async(int rank, void* buf, int64_t count, Interval* timing, DType type) {
+  submit_comm(rank, timing, [this, rank, buf, count, type] { all_reduce(rank, buf, count, type); });
 }
 
-void Communicator::reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing) {
-  submit_comm(rank, timing, [this, rank, buf, chunk, out] {
-    reduce_scatter(rank, buf, chunk);
-    copy_owned_chunk(rank, buf, chunk, out);
+void Communicator::reduce_scatter_async(int rank, void* buf, int64_t chunk, void* out, Interval* timing, DType type) {
+  submit_comm(rank, timing, [this, rank, buf, chunk, out, type] {
+    reduce_scatter(rank, buf, chunk, type);
+    copy_owned_chunk(rank, buf, chunk, out, type);
   });
 }
 
-void Communicator::copy_owned_chunk(int rank, const float* buf, int64_t chunk, float* out) {
-  devices_[rank]->copy(out, buf + int64_t(shard(rank)) * chunk, size_t(chunk) * sizeof(float));
+void Communicator::copy_owned_chunk(int rank, const void* buf, int64_t chunk, void* out, DType type) {
+  if (out == at(buf, int64_t(shard(rank)) * chunk, type)) return;  // already there (in place)
+  devices_[rank]->copy(out, at(buf, int64_t(shard(rank)) * chunk, type), size_t(chunk * dtype_size(type)));
 }
 
 void Communicator::all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing) {

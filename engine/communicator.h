@@ -10,6 +10,11 @@
 // a rank that waits longer at a barrier aborts the collective on every rank and throws TimedOut,
 // naming the collective and the ranks that never came.
 //
+// The gradient collectives (reduce, all_reduce, reduce_scatter and their asynchronous forms) take the
+// buffer's element type (kernels/dtype.h; --grad-dtype): float32, or bf16 or fp16 as 16-bit bits. In a
+// 16-bit type every partial sum is rounded to the type as it is formed (Ops::add_typed), hop by hop in
+// the ring, as NCCL's ring reduces a bf16 or half buffer; bytes are counted at the type's size.
+//
 // all_reduce runs one of two algorithms (set_all_reduce_algorithm, dp_train --allreduce):
 //   ring  — reduce-scatter then all-gather (DDP's, NCCL's): every rank moves about 2(n-1)/n of the buffer.
 //   naive — "Dive into Deep Learning"'s hand-written allreduce: every rank's buffer is reduced into
@@ -21,6 +26,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <future>
 #include <mutex>
@@ -85,14 +91,15 @@ std::vector<int64_t> even_chunks(int64_t count, int n);
 // Where each of back-to-back chunks starts: the running sum of the counts before it (4, 3, 3 -> 0, 4, 7).
 std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& counts);
 
-// The bytes rank `rank` of n sends and receives in a ring all-reduce of count floats: reduce-scatter,
+// The bytes rank `rank` of n sends and receives in a ring all-reduce of count elements of type t
+// (floats unless given; kernels/dtype.h): reduce-scatter,
 // then all-gather, over even_chunks(count, n), so 2 (n-1) chunks each way. Every communicator counts
 // its ring all-reduces by this one model (NCCL may pick another algorithm; the count stays the ring's,
 // as nccl-tests' bus bandwidth does), and dp_bench's byte model predicts with it.
-Traffic ring_all_reduce_traffic(int rank, int n, int64_t count);
+Traffic ring_all_reduce_traffic(int rank, int n, int64_t count, DType t = DType::fp32);
 // Its two halves: reduce-scatter's (n-1) chunks each way, then all-gather's (they sum to the above).
-Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count);
-Traffic ring_all_gather_traffic(int rank, int n, int64_t count);
+Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count, DType t = DType::fp32);
+Traffic ring_all_gather_traffic(int rank, int n, int64_t count, DType t = DType::fp32);
 // The ring chunk rank `rank` of n holds the sum of after ring_reduce_scatter.
 inline int ring_owned_chunk(int rank, int n) { return (rank + 1) % n; }
 // The bytes rank `rank` of n sends and receives in a naive all-reduce of count floats (P): reduce to
@@ -100,9 +107,9 @@ inline int ring_owned_chunk(int rank, int n) { return (rank + 1) % n; }
 // sends the sum to each of them, (n-1)·P·4 bytes; every other rank sends P·4 and receives P·4. Every
 // communicator counts its naive all-reduces by this model (NCCL's ncclReduce + ncclBroadcast move
 // the same buffers), and dp_bench's byte model predicts with it.
-Traffic naive_all_reduce_traffic(int rank, int n, int64_t count);
+Traffic naive_all_reduce_traffic(int rank, int n, int64_t count, DType t = DType::fp32);
 // The model of the given algorithm.
-Traffic all_reduce_traffic(AllReduceAlgorithm a, int rank, int n, int64_t count);
+Traffic all_reduce_traffic(AllReduceAlgorithm a, int rank, int n, int64_t count, DType t = DType::fp32);
 
 class Communicator {
  public:
@@ -122,16 +129,17 @@ class Communicator {
   // Sum of every rank's buf into root's buf. The root receives each peer's whole buffer into its
   // comm scratch ((n-1) * count floats, as nn.DataParallel's reduce_add gathers before it sums),
   // then adds them in rank order.
-  virtual void reduce(int rank, float* buf, int64_t count, int root);
+  virtual void reduce(int rank, void* buf, int64_t count, int root, DType type = DType::fp32);
   // Sum of every rank's buf into every rank's buf, by all_reduce_algorithm(); every rank ends with
   // the same bits. ring: reduce-scatter then all-gather over n even chunks, each rank sends and
   // receives 2 (n-1) chunks. naive: reduce to rank 0 as reduce() does (its comm scratch holds the
   // (n-1) peer buffers), then broadcast from rank 0. Bytes are counted under Collective::all_reduce.
-  virtual void all_reduce(int rank, float* buf, int64_t count);
+  virtual void all_reduce(int rank, void* buf, int64_t count, DType type = DType::fp32);
   // Starts all_reduce on the rank's communication thread (buckets overlapping backward); wait()
   // returns when every started one is done and rethrows the first failure. With `timing` (a trace is
   // on) the communication thread stamps it, which must outlive the wait().
-  virtual void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr);
+  virtual void all_reduce_async(int rank, void* buf, int64_t count, Interval* timing = nullptr,
+                                DType type = DType::fp32);
   virtual void wait(int rank);
 
   // The sharded collectives (ZeRO, FSDP), in place, as NCCL's in-place forms: buf holds world()
@@ -140,14 +148,15 @@ class Communicator {
   // chunk; the device's other chunks are left holding partial sums. all_gather: every device's owned
   // chunk goes to the same place in every device's buf. Each rank sends and receives (world - 1)
   // chunks in either (the ring; counted so on every communicator, as nccl-tests counts them).
-  virtual void reduce_scatter(int rank, float* buf, int64_t chunk);
+  virtual void reduce_scatter(int rank, void* buf, int64_t chunk, DType type = DType::fp32);
   virtual void all_gather(int rank, float* buf, int64_t chunk);
   // Their asynchronous forms, started on the rank's communication thread after the collectives
   // started before them (zero2's and zero3's buckets overlapping backward), waited for by wait() as
   // all_reduce_async is. reduce_scatter_async also leaves the owned chunk of the sum in `out` (chunk
   // floats outside buf; NCCL writes it there directly). While any is pending, every collective of
-  // the rank goes through this queue, as the bucketed all-reduce's do.
-  virtual void reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing = nullptr);
+  // the rank goes through this queue, as the bucketed all-reduce's do. `out` is of the buffer's type.
+  virtual void reduce_scatter_async(int rank, void* buf, int64_t chunk, void* out, Interval* timing = nullptr,
+                                    DType type = DType::fp32);
   virtual void all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing = nullptr);
   // The devices of the job (this communicator's in one process) and the chunk a device owns: its rank
   // in the job, unless the communicator lays the chunks out otherwise (ProcessCommunicator).
@@ -156,7 +165,7 @@ class Communicator {
 
   // Grows the rank's ring scratch to `floats` (the largest chunk of the collectives to come), on the
   // rank's thread while no collective of it runs: allocated there, not on the communication thread.
-  void reserve_scratch(int rank, int64_t floats) { scratch(rank, floats); }
+  void reserve_scratch(int rank, int64_t floats) { scratch(rank, floats * int64_t(sizeof(float))); }
   // Called when a rank fails: every rank waiting in, or later entering, a collective throws Aborted.
   void abort();
   // After a failed step, once every rank has returned (no rank thread uses the communicator): drop
@@ -204,7 +213,12 @@ class Communicator {
       }
     }));
   }
-  float* scratch(int rank, int64_t floats);  // comm buffer on the rank's device, grown on demand
+  void* scratch(int rank, int64_t bytes);  // comm buffer on the rank's device, grown on demand
+  // Element i of a buffer of type t: where a chunk starts.
+  static std::byte* at(void* p, int64_t i, DType t) { return static_cast<std::byte*>(p) + i * dtype_size(t); }
+  static const std::byte* at(const void* p, int64_t i, DType t) {
+    return static_cast<const std::byte*>(p) + i * dtype_size(t);
+  }
   // Every rank's meeting point within collective c: the barrier, with the timeout (and a test
   // build's stall, engine/failpoint.h). Past the deadline it throws TimedOut, naming the collective, this rank's device
   // and the ranks that never came. The second form names what it waits in (`what`, e.g. "the start of NCCL") and takes
@@ -214,24 +228,25 @@ class Communicator {
   void sync_and_wait(int rank, Collective c);  // finish the rank's queued copies, then meet
   // After an in-place reduce_scatter of buf: the rank's owned chunk of the sum into out (the
   // asynchronous form's result where it runs the in-place one).
-  void copy_owned_chunk(int rank, const float* buf, int64_t chunk, float* out);
+  void copy_owned_chunk(int rank, const void* buf, int64_t chunk, void* out, DType type);
   // broadcast and reduce, counting their bytes under `as` (the naive all-reduce is both, counted
   // as an all_reduce); ring_all_reduce is the ring.
-  void broadcast_as(Collective as, int rank, float* buf, int64_t count, int root);
-  void reduce_as(Collective as, int rank, float* buf, int64_t count, int root);
-  void ring_all_reduce(int rank, float* buf, int64_t count);
+  void broadcast_as(Collective as, int rank, void* buf, int64_t count, int root, DType type);
+  void reduce_as(Collective as, int rank, void* buf, int64_t count, int root, DType type);
+  void ring_all_reduce(int rank, void* buf, int64_t count, DType type);
   // The ring's halves (communicator.cpp) over chunks of the given sizes back to back: afterwards (in
   // reduce-scatter) or before (in all-gather) rank r holds chunk (r + lead) % n; the bytes are counted
   // under `as`. The all-reduce's ring leads with 1 (ring_owned_chunk), the sharded collectives with 0.
   // reduce-scatter publishes buf and meets first; all-gather does when `publish` (else it reads what
   // the reduce-scatter before it published).
-  void ring_reduce_scatter(int rank, float* buf, const std::vector<int64_t>& chunks, int lead, Collective as);
-  void ring_all_gather(int rank, float* buf, const std::vector<int64_t>& chunks, int lead, Collective as, bool publish);
+  void ring_reduce_scatter(int rank, void* buf, const std::vector<int64_t>& chunks, int lead, Collective as,
+                           DType type);
+  void ring_all_gather(int rank, void* buf, const std::vector<int64_t>& chunks, int lead, Collective as, bool publish,
+                       DType type);
 
   std::vector<Device*> devices_;
   Barrier barrier_;
-  std::vector<const float*> slots_;  // each rank publishes a pointer for the others to read
-  std::vector<float*> scratch_slots_;
+  std::vector<const void*> slots_;  // each rank publishes a pointer for the others to read
   std::vector<Buffer> scratch_;
   std::vector<std::array<Traffic, kCollectives>> traffic_;
   std::vector<Traffic> inter_;  // per rank: to and from other processes

@@ -15,6 +15,8 @@ class ProcessGroup;
 
 enum class Split { even, chunk };
 Split parse_split(const std::string& s);
+// --grad-dtype's value (fp32, bf16 or fp16); UsageError naming the flag and the accepted values.
+DType parse_grad_dtype(const std::string& s);
 const char* split_name(Split s);
 
 // Per-device sample counts of a batch of b over n devices.
@@ -62,6 +64,9 @@ struct EngineConfig {
   // (SyncBatchNorm): the statistics of the whole global batch, in every strategy.
   bool sync_bn = false;
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // where the strategy takes it: ring or naive (d2l)
+  // The type the gradients' collective carries them in (--grad-dtype; strategy.h's WireGradients):
+  // fp32, or bf16 / fp16 at half the bytes, rounded (DDP's bf16_compress_hook / fp16_compress_hook).
+  DType grad_dtype = DType::fp32;
   double timeout = kDefaultTimeout;  // seconds a collective waits for its peers (--timeout; wait.h)
   // Each batch uploaded during the step before it, on the devices' copy streams (Engine::stage;
   // dp_train's default, --no-prefetch turns it off): the load phase is then only the wait for that

@@ -19,6 +19,14 @@ Split parse_split(const std::string& s) {
   throw UsageError("--split: '" + s + "' is not a split; use even or chunk");
 }
 
+DType parse_grad_dtype(const std::string& s) {
+  for (DType t : {DType::fp32, DType::bf16, DType::fp16})
+    if (s == dtype_name(t)) return t;
+  throw UsageError("--grad-dtype: '" + s +
+                   "' is not a gradient type; use fp32 (as computed), bf16 (bf16_compress_hook) or fp16 "
+                   "(fp16_compress_hook)");
+}
+
 const char* split_name(Split s) { return s == Split::even ? "even" : "chunk"; }
 
 std::vector<int> split_batch(int b, int n, Split split) {
@@ -49,6 +57,10 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     throw UsageError("--accumulate " + std::to_string(cfg_.accumulate) + ": " + std::to_string(cfg_.batch) +
                      "-image micro-batches make a step of more than 2^31 - 1 images");
   if (!(cfg_.timeout > 0)) throw UsageError("--timeout: must be a positive number of seconds");
+  if (cfg_.grad_dtype != DType::fp32 && !strategy_.takes_grad_dtype())
+    throw UsageError(std::string("--grad-dtype ") + dtype_name(cfg_.grad_dtype) + ": --sync " + strategy_.name() +
+                     " has no compressed gradients (nn.DataParallel has no communication hook); use allreduce or a "
+                     "sharded strategy");
   const int n = size();
   world_ = n;
   if (cfg_.group && cfg_.group->size() > 1) {

@@ -24,14 +24,14 @@ class ProcessCommunicator : public Communicator {
   // Opens one channel per device in `group` (every process must have as many devices).
   ProcessCommunicator(std::vector<Device*> devices, ProcessGroup& group);
 
-  void all_reduce(int rank, float* buf, int64_t count) override;
+  void all_reduce(int rank, void* buf, int64_t count, DType type = DType::fp32) override;
   // Hierarchical too. The job's P·K chunks are laid out so that the bytes across processes are the
   // fewest: device k of process p owns chunk k·P + p. reduce_scatter: a ring reduce-scatter among the
   // process's K devices over K blocks of P chunks (device k ends with block k's sum over the process),
   // then device k reduce-scatters its block across the processes on its channel (process p ends with
   // chunk p of it). all_gather: the reverse, across processes first, then the ring among the K.
   // Bytes: (K-1)·P chunks each way inside the process, (P-1) across.
-  void reduce_scatter(int rank, float* buf, int64_t chunk) override;
+  void reduce_scatter(int rank, void* buf, int64_t chunk, DType type = DType::fp32) override;
   void all_gather(int rank, float* buf, int64_t chunk) override;
   int world() const override { return size() * group_.size(); }
   int shard(int rank) const override { return rank * group_.size() + group_.rank(); }
@@ -42,7 +42,7 @@ class ProcessCommunicator : public Communicator {
   // Only the all-reduce strategy runs across processes: nn.DataParallel is one process by design.
   void scatter(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) override;
   void gather(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) override;
-  void reduce(int rank, float* buf, int64_t count, int root) override;
+  void reduce(int rank, void* buf, int64_t count, int root, DType type = DType::fp32) override;
 
  private:
   [[noreturn]] void refuse(const char* what) const;

@@ -19,6 +19,7 @@
 
 #include "engine/flight_recorder.h"
 #include "engine/wait.h"
+#include "kernels/dtype.h"
 
 namespace dp {
 
@@ -56,16 +57,19 @@ class ProcessGroup {
   // check makes sure of before calling this, since a mismatch would leave the others waiting).
   virtual void open_channels(int n) = 0;
 
-  // Sum of every process's buf into every process's buf; `what` names it in a timeout's message. An
-  // `aborted` that turns true (a local device failed) ends the wait with Aborted.
-  virtual void all_reduce(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
-                          const std::function<bool()>& aborted) = 0;
-  // The sharded collectives across processes: buf holds size() blocks of `count` floats. reduce_scatter:
+  // Sum of every process's buf (count elements of `type`, kernels/dtype.h) into every process's buf;
+  // `what` names it in a timeout's message. An `aborted` that turns true (a local device failed) ends
+  // the wait with Aborted. In a 16-bit type each partial sum is rounded to the type (math::add16), as
+  // the communicators' rings do.
+  virtual void all_reduce(int channel, void* buf, int64_t count, DType type, const Deadline& deadline,
+                          const std::string& what, const std::function<bool()>& aborted) = 0;
+  // The sharded collectives across processes: buf holds size() blocks of `count` elements (of `type`;
+  // all_gather's floats). reduce_scatter:
   // afterwards this process's block rank() holds the sum over every process of that block (the other
   // blocks are left as they were); all_gather: every process's block rank() goes to the same place in
   // every process's buf.
-  virtual void reduce_scatter(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
-                              const std::function<bool()>& aborted) = 0;
+  virtual void reduce_scatter(int channel, void* buf, int64_t count, DType type, const Deadline& deadline,
+                              const std::string& what, const std::function<bool()>& aborted) = 0;
   virtual void all_gather(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
                           const std::function<bool()>& aborted) = 0;
   // Host channel: element-wise sum and max of small vectors of doubles (the step's statistics and

@@ -1,5 +1,7 @@
 #include "engine/strategy.h"
 
+#include <cstddef>
+
 #include "engine/engine.h"
 #include "engine/error.h"
 
@@ -22,6 +24,25 @@ void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard) {
   ops.sum_squares(n, grads, rep.norm.f());
   if (shard) s.comm().all_reduce(s.rank(), rep.norm.f(), 1);
   ops.clip_scale(n, rep.norm.f(), max_norm, grads);
+}
+
+WireGradients::WireGradients(StepContext& s, int64_t count)
+    : dev_(s.device()), type_(s.comm().world() > 1 ? s.config().grad_dtype : DType::fp32) {
+  if (type_ != DType::fp32 && count > 0) wire_ = dev_.alloc(size_t(count * dtype_size(type_)), Category::comm);
+}
+
+void* WireGradients::at(int64_t offset) const {
+  return static_cast<std::byte*>(wire_.data()) + offset * dtype_size(type_);
+}
+
+void* WireGradients::narrow(float* grads, int64_t offset, int64_t n) {
+  if (type_ == DType::fp32) return grads + offset;
+  dev_.ops().narrow(type_, n, grads + offset, at(offset));
+  return at(offset);
+}
+
+void WireGradients::widen(int64_t offset, int64_t n, float* out) {
+  if (type_ != DType::fp32) dev_.ops().widen(type_, n, at(offset), out);
 }
 
 const std::vector<const Strategy*>& strategies() {

@@ -171,9 +171,12 @@ class Strategy {
   virtual const char* reduces() const = 0;
 
   // The options it takes: --allreduce (the all-reduce algorithm), --bucket-kb (gradients in buckets
-  // overlapped with backward), and whether it runs across processes (nullptr; else why not).
+  // overlapped with backward), --grad-dtype (the gradients' collective in 16 bits: DDP's compression
+  // hooks, DeepSpeed's communication_data_type, FSDP's reduce_dtype), and whether it runs across
+  // processes (nullptr; else why not).
   virtual bool takes_all_reduce_algorithm() const { return false; }
   virtual bool takes_buckets() const { return false; }
+  virtual bool takes_grad_dtype() const { return true; }
   virtual const char* one_process_only() const { return nullptr; }
   // What each device keeps 1/n of, as the ZeRO paper's stages count it: 0 nothing (every device holds
   // the whole of everything it holds), 1 the optimizer state, 2 the gradients too. Stage 1 has one
@@ -225,6 +228,32 @@ class Strategy {
 // norm costs the sharded strategies one more collective a step, a latency rather than bytes); the
 // others hold the whole gradient and square it there (two more passes over it, no collective).
 void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard);
+
+// The gradients as their collective carries them (--grad-dtype, EngineConfig::grad_dtype; only where
+// there is more than one device of the job: a single device sends nothing): in fp32 the float
+// gradient buffer itself; in bf16 or fp16 a buffer of `count` elements of the type (Category::comm),
+// filled from the floats before the collective and widened back into floats after it, as DDP's
+// bf16_compress_hook and fp16_compress_hook do (the sum is of the rounded gradients, its partial sums
+// rounded too, and arrives rounded). No division by the device count is needed before the cast, as
+// fp16_compress_hook makes: dp's gradients are already each device's share of the global mean (the
+// loss is weighted by 1/B on every device), so the values on the wire are as large as the mean's.
+class WireGradients {
+ public:
+  WireGradients(StepContext& s, int64_t count);  // count 0: nothing allocated (a step that sends none)
+  DType type() const { return type_; }
+  // Floats [offset, offset + n) of `grads` as the collective sends them: narrowed into this buffer at
+  // offset, or (fp32) grads + offset itself.
+  void* narrow(float* grads, int64_t offset, int64_t n);
+  // Elements [offset, offset + n) of the collective's result back into the floats at `out`; nothing
+  // in fp32 when `out` is where they are.
+  void widen(int64_t offset, int64_t n, float* out);
+  void* at(int64_t offset) const;
+
+ private:
+  Device& dev_;
+  DType type_;
+  Buffer wire_;
+};
 
 // The gradient buckets a strategy's engine uses for --bucket-kb (0: none), in backward order: layers
 // from the last, a bucket closed once it holds bucket_kb KiB or more (the buckets DDP makes); zero2

@@ -5,6 +5,11 @@
 
 #include <cmath>
 #include <cstdint>
+#if !defined(__CUDA_ARCH__)
+#include <bit>
+#endif
+
+#include "kernels/dtype.h"
 
 #if defined(__CUDACC__)
 #define DP_HD __host__ __device__ __forceinline__
@@ -171,5 +176,73 @@ DP_HD void bn_update_running(T& running_mean, T& running_var, T mean, T var, int
   running_mean = (T(1) - momentum) * running_mean + momentum * mean;
   running_var = (T(1) - momentum) * running_var + momentum * unbiased;
 }
+
+// The 16-bit gradient types of --grad-dtype (kernels/dtype.h), as bits. Float to bf16 or fp16 rounds
+// to nearest, ties to even, as PyTorch's .to(torch.bfloat16 / torch.float16) and CUDA's
+// __float2bfloat16_rn / __float2half_rn do: a NaN stays a (quiet) NaN, an fp16 overflow (65520 and up)
+// becomes infinity, small values become fp16 subnormals. Back to float is exact.
+DP_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  return std::bit_cast<uint32_t>(f);
+#endif
+}
+DP_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  return std::bit_cast<float>(u);
+#endif
+}
+
+DP_HD uint16_t to_bf16(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);  // NaN, kept quiet
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // the carry rounds up, ties to the even half
+}
+DP_HD float from_bf16(uint16_t h) { return bits_float(uint32_t(h) << 16); }
+
+// After F. Giesen's float_to_half_fast3_rtne and half_to_float (public domain): subnormals are
+// rounded, and widened, by one float addition or subtraction at a magic constant, exactly.
+DP_HD uint16_t to_fp16(float f) {
+  uint32_t u = float_bits(f);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint32_t h;
+  if (u >= (127u + 16u) << 23) {              // 65536 or more, infinity, NaN
+    h = u > 0x7f800000u ? 0x7e00u : 0x7c00u;  // a quiet NaN, or infinity
+  } else if (u < (127u - 14u) << 23) {        // below fp16's smallest normal, 2^-14: a subnormal or 0
+    const float denorm_magic = bits_float(((127u - 15u) + (23u - 10u) + 1u) << 23);  // 0.5: its ulp is fp16's 2^-24
+    h = float_bits(bits_float(u) + denorm_magic) - float_bits(denorm_magic);
+  } else {
+    const uint32_t odd = (u >> 13) & 1u;
+    u += ((15u - 127u) << 23) + 0xfffu + odd;  // rebias, then round: 65520 and up carries into infinity
+    h = u >> 13;
+  }
+  return uint16_t(h | (sign >> 16));
+}
+DP_HD float from_fp16(uint16_t h) {
+  const uint32_t shifted_exp = 0x7c00u << 13;
+  uint32_t o = (uint32_t(h) & 0x7fffu) << 13;
+  const uint32_t exp = shifted_exp & o;
+  o += (127u - 15u) << 23;
+  if (exp == shifted_exp) {
+    o += (128u - 16u) << 23;  // infinity or NaN
+  } else if (exp == 0) {      // zero or a subnormal: renormalised by one exact subtraction
+    o += 1u << 23;
+    o = float_bits(bits_float(o) - bits_float(113u << 23));
+  }
+  return bits_float(o | ((uint32_t(h) & 0x8000u) << 16));
+}
+
+// A float as the 16-bit type t holds it (t is bf16 or fp16), and back.
+DP_HD uint16_t narrow(DType t, float f) { return t == DType::bf16 ? to_bf16(f) : to_fp16(f); }
+DP_HD float widen(DType t, uint16_t h) { return t == DType::bf16 ? from_bf16(h) : from_fp16(h); }
+// The reduction's add in a 16-bit type: the exact sum of two values of the type fits a float (or lies
+// within a quarter of the result's ulp of a float rounding of it), so one float addition and one
+// rounding give the correctly rounded sum of the type: what NCCL's sum of two bf16 or fp16 values
+// gives, a partial sum rounded to the type at every step.
+DP_HD uint16_t add16(DType t, uint16_t x, uint16_t y) { return narrow(t, widen(t, x) + widen(t, y)); }
 
 }  // namespace dp::math

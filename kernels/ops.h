@@ -143,6 +143,12 @@ class Ops {
 
   virtual void add(int64_t n, const float* x, float* y) = 0;  // y += x (the reduction kernel)
   virtual void fill(int64_t n, float value, float* x) = 0;
+  // --grad-dtype (kernels/dtype.h): y (n elements of t) = x rounded to t (math::narrow); the reverse,
+  // exact (math::widen); and the reduction kernel in t, y += x rounded to t (math::add16). For fp32
+  // they are a copy, a copy and add().
+  virtual void narrow(DType t, int64_t n, const float* x, void* y) = 0;
+  virtual void widen(DType t, int64_t n, const void* x, float* y) = 0;
+  virtual void add_typed(DType t, int64_t n, const void* x, void* y) = 0;
   // True when every element is finite. Synchronises with the host.
   virtual bool all_finite(int64_t n, const float* x) = 0;
   // Sets *flag (device memory) to 1 when an element of x is not finite and leaves it as it was

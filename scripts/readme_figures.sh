@@ -72,6 +72,7 @@ quick() {
   line=${line//build\/dp_bench scale/build/dp_bench scale --steps 2 --warmup 1 --repeats 1}
   line=${line//bench\/scale_processes.sh/bench/scale_processes.sh 1}
   line=${line//bench\/accumulate.sh/bench/accumulate.sh 1 1024}
+  line=${line//bench\/grad_dtype.sh/bench/grad_dtype.sh 1 1024}
   /usr/bin/python3 -c "import matplotlib" 2> /dev/null || line=$(sed 's/--plot [^ |;]*//g' <<< "$line")
   echo "$line"
 }

@@ -365,6 +365,35 @@ TEST_CASE("dp_bench ops - the ops' microseconds fit in the step and conv and lin
 
 #endif  // DP_BENCH_BIN
 
+TEST_CASE("dp_bench compare - --grad-dtype bf16: the gradients' bytes halve on the model, scatter's stay fp32") {
+  TempDir dir;
+  std::vector<json> runs;
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    const std::string log = dir / (dtype + ".log"), out = dir / (dtype + ".json");
+    int rc = bench("compare --devices 2 --batch 12 --steps 1 --warmup 0 --alpha-us 5 --beta-gbps 10 --grad-dtype " +
+                       dtype + " --json '" + out + "'",
+                   log);
+    INFO(slurp(log));
+    REQUIRE(rc == 0);
+    runs.push_back(load(out));
+    CHECK(runs.back()["match"] == true);  // measured bytes equal the byte model in either type
+    CHECK(runs.back()["config"]["grad_dtype"] == dtype);
+  }
+  const json &f = runs[0]["runs"][0]["strategies"], &b = runs[1]["runs"][0]["strategies"];
+  REQUIRE(f.size() == b.size());
+  for (size_t i = 0; i < f.size(); ++i) {
+    const std::string name = f[i]["strategy"];
+    CAPTURE(name);
+    const int64_t sent_f = f[i]["devices"][1]["bytes_sent"], sent_b = b[i]["devices"][1]["bytes_sent"];
+    if (name == "scatter")
+      CHECK(sent_b == sent_f);
+    else if (name == "allreduce" || name == "naive")
+      CHECK(2 * sent_b == sent_f);
+    else
+      CHECK(sent_b < sent_f);  // the parameters' all-gathers stay float32
+  }
+}
+
 TEST_CASE(
     "dp_bench compare - --accumulate: the gradients travel once a step, scatter's every micro-batch, on the model") {
   TempDir dir;

@@ -14,7 +14,7 @@ TEST_CASE("bench: torch_workers.py measures eager PyTorch with each interpreter 
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 96, 16);
   int measured = 0;
-  for (const std::string python :
+  for (const std::string& python :
        {std::string(DP_SOURCE_DIR) + "/.venv-bench/bin/python", std::string("/usr/bin/python3")}) {
     CAPTURE(python);
     CommandResult has =

@@ -113,6 +113,45 @@ TEST_CASE("mpi: Adam across processes: 2x1 is one process of 2 devices bit for b
   }
 }
 
+// --grad-dtype across processes: MPI carries the 16-bit bits with dp's own sum (each partial sum
+// rounded to the type), so with two devices in all, one add, a job of 2 processes is one process of 2
+// devices bit for bit; 2x2 verifies against 1 device within the type's rounding; bytes halve.
+TEST_CASE("mpi: --grad-dtype bf16 and fp16 across processes: 2x1 is 1x2 bit for bit, 2x2 verifies, bytes halve") {
+  if (!have_mpi()) return;
+  Job job;
+  for (const std::string dtype : {"bf16", "fp16"})
+    for (const std::string sync : {"allreduce", "zero2"}) {
+      CAPTURE(dtype);
+      CAPTURE(sync);
+      const std::string run = " --steps 4 --sync " + sync + " --grad-dtype " + dtype + " --save ";
+      CommandResult m = job.mpirun(2, "--devices 1" + run + job.dir / "p.st");
+      INFO(m.output);
+      REQUIRE(m.exit_code == 0);
+      REQUIRE(job.one("--devices 2" + run + job.dir / "o.st").exit_code == 0);
+      REQUIRE(job.one("--devices 2 --steps 4 --sync " + sync + " --save " + job.dir / "f.st").exit_code == 0);
+      const std::vector<float> p = weights(job.dir / "p.st");
+      CHECK(p == weights(job.dir / "o.st"));
+      CHECK(max_diff(p, weights(job.dir / "f.st")) > 0);  // not fp32's
+    }
+  std::vector<nlohmann::json> reports;
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    CommandResult m = job.mpirun(
+        2, "--devices 2 --steps 6 --verify --grad-dtype " + dtype + " --report " + job.dir / ("r" + dtype + ".json"));
+    INFO(m.output);
+    REQUIRE(m.exit_code == 0);
+    CHECK(m.output.find("verify: largest weight difference from 1 device after 6 steps") != std::string::npos);
+    reports.push_back(read_json(job.dir / ("r" + dtype + ".json")));
+  }
+  for (size_t d = 0; d < 4; ++d) {
+    const nlohmann::json &f = reports[0]["devices"][d], &b = reports[1]["devices"][d];
+    for (const char* key :
+         {"bytes_sent_per_step", "inter_process_bytes_sent_per_step", "inter_process_bytes_received_per_step"}) {
+      CAPTURE(key);
+      CHECK(2 * b[key].get<int64_t>() == f[key].get<int64_t>());
+    }
+  }
+}
+
 // Rank 0 says what the job is, and its table and skew cover every process's devices, as the report does.
 TEST_CASE("mpi: the job in a line first, every process's devices in the end-of-run table and its skew") {
   if (!have_mpi()) return;

@@ -179,7 +179,7 @@ Examples:
 struct TrainText {
   std::string sync = "scatter", split = "even", allreduce = "ring", lr, momentum, weight_decay, seed, timeout;
   std::string optimizer = "sgd", betas = "0.9,0.999", eps = "1e-08", lr_schedule = "constant", lr_gamma = "0.1";
-  std::string clip_grad_norm;
+  std::string clip_grad_norm, grad_dtype = "fp32";
   bool no_shuffle = false;
 };
 
@@ -199,6 +199,10 @@ void add_strategy(CLI::App& app, TrainOptions& o, TrainText& t) {
                  "allreduce: ring (reduce-scatter + all-gather, DDP) | naive (reduce to device 0 + broadcast, d2l)")
       ->capture_default_str();
   app.add_option("--split", t.split, "even | chunk (torch.chunk)")->capture_default_str();
+  app.add_option("--grad-dtype", t.grad_dtype,
+                 "fp32 | bf16 | fp16: the gradients' collective in this type, half the bytes in 16 bits, rounded "
+                 "(DDP's bf16_compress_hook / fp16_compress_hook); not scatter")
+      ->capture_default_str();
   app.add_option("--bucket-kb", o.bucket_kb,
                  "allreduce: gradient bucket size in KiB, overlapped with backward (0: off)")
       ->transform(exact_integer<int64_t>());
@@ -398,6 +402,7 @@ bool parse_train_args(int argc, const char* const* argv, TrainOptions& o) {
   o.sync = find_strategy(t.sync).name();
   o.all_reduce = parse_all_reduce(t.allreduce);
   o.split = parse_split(t.split);
+  o.grad_dtype = parse_grad_dtype(t.grad_dtype);
   o.timeout = parse_timeout(t.timeout);
   o.lr_gamma = parse_float(t.lr_gamma, "--lr-gamma");
   if (!t.clip_grad_norm.empty()) o.clip_grad_norm = parse_clip_grad_norm(t.clip_grad_norm);

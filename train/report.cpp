@@ -77,6 +77,7 @@ nlohmann::json run_config(const TrainOptions& o, const ModelSpec& spec, int64_t 
           {"parameters", spec.param_count},
           {"batch", o.batch},
           {"accumulate", o.accumulate},
+          {"grad_dtype", dtype_name(o.grad_dtype)},
           {"step_images", o.step_images()},
           {"steps", steps},
           {"optimizer", optimizer_name(o.optimizer)},

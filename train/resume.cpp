@@ -99,6 +99,7 @@ RunIdentity run_identity(const TrainOptions& o, const Dataset& train_set, const 
                  {"train_labels_crc32", std::to_string(labels_crc)}};
   id.exact_only = {{"sync", o.sync},
                    {"allreduce", all_reduce_name(o.all_reduce)},
+                   {"grad_dtype", dtype_name(o.grad_dtype)},
                    {"devices", std::to_string(devices)},
                    {"split", split_name(o.split)},
                    {"bucket_kb", std::to_string(o.bucket_kb)},

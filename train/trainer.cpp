@@ -186,7 +186,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   const Checkpoint init = starting_state(opt, p, g);
   place(engine, init);
   std::optional<Verifier> verify;  // --verify: the same steps on one device with the full batch (rank 0's)
-  if (opt.verify && lead) verify.emplace(opt.devices, p.spec, ec, init);
+  if (opt.verify && lead) verify.emplace(opt.devices, p.spec, ec, init, engine.comm().world());
   // Across processes, every rank's trace onto rank 0's clock (read before the first span).
   const double trace_offset_us = g && ec.trace ? clock_offset_to_rank0(*g, engine, opt.timeout) : 0;
 

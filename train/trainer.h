@@ -47,6 +47,7 @@ struct TrainOptions {
   int64_t bucket_kb = 0;
   bool sync_bn = false;                                      // --sync-bn: SyncBatchNorm (EngineConfig::sync_bn)
   AllReduceAlgorithm all_reduce = AllReduceAlgorithm::ring;  // --allreduce (only with --sync allreduce)
+  DType grad_dtype = DType::fp32;                            // --grad-dtype (EngineConfig::grad_dtype)
   double timeout = kDefaultTimeout;                          // --timeout: seconds a collective waits for peers
   int flight_records = kDefaultFlightRecords;  // --flight-records: across processes (engine/flight_recorder.h)
   std::string flight_dir;                      // --flight-dir: where they go when the job fails

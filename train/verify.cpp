@@ -21,7 +21,15 @@ namespace dp {
 // 1 + mu + ... + mu^(j-k); the weight change is lr times that. Summed over K steps, doubled for the
 // dynamics (the gradient depends on weights that already differ), that is the bound below.
 double summation_tolerance(int64_t steps, int batch, float lr, float momentum) {
-  const double u = std::ldexp(1.0, -24);
+  return gradient_tolerance(steps, 2.0 * batch * std::ldexp(1.0, -24), lr, momentum);
+}
+
+double compression_rounding(DType t, int devices) {
+  if (t == DType::fp32 || devices <= 1) return 0;
+  return devices * std::ldexp(1.0, t == DType::bf16 ? -8 : -11);
+}
+
+double gradient_tolerance(int64_t steps, double per_step, float lr, float momentum) {
   // carried = sum over k < steps of (1 + mu + ... + mu^k), each term the last plus mu^k: linear in
   // the steps (a double loop made a long run's --verify take longer than the run).
   double carried = 0, geometric = 0, p = 1;
@@ -29,7 +37,7 @@ double summation_tolerance(int64_t steps, int batch, float lr, float momentum) {
     geometric += p;
     carried += geometric;
   }
-  return 2.0 * (2.0 * batch * u) * lr * carried;
+  return 2.0 * per_step * lr * carried;
 }
 
 // Adam's bound (AdamTolerance). The first moment differs by dm <- beta1 dm + (1 - beta1) delta and
@@ -68,14 +76,18 @@ namespace {
 
 // One device in this process, also when the run is one process of a job (EngineConfig::group).
 EngineConfig one_device(EngineConfig c) {
-  c.sync = "allreduce", c.bucket_kb = 0, c.trace = false, c.group = nullptr;
+  c.sync = "allreduce", c.bucket_kb = 0, c.trace = false, c.group = nullptr, c.grad_dtype = DType::fp32;
   return c;
 }
 
 }  // namespace
 
-Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state)
-    : batchnorm_(spec.has_batchnorm()), lr_(run.lr), start_(state.params) {
+Verifier::Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state,
+                   int job_devices)
+    : batchnorm_(spec.has_batchnorm()),
+      lr_(run.lr),
+      compression_(compression_rounding(run.grad_dtype, job_devices)),
+      start_(state.params) {
   DeviceConfig first = devices;
   first.ids = {devices.all ? 0 : devices.ids.at(0)};
   first.all = false;
@@ -90,7 +102,8 @@ void Verifier::step(const float* x, const int32_t* y, int n) {
   engine_->step(x, y, n);
   if (!adam_) return;
   const std::vector<std::vector<float>> state = engine_->optimizer_state();  // exp_avg, exp_avg_sq
-  adam_->step(engine_->config(), engine_->optimizer_steps(), 2.0 * n * std::ldexp(1.0, -24), state.at(0), state.at(1));
+  adam_->step(engine_->config(), engine_->optimizer_steps(), 2.0 * n * std::ldexp(1.0, -24) + compression_, state.at(0),
+              state.at(1));
 }
 
 VerifyResult Verifier::compare_adam(const std::vector<float>& a, const std::vector<float>& b) const {
@@ -141,7 +154,8 @@ VerifyResult Verifier::compare(const std::vector<float>& a, int batch) {
     v.bounded = int64_t(a.size());
     for (size_t i = 0; i < a.size(); ++i) v.max_diff = std::max(v.max_diff, double(std::fabs(a[i] - b[i])));
     const EngineConfig& c = engine_->config();
-    v.tolerance = summation_tolerance(v.steps, batch, lr_, c.momentum) + rounding;
+    v.tolerance = summation_tolerance(v.steps, batch, lr_, c.momentum) +
+                  gradient_tolerance(v.steps, compression_, lr_, c.momentum) + rounding;
     v.ok = v.max_diff <= v.tolerance;
     std::printf("verify: largest weight difference from 1 device after %lld steps: %.3g (tolerance %.3g) %s\n",
                 (long long)v.steps, v.max_diff, v.tolerance,

@@ -16,6 +16,15 @@ namespace dp {
 // The bound on the largest weight difference between two runs that differ only in the order
 // gradients are summed (see verify.cpp for the derivation).
 double summation_tolerance(int64_t steps, int batch, float lr, float momentum);
+// The same bound for any difference of at most `per_step` in each gradient element a step
+// (summation_tolerance's is 2 B u).
+double gradient_tolerance(int64_t steps, double per_step, float lr, float momentum);
+// How far --grad-dtype's type t moves a gradient element over n devices a step: each device's share
+// rounded to t once, and every partial sum rounded as it is formed (at most n - 1 of them, in a ring,
+// a tree or across processes), each by at most u_t (2^-8 for bf16, 2^-11 for fp16) of the sum of the
+// shares' magnitudes, which summation_tolerance takes to be at most 1: n u_t in all; 0 for fp32 (or a
+// single device, which sends nothing).
+double compression_rounding(DType t, int devices);
 // The bound holds over this many steps; past some tens of steps the training dynamics amplify the
 // rounding differences beyond it (lenet, 4 devices, lr 0.1: 3.5e-6 after 20 steps, 0.04 after 50),
 // and a longer --verify run is refused before it starts (check_verified_steps).
@@ -61,7 +70,10 @@ class Verifier {
   // The reference: the first device of `devices` alone, with the run's settings (`run`) less the
   // strategy's (one replica, no buckets, no trace), starting from the same state (weights, momentum
   // where there is one, running statistics).
-  Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state);
+  // `job_devices`: the run's devices in all, whose --grad-dtype rounding the bound adds
+  // (compression_rounding); the reference's gradients stay float32.
+  Verifier(const DeviceConfig& devices, const ModelSpec& spec, const EngineConfig& run, const Checkpoint& state,
+           int job_devices);
   // The step the run just took, on the same batch x (n, C, H, W), labels y (n).
   void step(const float* x, const int32_t* y, int n);
   // The learning rate of the next step (the run's schedule).
@@ -78,6 +90,7 @@ class Verifier {
 
   bool batchnorm_;
   float lr_;                  // --lr: under a schedule the largest the steps took, which the bound takes
+  double compression_;        // compression_rounding of the run's --grad-dtype, per step
   std::vector<float> start_;  // the weights both runs started from
   DeviceSet devices_;         // declared before engine_: outlives it
   std::unique_ptr<Engine> engine_;

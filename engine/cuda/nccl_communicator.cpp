@@ -251,27 +251,28 @@ bool NcclCommunicator::drain() noexcept {
   return ok;
 }
 
-void NcclCommunicator::tally_all_reduce(int rank, int64_t count) {
-  const Traffic t = all_reduce_traffic(all_reduce_algorithm(), rank, world_, count);
+void NcclCommunicator::tally_all_reduce(int rank, int64_t count, DType type) {
+  const Traffic t = all_reduce_traffic(all_reduce_algorithm(), rank, world_, count, type);
   tally(rank, Collective::all_reduce, t.sent, t.received);
 }
 
-void NcclCommunicator::enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream) {
+void NcclCommunicator::enqueue_all_reduce(int rank, void* buf, int64_t count, DType type, cudaStream_t stream) {
+  const ncclDataType_t t = nccl_type(type);
   if (all_reduce_algorithm() == AllReduceAlgorithm::ring) {
-    DP_NCCL_CHECK(enqueued(rank, ncclAllReduce(buf, buf, size_t(count), ncclFloat, ncclSum, comms_[rank], stream)));
+    DP_NCCL_CHECK(enqueued(rank, ncclAllReduce(buf, buf, size_t(count), t, ncclSum, comms_[rank], stream)));
     return;
   }
   // In place on every rank: rank 0's buf receives the sum (the others' are only read), then every
   // rank's buf receives rank 0's. Stream order puts the broadcast after the reduce.
-  DP_NCCL_CHECK(enqueued(rank, ncclReduce(buf, buf, size_t(count), ncclFloat, ncclSum, 0, comms_[rank], stream)));
-  DP_NCCL_CHECK(enqueued(rank, ncclBroadcast(buf, buf, size_t(count), ncclFloat, 0, comms_[rank], stream)));
+  DP_NCCL_CHECK(enqueued(rank, ncclReduce(buf, buf, size_t(count), t, ncclSum, 0, comms_[rank], stream)));
+  DP_NCCL_CHECK(enqueued(rank, ncclBroadcast(buf, buf, size_t(count), t, 0, comms_[rank], stream)));
 }
 
-void NcclCommunicator::reduce_scatter(int rank, float* buf, int64_t chunk) {
+void NcclCommunicator::reduce_scatter(int rank, void* buf, int64_t chunk, DType type) {
   if (world_ == 1 || chunk == 0) return;
-  if (!use_nccl(rank)) return Communicator::reduce_scatter(rank, buf, chunk);
+  if (!use_nccl(rank)) return Communicator::reduce_scatter(rank, buf, chunk, type);
   // NCCL's in-place form: recvbuff = sendbuff + rank·recvcount.
-  enqueue_reduce_scatter(rank, buf, chunk, buf + int64_t(shard(rank)) * chunk, gpu(rank).stream());
+  enqueue_reduce_scatter(rank, buf, chunk, at(buf, int64_t(shard(rank)) * chunk, type), type, gpu(rank).stream());
 }
 
 void NcclCommunicator::all_gather(int rank, float* buf, int64_t chunk) {
@@ -280,20 +281,21 @@ void NcclCommunicator::all_gather(int rank, float* buf, int64_t chunk) {
   enqueue_all_gather(rank, buf, chunk, gpu(rank).stream());
 }
 
-void NcclCommunicator::all_reduce(int rank, float* buf, int64_t count) {
+void NcclCommunicator::all_reduce(int rank, void* buf, int64_t count, DType type) {
   if (world_ == 1 || count == 0) return;
-  if (!use_nccl(rank)) return Communicator::all_reduce(rank, buf, count);
-  tally_all_reduce(rank, count);
+  if (!use_nccl(rank)) return Communicator::all_reduce(rank, buf, count, type);
+  tally_all_reduce(rank, count, type);
   meet(rank, Collective::all_reduce);
-  enqueue_all_reduce(rank, buf, count, gpu(rank).stream());
+  enqueue_all_reduce(rank, buf, count, type, gpu(rank).stream());
 }
 
-void NcclCommunicator::enqueue_reduce_scatter(int rank, const float* buf, int64_t chunk, float* out,
+void NcclCommunicator::enqueue_reduce_scatter(int rank, const void* buf, int64_t chunk, void* out, DType type,
                                               cudaStream_t stream) {
-  const int64_t bytes = (world_ - 1) * chunk * int64_t(sizeof(float));
+  const int64_t bytes = (world_ - 1) * chunk * dtype_size(type);
   tally_ring(rank, Collective::reduce_scatter, {bytes, bytes});
   meet(rank, Collective::reduce_scatter);
-  DP_NCCL_CHECK(enqueued(rank, ncclReduceScatter(buf, out, size_t(chunk), ncclFloat, ncclSum, comms_[rank], stream)));
+  DP_NCCL_CHECK(
+      enqueued(rank, ncclReduceScatter(buf, out, size_t(chunk), nccl_type(type), ncclSum, comms_[rank], stream)));
 }
 
 void NcclCommunicator::enqueue_all_gather(int rank, float* buf, int64_t chunk, cudaStream_t stream) {
@@ -334,26 +336,29 @@ void NcclCommunicator::submit_ordered(int rank, Interval* timing, std::function<
   });
 }
 
-void NcclCommunicator::all_reduce_async(int rank, float* buf, int64_t count, Interval* timing) {
+void NcclCommunicator::all_reduce_async(int rank, void* buf, int64_t count, Interval* timing, DType type) {
   if (world_ == 1 || count == 0) return;
   submit_ordered(
-      rank, timing, [this, rank, buf, count] { Communicator::all_reduce(rank, buf, count); },
-      [this, rank, buf, count](cudaStream_t stream) {
-        tally_all_reduce(rank, count);
+      rank, timing, [this, rank, buf, count, type] { Communicator::all_reduce(rank, buf, count, type); },
+      [this, rank, buf, count, type](cudaStream_t stream) {
+        tally_all_reduce(rank, count, type);
         meet(rank, Collective::all_reduce);
-        enqueue_all_reduce(rank, buf, count, stream);
+        enqueue_all_reduce(rank, buf, count, type, stream);
       });
 }
 
-void NcclCommunicator::reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing) {
-  if (world_ == 1 || chunk == 0) return Communicator::reduce_scatter_async(rank, buf, chunk, out, timing);
+void NcclCommunicator::reduce_scatter_async(int rank, void* buf, int64_t chunk, void* out, Interval* timing,
+                                            DType type) {
+  if (world_ == 1 || chunk == 0) return Communicator::reduce_scatter_async(rank, buf, chunk, out, timing, type);
   submit_ordered(
       rank, timing,
-      [this, rank, buf, chunk, out] {
-        Communicator::reduce_scatter(rank, buf, chunk);
-        copy_owned_chunk(rank, buf, chunk, out);
+      [this, rank, buf, chunk, out, type] {
+        Communicator::reduce_scatter(rank, buf, chunk, type);
+        copy_owned_chunk(rank, buf, chunk, out, type);
       },
-      [this, rank, buf, chunk, out](cudaStream_t stream) { enqueue_reduce_scatter(rank, buf, chunk, out, stream); });
+      [this, rank, buf, chunk, out, type](cudaStream_t stream) {
+        enqueue_reduce_scatter(rank, buf, chunk, out, type, stream);
+      });
 }
 
 void NcclCommunicator::all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing) {

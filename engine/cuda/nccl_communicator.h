@@ -21,16 +21,18 @@ class NcclCommunicator : public Communicator {
   explicit NcclCommunicator(std::vector<Device*> devices);
   ~NcclCommunicator() override;
 
-  void all_reduce(int rank, float* buf, int64_t count) override;
-  void all_reduce_async(int rank, float* buf, int64_t count, Interval* timing = nullptr) override;
+  void all_reduce(int rank, void* buf, int64_t count, DType type = DType::fp32) override;
+  void all_reduce_async(int rank, void* buf, int64_t count, Interval* timing = nullptr,
+                        DType type = DType::fp32) override;
   void wait(int rank) override;
   void recover() override;
   // ncclReduceScatter and ncclAllGather in place, on the compute stream: NCCL rank r owns chunk r.
-  void reduce_scatter(int rank, float* buf, int64_t chunk) override;
+  void reduce_scatter(int rank, void* buf, int64_t chunk, DType type = DType::fp32) override;
   void all_gather(int rank, float* buf, int64_t chunk) override;
   // On the comm stream, after the compute stream's work so far (submit_ordered); the reduce-scatter
   // out of place, into `out`.
-  void reduce_scatter_async(int rank, float* buf, int64_t chunk, float* out, Interval* timing = nullptr) override;
+  void reduce_scatter_async(int rank, void* buf, int64_t chunk, void* out, Interval* timing = nullptr,
+                            DType type = DType::fp32) override;
   void all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing = nullptr) override;
   int world() const override { return world_; }
 
@@ -38,15 +40,20 @@ class NcclCommunicator : public Communicator {
   enum class Clique { none, ready, unavailable };
 
   CudaDevice& gpu(int rank) const { return static_cast<CudaDevice&>(*devices_[rank]); }
-  // Counts one all-reduce of count floats on local rank `rank` (the ring's or naive's model over the
-  // clique; the job's form splits it into bytes inside and across processes).
-  virtual void tally_all_reduce(int rank, int64_t count);
+  // Counts one all-reduce of count elements of `type` on local rank `rank` (the ring's or naive's model
+  // over the clique; the job's form splits it into bytes inside and across processes).
+  virtual void tally_all_reduce(int rank, int64_t count, DType type);
   // Counts a ring collective's bytes `t` on local rank `rank` under c (the job's form splits them).
   virtual void tally_ring(int rank, Collective c, Traffic t) { tally(rank, c, t.sent, t.received); }
   // The all-reduce of all_reduce_algorithm(), enqueued on `stream`; the sharded collectives counted,
   // the ranks met and enqueued on `stream` (the reduce-scatter's owned chunk of the sum into `out`).
-  void enqueue_all_reduce(int rank, float* buf, int64_t count, cudaStream_t stream);
-  void enqueue_reduce_scatter(int rank, const float* buf, int64_t chunk, float* out, cudaStream_t stream);
+  // ncclBfloat16 and ncclHalf for the 16-bit types of --grad-dtype: NCCL's reductions in these types
+  // round every partial sum to the type, as the peer ring does.
+  static ncclDataType_t nccl_type(DType t) {
+    return t == DType::fp32 ? ncclFloat : t == DType::bf16 ? ncclBfloat16 : ncclHalf;
+  }
+  void enqueue_all_reduce(int rank, void* buf, int64_t count, DType type, cudaStream_t stream);
+  void enqueue_reduce_scatter(int rank, const void* buf, int64_t chunk, void* out, DType type, cudaStream_t stream);
   void enqueue_all_gather(int rank, float* buf, int64_t chunk, cudaStream_t stream);
   // An asynchronous collective: an event on the compute stream now; on the communication thread the
   // comm stream waits on it and `nccl` enqueues the collective there, or `peer` runs the peer copies

@@ -74,12 +74,12 @@ class NcclProcessCommunicator final : public NcclCommunicator {
   // Only the all-reduce strategy runs across processes (job.cpp refuses the others first).
   void scatter(int, const float*, float*, const std::vector<int64_t>&, int) override { refuse("scatter"); }
   void gather(int, const float*, float*, const std::vector<int64_t>&, int) override { refuse("gather"); }
-  void reduce(int, float*, int64_t, int) override { refuse("reduce"); }
+  void reduce(int, void*, int64_t, int, DType) override { refuse("reduce"); }
   int shard(int rank) const override { return first_ + rank; }  // the NCCL rank
 
  private:
   void start_clique(int rank) override;
-  void tally_all_reduce(int rank, int64_t count) override;
+  void tally_all_reduce(int rank, int64_t count, DType type) override;
   // Rank `rank`'s traffic t in a collective over the ring: sent to the next job rank, received from the
   // previous one, each booked inside or across processes (the header says which).
   void tally_ring(int rank, Collective c, Traffic t) override;
@@ -223,8 +223,8 @@ void NcclProcessCommunicator::tally_ring(int rank, Collective c, Traffic t) {
   tally_inter(rank, across);
 }
 
-void NcclProcessCommunicator::tally_all_reduce(int rank, int64_t count) {
-  tally_ring(rank, Collective::all_reduce, ring_all_reduce_traffic(first_ + rank, world_, count));
+void NcclProcessCommunicator::tally_all_reduce(int rank, int64_t count, DType type) {
+  tally_ring(rank, Collective::all_reduce, ring_all_reduce_traffic(first_ + rank, world_, count, type));
 }
 
 void NcclProcessCommunicator::broadcast(int rank, float* buf, int64_t count, int root) {

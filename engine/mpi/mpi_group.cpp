@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -19,6 +20,7 @@
 #include "engine/error.h"
 #include "engine/failpoint.h"
 #include "engine/process_group.h"
+#include "kernels/math.h"
 
 namespace dp {
 namespace {
@@ -32,6 +34,16 @@ void check(int rc, const char* call, const char* file, int line) {
                            std::to_string(line) + ")");
 }
 #define DP_MPI(call) check((call), #call, __FILE__, __LINE__)
+
+// --grad-dtype's sums across processes: MPI has no bf16 and (before MPI 4.1's MPIX types) no fp16,
+// so the bits travel as MPI_UINT16_T and these user operations add them, each partial sum rounded to
+// the type (math::add16), as the rings inside a process do. Declared commutative, as MPI_SUM is.
+template <DType T>
+void sum16(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  const auto* x = static_cast<const uint16_t*>(in);
+  auto* y = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) y[i] = math::add16(T, x[i], y[i]);
+}
 
 int mpi_count(int64_t count, const std::string& what) {
   if (count > INT_MAX)
@@ -65,6 +77,8 @@ class MpiGroup final : public ProcessGroup {
     DP_MPI(MPI_Get_processor_name(name, &len));
     host_.assign(name, size_t(len));
     DP_MPI(MPI_Comm_dup(host_comm_, &inspect_comm_));
+    DP_MPI(MPI_Op_create(&sum16<DType::bf16>, 1, &bf16_sum_));
+    DP_MPI(MPI_Op_create(&sum16<DType::fp16>, 1, &fp16_sum_));
     // Every host name, and rank 0's pid, which names the job's flight-record directory.
     std::vector<std::string> hosts = all_gather(host_ + " " + std::to_string(::getpid()),
                                                 Deadline::after(kDefaultTimeout), "the exchange of host names");
@@ -77,6 +91,8 @@ class MpiGroup final : public ProcessGroup {
   ~MpiGroup() override {
     for (MPI_Comm& c : channels_) MPI_Comm_free(&c);
     MPI_Comm_free(&inspect_comm_);
+    MPI_Op_free(&bf16_sum_);
+    MPI_Op_free(&fp16_sum_);
     MPI_Comm_free(&host_comm_);
     MPI_Finalize();
   }
@@ -89,25 +105,26 @@ class MpiGroup final : public ProcessGroup {
     }
   }
 
-  void all_reduce(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
+  void all_reduce(int channel, void* buf, int64_t count, DType type, const Deadline& deadline, const std::string& what,
                   const std::function<bool()>& aborted) override {
-    const int64_t id = record(channel, "all_reduce", count * 4, what);
+    const int64_t id = record(channel, "all_reduce", count * dtype_size(type), what);
     MPI_Request req;
-    DP_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, mpi_count(count, what), MPI_FLOAT, MPI_SUM, comm(channel), &req));
+    DP_MPI(MPI_Iallreduce(MPI_IN_PLACE, buf, mpi_count(count, what), datatype(type), sum(type), comm(channel), &req));
     wait(req, deadline, what, aborted, id);
   }
 
   // MPI_IN_PLACE would leave the sum at the start of buf, not at this rank's block: a separate
   // receive buffer, copied into place.
-  void reduce_scatter(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
-                      const std::function<bool()>& aborted) override {
-    std::vector<float> mine(static_cast<size_t>(count));
-    const int64_t id = record(channel, "reduce_scatter", count * 4 * size_, what);
+  void reduce_scatter(int channel, void* buf, int64_t count, DType type, const Deadline& deadline,
+                      const std::string& what, const std::function<bool()>& aborted) override {
+    const int64_t block = count * dtype_size(type);
+    std::vector<std::byte> mine(static_cast<size_t>(block));
+    const int64_t id = record(channel, "reduce_scatter", block * size_, what);
     MPI_Request req;
-    DP_MPI(
-        MPI_Ireduce_scatter_block(buf, mine.data(), mpi_count(count, what), MPI_FLOAT, MPI_SUM, comm(channel), &req));
+    DP_MPI(MPI_Ireduce_scatter_block(buf, mine.data(), mpi_count(count, what), datatype(type), sum(type), comm(channel),
+                                     &req));
     wait(req, deadline, what, aborted, id);
-    std::copy(mine.begin(), mine.end(), buf + int64_t(rank_) * count);
+    std::copy(mine.begin(), mine.end(), static_cast<std::byte*>(buf) + int64_t(rank_) * block);
   }
 
   void all_gather(int channel, float* buf, int64_t count, const Deadline& deadline, const std::string& what,
@@ -182,6 +199,8 @@ class MpiGroup final : public ProcessGroup {
   }
 
  private:
+  static MPI_Datatype datatype(DType t) { return t == DType::fp32 ? MPI_FLOAT : MPI_UINT16_T; }
+  MPI_Op sum(DType t) const { return t == DType::fp32 ? MPI_SUM : t == DType::bf16 ? bf16_sum_ : fp16_sum_; }
   MPI_Comm comm(int channel) const {
     if (channel == kHostChannel) return host_comm_;
     if (channel < 0 || channel >= int(channels_.size()))
@@ -291,6 +310,7 @@ class MpiGroup final : public ProcessGroup {
   }
 
   MPI_Comm host_comm_ = MPI_COMM_NULL, inspect_comm_ = MPI_COMM_NULL;
+  MPI_Op bf16_sum_ = MPI_OP_NULL, fp16_sum_ = MPI_OP_NULL;
   std::vector<MPI_Comm> channels_;
   std::atomic<bool> flight_written_{false};
   std::mutex inspect_m_;

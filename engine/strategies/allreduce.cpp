@@ -26,23 +26,28 @@ class AllReduce final : public OwnBatch {
     Communicator& comm = s.comm();
     const int64_t P = s.spec().param_count;
     const std::vector<Bucket>& buckets = s.buckets();
+    // --grad-dtype: each bucket narrowed to the type as it is ready, the sum widened back once all are done.
+    WireGradients wire(s, s.last_micro() ? P : 0);
     // A bucket's all-reduce starts on the communication thread once backward has written all its layers.
     std::vector<int> remaining;
     for (auto& b : buckets) remaining.push_back(b.layers);
     auto on_ready = [&](int layer) {
       const int b = s.layer_bucket(layer);
-      if (b >= 0 && --remaining[size_t(b)] == 0)
-        comm.all_reduce_async(r, rep.grads.f() + buckets[size_t(b)].offset, buckets[size_t(b)].count,
-                              s.bucket_timing(b));
+      if (b >= 0 && --remaining[size_t(b)] == 0) {
+        const Bucket& k = buckets[size_t(b)];
+        comm.all_reduce_async(r, wire.narrow(rep.grads.f(), k.offset, k.count), k.count, s.bucket_timing(b),
+                              wire.type());
+      }
     };
     // --accumulate (DDP's no_sync): the gradients stay on the device until the step's last micro-batch.
     forward_backward(s, buckets.empty() || !s.last_micro() ? std::function<void(int)>() : on_ready);
     if (!s.last_micro()) return;
     s.phase(Phase::reduce, [&] {
       if (buckets.empty())
-        comm.all_reduce(r, rep.grads.f(), P);
+        comm.all_reduce(r, wire.narrow(rep.grads.f(), 0, P), P, wire.type());
       else
         comm.wait(r);
+      wire.widen(0, P, rep.grads.f());
     });
     if (!buckets.empty()) s.close_buckets();
     s.phase(Phase::optimizer, [&] {
@@ -83,7 +88,7 @@ class AllReduce final : public OwnBatch {
     std::vector<Bucket> bs = s.buckets;
     if (bs.empty()) bs.push_back({0, s.spec.param_count, 0});
     for (size_t b = 0; b < bs.size(); ++b)
-      m.all_reduce(s.buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b), bs[b].count);
+      m.all_reduce(s.buckets.empty() ? "gradients" : "gradient bucket " + std::to_string(b), bs[b].count, s.grad_dtype);
     return m.take();
   }
 
@@ -94,8 +99,12 @@ class AllReduce final : public OwnBatch {
     heading = "every device holds the same: parameters, gradients, activations and workspace for its own " +
               std::to_string(b) + " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
-    h.push_back(
-        {Category::comm, even_chunks(P, n)[0] * F, "one ring chunk, ceil(P / " + std::to_string(n) + ") floats"});
+    const DType t = n > 1 ? c.grad_dtype : DType::fp32;
+    h.push_back({Category::comm, even_chunks(P, n)[0] * dtype_size(t),
+                 "one ring chunk, ceil(P / " + std::to_string(n) + ") elements of " + dtype_name(t)});
+    if (t != DType::fp32)
+      h.push_back({Category::comm, P * dtype_size(t),
+                   std::string("--grad-dtype: the gradients in ") + dtype_name(t) + " for their all-reduce"});
     if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
       h.push_back({Category::optimizer, states * P * F,
                    "its own " + optimizer_state_text(c) + ": every device runs the same optimizer step"});

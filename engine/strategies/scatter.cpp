@@ -109,6 +109,8 @@ class Scatter final : public Strategy {
     comm.broadcast(rank, rep.params.f(), spec.param_count, 0);
   }
 
+  // nn.DataParallel has no communication hook: its reduce is float32, and --grad-dtype is refused.
+  bool takes_grad_dtype() const override { return false; }
   bool has_phase(Phase p) const override { return p != Phase::gather; }
   bool communicates(Phase p) const override {
     return p == Phase::scatter || p == Phase::broadcast || p == Phase::gather_loss || p == Phase::reduce;

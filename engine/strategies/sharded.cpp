@@ -63,6 +63,13 @@ std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig&
                                : ", and the buckets alive at once: the one being reduce-scattered and those "
                                  "backward writes") +
                    " (the convolutions' together), " + commas(alive) + " floats (padded)"});
+  if (n > 1 && c.grad_dtype != DType::fp32) {
+    int64_t largest = 0;
+    for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
+    h.push_back({Category::comm, largest * dtype_size(c.grad_dtype),
+                 std::string("--grad-dtype: the bucket being reduce-scattered, in ") + dtype_name(c.grad_dtype) +
+                     ": the largest, " + commas(largest) + " elements (padded)"});
+  }
   if (c.accumulate > 1)
     h.push_back({Category::gradients, spec.param_count * F,
                  "--accumulate: the whole gradient of the step's micro-batches so far, " + commas(spec.param_count) +
@@ -104,8 +111,19 @@ BucketReducer::BucketReducer(StepContext& s)
       allocate(size_t(u));
       s_.device().copy(bucket_[size_t(u)].f(), whole + unit.offset, size_t(unit.count) * sizeof(float));
     }
-    s_.comm().reduce_scatter_async(s_.rank(), bucket_[size_t(u)].f(), unit.chunk, s_.replica().grads.f() + unit.owned,
-                                   s_.bucket_timing(u));
+    float* bucket = bucket_[size_t(u)].f();
+    if (s_.comm().world() > 1 && s_.config().grad_dtype != DType::fp32) {
+      // --grad-dtype: the bucket narrowed on the compute stream, reduce-scattered in place in the
+      // type, and the owned chunk of the sum widened into the gradient chunks by finish().
+      const int64_t whole = unit.chunk * s_.comm().world();
+      wire_ = std::make_unique<WireGradients>(s_, whole);
+      void* owned = wire_->at(unit.chunk * s_.shard());
+      s_.comm().reduce_scatter_async(s_.rank(), wire_->narrow(bucket, 0, whole), unit.chunk, owned, s_.bucket_timing(u),
+                                     wire_->type());
+    } else {
+      s_.comm().reduce_scatter_async(s_.rank(), bucket, unit.chunk, s_.replica().grads.f() + unit.owned,
+                                     s_.bucket_timing(u));
+    }
     in_flight_ = u;
   };
 }
@@ -121,6 +139,11 @@ void BucketReducer::allocate(size_t u) {
 void BucketReducer::finish() {
   if (in_flight_ < 0) return;
   s_.comm().wait(s_.rank());
+  if (wire_) {
+    const ShardUnit& unit = s_.units()[size_t(in_flight_)];
+    wire_->widen(unit.chunk * s_.shard(), unit.chunk, s_.replica().grads.f() + unit.owned);
+    wire_.reset();
+  }
   bucket_[size_t(in_flight_)] = Buffer();  // its chunk of the sum is in the device's gradient chunks
   in_flight_ = -1;
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "engine/network.h"
@@ -45,9 +46,10 @@ class BucketReducer {
 
   StepContext& s_;
   std::vector<Buffer> bucket_;
-  std::vector<int> remaining_;  // per bucket: its layers backward has not finished
-  int in_flight_ = -1;          // the bucket whose reduce-scatter was started last and not waited for
-  int prefix_;                  // Network::prefix_layers: their buckets are allocated together
+  std::unique_ptr<WireGradients> wire_;  // --grad-dtype: the bucket in flight in its type
+  std::vector<int> remaining_;           // per bucket: its layers backward has not finished
+  int in_flight_ = -1;                   // the bucket whose reduce-scatter was started last and not waited for
+  int prefix_;                           // Network::prefix_layers: their buckets are allocated together
   GradientBlocks blocks_;
   std::function<void(int)> ready_;
 };

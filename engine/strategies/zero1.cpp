@@ -31,7 +31,12 @@ class Zero1 final : public OwnBatch {
     const int64_t chunk = unit.chunk, first = chunk * s.shard();
     forward_backward(s, {});
     if (!s.last_micro()) return;  // --accumulate: reduce-scattered once, after the last micro-batch
-    s.phase(Phase::reduce, [&] { comm.reduce_scatter(r, rep.grads.f(), chunk); });
+    s.phase(Phase::reduce, [&] {
+      const int64_t padded = chunk * comm.world();
+      WireGradients wire(s, padded);  // --grad-dtype: narrowed whole, the owned chunk of the sum widened back
+      comm.reduce_scatter(r, wire.narrow(rep.grads.f(), 0, padded), chunk, wire.type());
+      wire.widen(first, chunk, rep.grads.f() + first);
+    });
     s.phase(Phase::optimizer, [&] {
       // Each device checks the chunk it owns, the one chunk of the global gradient it holds.
       Ops& ops = s.device().ops();
@@ -61,7 +66,7 @@ class Zero1 final : public OwnBatch {
     if (s.devices() == 1) return m.take();
     const int64_t chunk = shard_chunk(s.spec.param_count, s.devices());
     m.batchnorm_per_micro_batch(s);  // --accumulate: the gradients' collectives below come once
-    m.sharded(Collective::reduce_scatter, "gradients", chunk);
+    m.sharded(Collective::reduce_scatter, "gradients", chunk, s.grad_dtype);
     if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
     m.sharded(Collective::all_gather, "parameters", chunk);
     return m.take();
@@ -76,7 +81,13 @@ class Zero1 final : public OwnBatch {
               " floats: " + std::to_string(pad) + " floats more each), activations and workspace for its own " +
               std::to_string(b) + " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
-    h.push_back({Category::comm, chunk * F, "one ring chunk, ceil(P / " + sn + ") floats"});
+    const DType t = n > 1 ? c.grad_dtype : DType::fp32;
+    h.push_back(
+        {Category::comm, chunk * dtype_size(t), "one ring chunk, ceil(P / " + sn + ") elements of " + dtype_name(t)});
+    if (t != DType::fp32)
+      h.push_back(
+          {Category::comm, chunk * n * dtype_size(t),
+           std::string("--grad-dtype: the padded gradients in ") + dtype_name(t) + " for their reduce-scatter"});
     if (const int64_t states = int64_t(optimizer_state_names(c).size()); states > 0)
       h.push_back({Category::optimizer, states * chunk * F,
                    "1/" + sn + " of the " + optimizer_state_text(c) + ": the chunk it owns and updates"});

@@ -81,7 +81,7 @@ class Zero2 final : public OwnBatch {
     const std::vector<ShardUnit> units = shard_units(s.buckets, s.devices());
     m.batchnorm_per_micro_batch(s);  // --accumulate: the gradients' collectives below come once
     for (size_t u = 0; u < units.size(); ++u)
-      m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
+      m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk, s.grad_dtype);
     if (s.clip_norm) m.all_reduce("the gradient's squared norm", 1);
     for (size_t u = 0; u < units.size(); ++u)
       m.sharded(Collective::all_gather, "parameters of bucket " + std::to_string(u), units[u].chunk);

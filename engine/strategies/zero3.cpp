@@ -81,7 +81,7 @@ class Zero3 final : public OwnBatch {
       for (size_t u = 0; u < units.size(); ++u) {
         m.sharded(Collective::all_gather, "backward's parameters of bucket " + std::to_string(u), units[u].chunk);
         if (k + 1 == s.micro_batches)
-          m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk);
+          m.sharded(Collective::reduce_scatter, "gradient bucket " + std::to_string(u), units[u].chunk, s.grad_dtype);
       }
     }
     m.micro_batch(-1, s.micro_batches);

@@ -1,4 +1,5 @@
-// SGD, Adam, the reduction add, fill and the finiteness check over flat buffers.
+// SGD, Adam, the reduction add, fill and the finiteness check over flat buffers; --grad-dtype's
+// conversions and its add in 16 bits.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -63,6 +64,18 @@ template <class T>
 void clip_scale(int64_t n, const T* sum_squares, T max_norm, T* x) {
   const T c = math::clip_coefficient(*sum_squares, max_norm);
   for (int64_t i = 0; i < n; ++i) x[i] *= c;
+}
+
+void narrow(DType t, int64_t n, const float* x, uint16_t* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = math::narrow(t, x[i]);
+}
+
+void widen(DType t, int64_t n, const uint16_t* x, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = math::widen(t, x[i]);
+}
+
+void add_typed(DType t, int64_t n, const uint16_t* x, uint16_t* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = math::add16(t, x[i], y[i]);
 }
 
 #define DP_INSTANTIATE(T)                                                           \

@@ -166,6 +166,10 @@ template <class T>
 void add(int64_t n, const T* x /* (n) */, T* y /* (n) */);  // y += x
 template <class T>
 void fill(int64_t n, T value, T* x /* (n) */);
+// --grad-dtype's conversions and add (Ops::narrow, widen, add_typed), t a 16-bit type.
+void narrow(DType t, int64_t n, const float* x, uint16_t* y);
+void widen(DType t, int64_t n, const uint16_t* x, float* y);
+void add_typed(DType t, int64_t n, const uint16_t* x, uint16_t* y);
 template <class T>
 bool all_finite(int64_t n, const T* x /* (n) */);
 template <class T>

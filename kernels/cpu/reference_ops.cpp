@@ -1,6 +1,8 @@
 // The reference CPU backend (kernels/cpu/reference_ops.h): each op forwards to its kernel.
 #include "kernels/cpu/reference_ops.h"
 
+#include <algorithm>
+
 #include "kernels/cpu/kernels.h"
 
 namespace dp::cpu {
@@ -85,6 +87,18 @@ void ReferenceOps::sgd_step(int64_t n, float* w, const float* g, float* v, float
 }
 void ReferenceOps::add(int64_t n, const float* x, float* y) { cpu::add(n, x, y); }
 void ReferenceOps::fill(int64_t n, float value, float* x) { cpu::fill(n, value, x); }
+void ReferenceOps::narrow(DType t, int64_t n, const float* x, void* y) {
+  if (t == DType::fp32) return void(std::copy_n(x, n, static_cast<float*>(y)));
+  cpu::narrow(t, n, x, static_cast<uint16_t*>(y));
+}
+void ReferenceOps::widen(DType t, int64_t n, const void* x, float* y) {
+  if (t == DType::fp32) return void(std::copy_n(static_cast<const float*>(x), n, y));
+  cpu::widen(t, n, static_cast<const uint16_t*>(x), y);
+}
+void ReferenceOps::add_typed(DType t, int64_t n, const void* x, void* y) {
+  if (t == DType::fp32) return add(n, static_cast<const float*>(x), static_cast<float*>(y));
+  cpu::add_typed(t, n, static_cast<const uint16_t*>(x), static_cast<uint16_t*>(y));
+}
 void ReferenceOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) {
   cpu::adam_step(n, w, g, m, v, s);
 }

@@ -105,6 +105,9 @@ class CudaOps final : public Ops {
   void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) override;
   void add(int64_t n, const float* x, float* y) override;
   void fill(int64_t n, float value, float* x) override;
+  void narrow(DType t, int64_t n, const float* x, void* y) override;
+  void widen(DType t, int64_t n, const void* x, float* y) override;
+  void add_typed(DType t, int64_t n, const void* x, void* y) override;
   bool all_finite(int64_t n, const float* x) override;
   void flag_nonfinite(int64_t n, const float* x, float* flag) override;
   void sum_squares(int64_t n, const float* x, float* sum) override;

@@ -62,6 +62,18 @@ __global__ void add_kernel(int64_t n, const float* x, float* y) {
   DP_GRID_STRIDE(i, n) { y[i] += x[i]; }
 }
 
+__global__ void narrow_kernel(DType t, int64_t n, const float* x, uint16_t* y) {
+  DP_GRID_STRIDE(i, n) { y[i] = math::narrow(t, x[i]); }
+}
+
+__global__ void widen_kernel(DType t, int64_t n, const uint16_t* x, float* y) {
+  DP_GRID_STRIDE(i, n) { y[i] = math::widen(t, x[i]); }
+}
+
+__global__ void add16_kernel(DType t, int64_t n, const uint16_t* x, uint16_t* y) {
+  DP_GRID_STRIDE(i, n) { y[i] = math::add16(t, x[i], y[i]); }
+}
+
 __global__ void fill_kernel(int64_t n, float value, float* x) {
   DP_GRID_STRIDE(i, n) { x[i] = value; }
 }
@@ -103,6 +115,34 @@ void CudaOps::fill(int64_t n, float value, float* x) {
   if (n == 0) return;
   fill_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, value, x);
   DP_CUDA_LAUNCH_CHECK("fill_kernel");
+}
+
+void CudaOps::narrow(DType t, int64_t n, const float* x, void* y) {
+  if (n == 0) return;
+  if (t == DType::fp32) {
+    DP_CUDA_CHECK(cudaMemcpyAsync(y, x, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
+  narrow_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(t, n, x, static_cast<uint16_t*>(y));
+  DP_CUDA_LAUNCH_CHECK("narrow_kernel");
+}
+
+void CudaOps::widen(DType t, int64_t n, const void* x, float* y) {
+  if (n == 0) return;
+  if (t == DType::fp32) {
+    DP_CUDA_CHECK(cudaMemcpyAsync(y, x, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
+  widen_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(t, n, static_cast<const uint16_t*>(x), y);
+  DP_CUDA_LAUNCH_CHECK("widen_kernel");
+}
+
+void CudaOps::add_typed(DType t, int64_t n, const void* x, void* y) {
+  if (t == DType::fp32) return add(n, static_cast<const float*>(x), static_cast<float*>(y));
+  if (n == 0) return;
+  add16_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(t, n, static_cast<const uint16_t*>(x),
+                                                                    static_cast<uint16_t*>(y));
+  DP_CUDA_LAUNCH_CHECK("add16_kernel");
 }
 
 bool CudaOps::all_finite(int64_t n, const float* x) {
