@@ -7,6 +7,9 @@ scripts/deps.sh --bench makes, Debian's 1.13 where it still runs):
   1 core : PyTorch with torch.set_num_threads(1), eager and (2.x) torch.compile'd   vs dp_train --gpus 0
   2 cores: PyTorch with 2 threads, eager and compiled, and DDP (gloo, 2 processes on 127.0.0.1, 1 thread
            each)   vs dp_train --devices 2 --sync allreduce, and vs dp's own 1-core figure
+  processes (--configs processes): DDP over gloo launched by torchrun --nproc_per_node 2   vs
+           mpirun -np 2 dp_train --devices 1 --sync allreduce, with the bytes a step sends across processes
+           (dp's measured; PyTorch counts none, so the ring's model of DDP's one bucket of P floats)
 and prints images/s (median and range over the rounds), GFLOP/s, the fraction of the cores' FP32 peak,
 torch.compile's compilation time apart, and the ratios of the medians against the targets (1 core:
 dp >= 75% of the peak and >= 3x each PyTorch's best; 2 cores: dp >= 3x each PyTorch's best and >= 1.9x
@@ -27,6 +30,7 @@ import os
 import resource
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -152,6 +156,30 @@ def torch_versions(args):
     return found
 
 
+# OpenMPI's settings for a small machine on loopback (bench/mpi_common.sh's), as root where we are.
+MPI_ENV = {"OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_btl_tcp_if_include": "lo",
+           "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_mpi_yield_when_idle": "1"}
+if os.geteuid() == 0:
+    MPI_ENV.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+BYTES = {}  # label: bytes a process sends across processes a step (dp's measured, DDP's modelled)
+
+
+def run_dp_mpi(args, binary, model, seconds, rate_guess, label):
+    """mpirun -np 2 dp_train --devices 1 --sync allreduce: (img/s, bg); its bytes across processes in BYTES."""
+    steps = max(20, int(seconds * rate_guess / args.batch))
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.json")
+        cmd = ["mpirun", "-np", "2", binary, "--backend", "cpu", "--devices", "1", "--sync", "allreduce", "--model",
+               model, "--batch", str(args.batch), "--steps", str(steps), "--lr", "0.1", "--momentum", "0.9", "--data",
+               args.data, "--limit-test", "256", "--report", report, "--quiet"]
+        os.environ.update(MPI_ENV)
+        _, bg = measure(cmd)
+        with open(report) as f:
+            r = json.load(f)
+        BYTES[label] = r["devices"][0]["inter_process_bytes_sent_per_step"]
+        return r["images_per_second"], bg
+
+
 def run_dp(args, binary, model, devices, seconds, rate_guess):
     steps = max(20, int(seconds * rate_guess / args.batch))
     with tempfile.TemporaryDirectory() as tmp:
@@ -180,7 +208,8 @@ def parse_args():
     p.add_argument("--synthetic", action="store_true", help="random images and labels instead of a dataset")
     p.add_argument("--seconds", type=float, default=12.0, help="timed seconds per measurement")
     p.add_argument("--repeats", type=int, default=3, help="rounds; the median, best and range of each are printed")
-    p.add_argument("--configs", default="1core,2core")
+    p.add_argument("--configs", default="1core,2core",
+                   help="any of 1core, 2core, processes (torchrun DDP against mpirun dp_train), comma-separated")
     p.add_argument("--warmup", type=int, default=10, help="PyTorch steps before timing (twice: warm, then pace)")
     p.add_argument("--clock-ghz", type=float, help="the cores' clock for the peak (default: cpufreq, else a probe)")
     p.add_argument("--flops-per-cycle", type=int, default=32, help="FP32 FLOP per cycle per core (Zen 4: 32)")
@@ -218,6 +247,22 @@ def runs_for(args, model, binaries, configs, pytorches):
         for name, b in binaries.items():
             what = "1 device x 1 thread" if cores == 1 else "2 devices x 1 thread allreduce"
             runs.append((f"{name} {what}", cores, lambda g, b=b, c=cores: (*run_dp(args, b, model, c, args.seconds, g), None)))
+    if "processes" in configs:
+        params = sum(p.numel() for p in build(model).parameters())
+        for label, python in pytorches.items():
+            if label.startswith("PyTorch 1."):
+                # Debian's 1.13 under Python 3.11: torchrun's elastic agent fails to start its workers
+                # (multiprocessing/api.py to_map: 'NoneType' object has no attribute 'get'); its DDP
+                # runs in the 2-core rows, started by torch.multiprocessing.spawn.
+                print(f"  {label}: no torchrun row (its torchrun fails to start workers under Debian's Python 3.11); "
+                      "its DDP is in the 2-core rows")
+                continue
+            what = f"{label} DDP gloo torchrun 2 x 1 thread"
+            BYTES[what] = 4 * params  # a ring all-reduce of P floats over 2 ranks: P floats out (and in) each
+            runs.append((what, 2, lambda g, p=python: run_torch(args, p, model, "torchrun", 1, args.seconds)))
+        for name, b in binaries.items():
+            what = f"{name} mpirun 2 x 1 device allreduce"
+            runs.append((what, 2, lambda g, b=b, w=what: (*run_dp_mpi(args, b, model, args.seconds, g, w), None)))
     return runs
 
 
@@ -265,6 +310,11 @@ def print_ratios(med, cores_of, binaries, configs, pytorches, flops, core_peak):
                 ratio(f"{cores} core{'s' * (cores > 1)}{' ' * (cores == 1)}: {name} / {best}", dp_label, best, 3)
             if cores == 2 and "1core" in configs:
                 ratio(f"2 cores: {name} 2 devices / {name} 1 device", dp_label, f"{name} 1 device x 1 thread", 1.9)
+    if "processes" in configs:
+        for name in binaries:
+            for version in (v for v in pytorches if not v.startswith("PyTorch 1.")):
+                ratio(f"processes: {name} mpirun / {version} torchrun DDP", f"{name} mpirun 2 x 1 device allreduce",
+                      f"{version} DDP gloo torchrun 2 x 1 thread", 3)
     if "dp-before" in binaries:
         for cfg in ("1 device x 1 thread", "2 devices x 1 thread allreduce"):
             if f"dp {cfg}" in med:
@@ -293,6 +343,11 @@ def compare_model(args, model, binaries, configs, pytorches, core_peak):
         print(f"  {'':<8} {label:<48} {med[label]:12,.0f} {rates[label][0]:8,.0f} - {rates[label][-1]:6,.0f} "
               f"{gflops:8.1f} {100 * gflops / (cores * core_peak):6.1f}% "
               f"{statistics.median(compiled) if compiled else float('nan'):9.1f}".replace(" nan", "    "))
+    for label, _, _ in runs:
+        if label in BYTES:
+            how = "measured (its report)" if "mpirun" in label else "PyTorch counts none: the ring's model of P floats"
+            print(f"  {'':<8} {label:<48} {BYTES[label]:12,} B a step to the other process, {how}")
+    result["bytes_across_processes"] = {k: v for k, v in BYTES.items() if k in med}
     cores_of = {label: cores for label, cores, _ in runs}
     result["ratios"] = print_ratios(med, cores_of, binaries, configs, pytorches, flops, core_peak)
     return result

@@ -3,7 +3,7 @@ per process. torch_compare.py runs this file with each PyTorch it compares (Debi
 /usr/bin/python3, 2.x from the virtual environment scripts/deps.sh --bench makes), so that both are
 measured by the same code:
 
-  python bench/torch_workers.py --mode eager|compile|compile-max|ddp --model lenet --threads 1 \
+  python bench/torch_workers.py --mode eager|compile|compile-max|ddp|torchrun --model lenet --threads 1 \
       --batch 256 --data DIR --seconds 12 --warmup 10
 
 prints one JSON line: images_per_second over the timed steps, and compile_s, the first step's time
@@ -11,7 +11,11 @@ prints one JSON line: images_per_second over the timed steps, and compile_s, the
   eager        the module as written, torch.set_num_threads(--threads)
   compile      torch.compile(module) (inductor, mode "default"): PyTorch 2 only
   compile-max  torch.compile(module, mode="max-autotune-no-cudagraphs")
-  ddp          DistributedDataParallel over gloo, 2 processes of 1 thread on 127.0.0.1 (the rate of both)
+  ddp          DistributedDataParallel over gloo, 2 processes of 1 thread on 127.0.0.1 (the rate of both),
+               started by torch.multiprocessing.spawn
+  torchrun     the same DDP, its 2 processes started by torchrun (torch.distributed.run --standalone
+               --nproc_per_node 2), as a user launches it; each runs --mode ddp-rank with torchrun's RANK,
+               WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and rank 0 writes the result to --out
 """
 
 import argparse
@@ -114,7 +118,8 @@ def ddp_rank(rank, world, port, args, out):
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    if port is not None:  # spawned here; under torchrun its environment says where rank 0 listens
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     x, y = load_train(args.data)
 
@@ -140,9 +145,26 @@ def result(args, steps, seconds, first):
             "compile_s": first, "torch": torch.__version__, "mode": args.mode}
 
 
+def run_torchrun(args):
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rank0.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.abspath(__file__), "--mode", "ddp-rank", "--out", out, "--model", args.model,
+               "--batch", str(args.batch), "--data", args.data, "--seconds", str(args.seconds),
+               "--warmup", str(args.warmup)]
+        # torchrun sets OMP_NUM_THREADS=1 per process itself; ddp_rank sets one thread as well
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            print(f.read())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("eager", "ddp", *COMPILE_MODES), default="eager")
+    p.add_argument("--mode", choices=("eager", "ddp", "torchrun", "ddp-rank", *COMPILE_MODES), default="eager")
+    p.add_argument("--out", help="ddp-rank: where rank 0 writes its JSON result")
     p.add_argument("--model", choices=MODELS, default="lenet")
     p.add_argument("--data", required=True)
     for a, d in (("--threads", 1), ("--batch", 256), ("--warmup", 10)):
@@ -151,6 +173,12 @@ def main():
     args = p.parse_args()
     import torch
 
+    if args.mode == "ddp-rank":  # one process of torchrun's
+        ddp_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args, args.out)
+        return
+    if args.mode == "torchrun":
+        run_torchrun(args)
+        return
     if args.mode != "ddp":
         torch.set_num_threads(args.threads)
         wrap = None

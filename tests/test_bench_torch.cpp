@@ -41,3 +41,23 @@ TEST_CASE("bench: torch_workers.py measures eager PyTorch with each interpreter 
   }
   MESSAGE(measured << " PyTorch(es) measured");
 }
+
+TEST_CASE("bench: torch_workers.py --mode torchrun runs DDP under torchrun with today's PyTorch, where it is") {
+  const std::string python = std::string(DP_SOURCE_DIR) + "/.venv-bench/bin/python";
+  if (run_command(python + " -c \"import torch.distributed.run\"").exit_code != 0) {
+    MESSAGE("skipped: no " << python << " with torch (scripts/deps.sh --bench makes it)");
+    return;
+  }
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 96, 16);
+  CommandResult r = run_command(python + " " + DP_SOURCE_DIR +
+                                "/bench/torch_workers.py --mode torchrun --model lenet5 --batch 32 --seconds 0.2 "
+                                "--warmup 2 --data " +
+                                dir.path.string());
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  const nlohmann::json j = nlohmann::json::parse(r.output.substr(r.output.rfind('{')));
+  CHECK(j["mode"] == "ddp-rank");  // rank 0's own measurement, of both ranks' images
+  CHECK(j["images_per_second"].get<double>() > 0);
+  CHECK(j["steps"].get<int>() >= 10);
+}
