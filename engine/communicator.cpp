@@ -328,9 +328,9 @@ void Communicator::all_gather(int rank, float* buf, int64_t chunk) {
 void Communicator::ring_reduce_scatter(int rank, void* buf, const std::vector<int64_t>& chunk, int lead, Collective as,
                                        DType type) {
   const int n = size();
-  const int64_t size = dtype_size(type);
+  const int64_t each = dtype_size(type);  // bytes an element
   const std::vector<int64_t> offset = chunk_offsets(chunk);
-  void* recv = scratch(rank, *std::max_element(chunk.begin(), chunk.end()) * size);  // (largest chunk)
+  void* recv = scratch(rank, *std::max_element(chunk.begin(), chunk.end()) * each);  // (largest chunk)
   const int prev = (rank + n - 1) % n;
   slots_[rank] = buf;
   meet(rank, as);
@@ -339,9 +339,9 @@ void Communicator::ring_reduce_scatter(int rank, void* buf, const std::vector<in
   // r - 1, adding it into its own. Nobody writes a chunk while its neighbour reads it.
   for (int s = 0; s < n - 1; ++s) {
     const int send_c = (rank + lead - 1 - s + 2 * n) % n, recv_c = (rank + lead - 2 - s + 2 * n) % n;
-    tally(rank, as, chunk[size_t(send_c)] * size, chunk[size_t(recv_c)] * size);
+    tally(rank, as, chunk[size_t(send_c)] * each, chunk[size_t(recv_c)] * each);
     if (chunk[recv_c] > 0)
-      dev.copy_from_peer(recv, *devices_[prev], at(slots_[prev], offset[recv_c], type), size_t(chunk[recv_c] * size));
+      dev.copy_from_peer(recv, *devices_[prev], at(slots_[prev], offset[recv_c], type), size_t(chunk[recv_c] * each));
     sync_and_wait(rank, as);
     dev.ops().add_typed(type, chunk[recv_c], recv, at(buf, offset[recv_c], type));
     sync_and_wait(rank, as);
@@ -351,7 +351,7 @@ void Communicator::ring_reduce_scatter(int rank, void* buf, const std::vector<in
 void Communicator::ring_all_gather(int rank, void* buf, const std::vector<int64_t>& chunk, int lead, Collective as,
                                    bool publish, DType type) {
   const int n = size();
-  const int64_t size = dtype_size(type);
+  const int64_t each = dtype_size(type);  // bytes an element
   const std::vector<int64_t> offset = chunk_offsets(chunk);
   const int prev = (rank + n - 1) % n;
   Device& dev = *devices_[rank];
@@ -363,10 +363,10 @@ void Communicator::ring_all_gather(int rank, void* buf, const std::vector<int64_
   // (r + lead - 1 - s) from r - 1.
   for (int s = 0; s < n - 1; ++s) {
     const int send_c = (rank + lead - s + 2 * n) % n, recv_c = (rank + lead - 1 - s + 2 * n) % n;
-    tally(rank, as, chunk[size_t(send_c)] * size, chunk[size_t(recv_c)] * size);
+    tally(rank, as, chunk[size_t(send_c)] * each, chunk[size_t(recv_c)] * each);
     if (chunk[recv_c] > 0)
       dev.copy_from_peer(at(buf, offset[recv_c], type), *devices_[prev], at(slots_[prev], offset[recv_c], type),
-                         size_t(chunk[recv_c] * size));
+                         size_t(chunk[recv_c] * each));
     sync_and_wait(rank, as);
   }
 }

@@ -57,10 +57,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
     throw UsageError("--accumulate " + std::to_string(cfg_.accumulate) + ": " + std::to_string(cfg_.batch) +
                      "-image micro-batches make a step of more than 2^31 - 1 images");
   if (!(cfg_.timeout > 0)) throw UsageError("--timeout: must be a positive number of seconds");
-  if (cfg_.grad_dtype != DType::fp32 && !strategy_.takes_grad_dtype())
-    throw UsageError(std::string("--grad-dtype ") + dtype_name(cfg_.grad_dtype) + ": --sync " + strategy_.name() +
-                     " has no compressed gradients (nn.DataParallel has no communication hook); use allreduce or a "
-                     "sharded strategy");
+  check_grad_dtype(strategy_, cfg_.grad_dtype);
   const int n = size();
   world_ = n;
   if (cfg_.group && cfg_.group->size() > 1) {

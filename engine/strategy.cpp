@@ -26,8 +26,18 @@ void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard) {
   ops.clip_scale(n, rep.norm.f(), max_norm, grads);
 }
 
+DType wire_dtype(const EngineConfig& c, int devices) { return devices > 1 ? c.grad_dtype : DType::fp32; }
+
+void check_grad_dtype(const Strategy& s, DType t) {
+  if (t == DType::fp32 || s.takes_grad_dtype()) return;
+  throw UsageError(std::string("--grad-dtype ") + dtype_name(t) + ": --sync " + s.name() + " (" + s.mirrors() + ") " +
+                   s.reduces() +
+                   " and has no communication hook to compress them; use --sync allreduce, zero1, zero2 or zero3, "
+                   "or drop --grad-dtype");
+}
+
 WireGradients::WireGradients(StepContext& s, int64_t count)
-    : dev_(s.device()), type_(s.comm().world() > 1 ? s.config().grad_dtype : DType::fp32) {
+    : dev_(s.device()), type_(wire_dtype(s.config(), s.comm().world())) {
   if (type_ != DType::fp32 && count > 0) wire_ = dev_.alloc(size_t(count * dtype_size(type_)), Category::comm);
 }
 

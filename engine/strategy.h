@@ -229,8 +229,14 @@ class Strategy {
 // others hold the whole gradient and square it there (two more passes over it, no collective).
 void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard);
 
-// The gradients as their collective carries them (--grad-dtype, EngineConfig::grad_dtype; only where
-// there is more than one device of the job: a single device sends nothing): in fp32 the float
+// The type the gradients' collectives carry on `devices` devices of the job: --grad-dtype's
+// (EngineConfig::grad_dtype) where there is more than one; a single device sends nothing, and fp32.
+DType wire_dtype(const EngineConfig& c, int devices);
+// UsageError, naming the strategy and what to use instead, for a 16-bit --grad-dtype under a strategy
+// that does not take it (Strategy::takes_grad_dtype: scatter).
+void check_grad_dtype(const Strategy& s, DType t);
+
+// The gradients as their collective carries them (wire_dtype): in fp32 the float
 // gradient buffer itself; in bf16 or fp16 a buffer of `count` elements of the type (Category::comm),
 // filled from the floats before the collective and widened back into floats after it, as DDP's
 // bf16_compress_hook and fp16_compress_hook do (the sum is of the rounded gradients, its partial sums

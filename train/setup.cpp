@@ -50,11 +50,7 @@ void check_options(const TrainOptions& o, bool lead) {
   if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");
   if (o.bucket_kb > 0 && !find_strategy(o.sync).takes_buckets())
     throw UsageError("--bucket-kb: buckets are a feature of --sync allreduce and zero2; add one");
-  if (const Strategy& s = find_strategy(o.sync); o.grad_dtype != DType::fp32 && !s.takes_grad_dtype())
-    throw UsageError(std::string("--grad-dtype ") + dtype_name(o.grad_dtype) + ": --sync " + s.name() + " (" +
-                     s.mirrors() + ") " + s.reduces() +
-                     " and has no communication hook to compress them; use --sync allreduce, zero1, zero2 or zero3, "
-                     "or drop --grad-dtype");
+  check_grad_dtype(find_strategy(o.sync), o.grad_dtype);
   if (o.save_every < 0) throw UsageError("--save-every: must be >= 0");
   if (o.save_every > 0 && o.save.empty()) throw UsageError("--save-every: needs --save FILE to say where");
   if (o.log_every < 1)

@@ -20,7 +20,7 @@
 #include "engine/error.h"
 #include "engine/failpoint.h"
 #include "engine/process_group.h"
-#include "kernels/math.h"
+#include "kernels/cpu/kernels.h"
 
 namespace dp {
 namespace {
@@ -37,12 +37,11 @@ void check(int rc, const char* call, const char* file, int line) {
 
 // --grad-dtype's sums across processes: MPI has no bf16 and (before MPI 4.1's MPIX types) no fp16,
 // so the bits travel as MPI_UINT16_T and these user operations add them, each partial sum rounded to
-// the type (math::add16), as the rings inside a process do. Declared commutative, as MPI_SUM is.
+// the type by the CPU kernel the rings inside a process use (cpu::add_typed: math::add16). Declared
+// commutative, as MPI_SUM is.
 template <DType T>
 void sum16(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
-  const auto* x = static_cast<const uint16_t*>(in);
-  auto* y = static_cast<uint16_t*>(inout);
-  for (int i = 0; i < *len; ++i) y[i] = math::add16(T, x[i], y[i]);
+  cpu::add_typed(T, *len, static_cast<const uint16_t*>(in), static_cast<uint16_t*>(inout));
 }
 
 int mpi_count(int64_t count, const std::string& what) {

@@ -99,7 +99,7 @@ class AllReduce final : public OwnBatch {
     heading = "every device holds the same: parameters, gradients, activations and workspace for its own " +
               std::to_string(b) + " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
-    const DType t = n > 1 ? c.grad_dtype : DType::fp32;
+    const DType t = wire_dtype(c, n);
     h.push_back({Category::comm, even_chunks(P, n)[0] * dtype_size(t),
                  "one ring chunk, ceil(P / " + std::to_string(n) + ") elements of " + dtype_name(t)});
     if (t != DType::fp32)

@@ -63,11 +63,11 @@ std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig&
                                : ", and the buckets alive at once: the one being reduce-scattered and those "
                                  "backward writes") +
                    " (the convolutions' together), " + commas(alive) + " floats (padded)"});
-  if (n > 1 && c.grad_dtype != DType::fp32) {
+  if (const DType t = wire_dtype(c, n); t != DType::fp32) {
     int64_t largest = 0;
     for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
-    h.push_back({Category::comm, largest * dtype_size(c.grad_dtype),
-                 std::string("--grad-dtype: the bucket being reduce-scattered, in ") + dtype_name(c.grad_dtype) +
+    h.push_back({Category::comm, largest * dtype_size(t),
+                 std::string("--grad-dtype: the bucket being reduce-scattered, in ") + dtype_name(t) +
                      ": the largest, " + commas(largest) + " elements (padded)"});
   }
   if (c.accumulate > 1)
@@ -111,19 +111,15 @@ BucketReducer::BucketReducer(StepContext& s)
       allocate(size_t(u));
       s_.device().copy(bucket_[size_t(u)].f(), whole + unit.offset, size_t(unit.count) * sizeof(float));
     }
-    float* bucket = bucket_[size_t(u)].f();
-    if (s_.comm().world() > 1 && s_.config().grad_dtype != DType::fp32) {
-      // --grad-dtype: the bucket narrowed on the compute stream, reduce-scattered in place in the
-      // type, and the owned chunk of the sum widened into the gradient chunks by finish().
-      const int64_t whole = unit.chunk * s_.comm().world();
-      wire_ = std::make_unique<WireGradients>(s_, whole);
-      void* owned = wire_->at(unit.chunk * s_.shard());
-      s_.comm().reduce_scatter_async(s_.rank(), wire_->narrow(bucket, 0, whole), unit.chunk, owned, s_.bucket_timing(u),
-                                     wire_->type());
-    } else {
-      s_.comm().reduce_scatter_async(s_.rank(), bucket, unit.chunk, s_.replica().grads.f() + unit.owned,
-                                     s_.bucket_timing(u));
-    }
+    // --grad-dtype in 16 bits: the bucket narrowed on the compute stream, reduce-scattered in place in
+    // the type, and the owned chunk of the sum widened into the gradient chunks by finish(); in fp32
+    // the bucket itself, its owned chunk of the sum straight into the gradient chunks.
+    const int64_t padded = unit.chunk * s_.comm().world();
+    wire_ = std::make_unique<WireGradients>(s_, padded);
+    float* owned = s_.replica().grads.f() + unit.owned;
+    void* out = wire_->type() == DType::fp32 ? owned : wire_->at(unit.chunk * s_.shard());
+    s_.comm().reduce_scatter_async(s_.rank(), wire_->narrow(bucket_[size_t(u)].f(), 0, padded), unit.chunk, out,
+                                   s_.bucket_timing(u), wire_->type());
     in_flight_ = u;
   };
 }
@@ -139,11 +135,9 @@ void BucketReducer::allocate(size_t u) {
 void BucketReducer::finish() {
   if (in_flight_ < 0) return;
   s_.comm().wait(s_.rank());
-  if (wire_) {
-    const ShardUnit& unit = s_.units()[size_t(in_flight_)];
-    wire_->widen(unit.chunk * s_.shard(), unit.chunk, s_.replica().grads.f() + unit.owned);
-    wire_.reset();
-  }
+  const ShardUnit& unit = s_.units()[size_t(in_flight_)];
+  wire_->widen(unit.chunk * s_.shard(), unit.chunk, s_.replica().grads.f() + unit.owned);  // fp32: nothing
+  wire_.reset();
   bucket_[size_t(in_flight_)] = Buffer();  // its chunk of the sum is in the device's gradient chunks
   in_flight_ = -1;
 }

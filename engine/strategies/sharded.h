@@ -46,7 +46,7 @@ class BucketReducer {
 
   StepContext& s_;
   std::vector<Buffer> bucket_;
-  std::unique_ptr<WireGradients> wire_;  // --grad-dtype: the bucket in flight in its type
+  std::unique_ptr<WireGradients> wire_;  // the bucket in flight as its reduce-scatter carries it (--grad-dtype)
   std::vector<int> remaining_;           // per bucket: its layers backward has not finished
   int in_flight_ = -1;                   // the bucket whose reduce-scatter was started last and not waited for
   int prefix_;                           // Network::prefix_layers: their buckets are allocated together

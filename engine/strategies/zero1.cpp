@@ -81,7 +81,7 @@ class Zero1 final : public OwnBatch {
               " floats: " + std::to_string(pad) + " floats more each), activations and workspace for its own " +
               std::to_string(b) + " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
-    const DType t = n > 1 ? c.grad_dtype : DType::fp32;
+    const DType t = wire_dtype(c, n);
     h.push_back(
         {Category::comm, chunk * dtype_size(t), "one ring chunk, ceil(P / " + sn + ") elements of " + dtype_name(t)});
     if (t != DType::fp32)
