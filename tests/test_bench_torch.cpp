@@ -10,6 +10,23 @@
 
 using namespace dp::test;
 
+namespace {
+
+// One measurement of bench/torch_workers.py with `python` and `args`, on the data in `dir`: its JSON
+// line, after checking that it ran and measured something.
+nlohmann::json measure(const std::string& python, const std::string& args, const TempDir& dir) {
+  CommandResult r = run_command(python + " " + DP_SOURCE_DIR + "/bench/torch_workers.py " + args +
+                                " --model lenet5 --batch 32 --seconds 0.2 --warmup 2 --data " + dir.path.string());
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  const nlohmann::json j = nlohmann::json::parse(r.output.substr(r.output.rfind('{')));
+  CHECK(j["images_per_second"].get<double>() > 0);
+  CHECK(j["steps"].get<int>() >= 10);
+  return j;
+}
+
+}  // namespace
+
 TEST_CASE("bench: torch_workers.py measures eager PyTorch with each interpreter there is, and says which") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 96, 16);
@@ -25,17 +42,9 @@ TEST_CASE("bench: torch_workers.py measures eager PyTorch with each interpreter 
       continue;
     }
     const std::string version = run_command(python + " -c \"import torch; print(torch.__version__, end='')\"").output;
-    CommandResult r = run_command(python + " " + DP_SOURCE_DIR +
-                                  "/bench/torch_workers.py --mode eager --model lenet5 --threads 1 --batch 32 "
-                                  "--seconds 0.2 --warmup 2 --data " +
-                                  dir.path.string());
-    INFO(r.output);
-    REQUIRE(r.exit_code == 0);
-    const nlohmann::json j = nlohmann::json::parse(r.output.substr(r.output.rfind('{')));
+    const nlohmann::json j = measure(python, "--mode eager --threads 1", dir);
     CHECK(j["torch"] == version);
     CHECK(j["mode"] == "eager");
-    CHECK(j["images_per_second"].get<double>() > 0);
-    CHECK(j["steps"].get<int>() >= 10);
     CHECK(j["compile_s"].get<double>() > 0);
     ++measured;
   }
@@ -50,14 +59,5 @@ TEST_CASE("bench: torch_workers.py --mode torchrun runs DDP under torchrun with 
   }
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 96, 16);
-  CommandResult r = run_command(python + " " + DP_SOURCE_DIR +
-                                "/bench/torch_workers.py --mode torchrun --model lenet5 --batch 32 --seconds 0.2 "
-                                "--warmup 2 --data " +
-                                dir.path.string());
-  INFO(r.output);
-  REQUIRE(r.exit_code == 0);
-  const nlohmann::json j = nlohmann::json::parse(r.output.substr(r.output.rfind('{')));
-  CHECK(j["mode"] == "ddp-rank");  // rank 0's own measurement, of both ranks' images
-  CHECK(j["images_per_second"].get<double>() > 0);
-  CHECK(j["steps"].get<int>() >= 10);
+  CHECK(measure(python, "--mode torchrun", dir)["mode"] == "ddp-rank");  // rank 0's, of both ranks' images
 }
