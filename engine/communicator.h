@@ -162,6 +162,9 @@ class Communicator {
   // in the job, unless the communicator lays the chunks out otherwise (ProcessCommunicator).
   virtual int world() const { return size(); }
   virtual int shard(int rank) const { return rank; }
+  // What carries the collectives, for the report: "peer copies" here; NCCL's and the job's say theirs
+  // (NCCL's after its start: "nccl", or why it fell back). Between steps.
+  virtual std::string transport() const { return "peer copies"; }
 
   // Grows the rank's ring scratch to `floats` (the largest chunk of the collectives to come), on the
   // rank's thread while no collective of it runs: allocated there, not on the communication thread.

@@ -72,7 +72,15 @@ struct EngineConfig {
   // dp_train's default, --no-prefetch turns it off): the load phase is then only the wait for that
   // upload, and every device that uploads holds two batch buffers instead of one.
   bool prefetch = false;
+  // Step graphs (--graphs; CUDA graphs): the step captured once per upload slot and replayed
+  // (Device::begin_capture), for one device in one process, with prefetch, SGD and no accumulation;
+  // the first step and a short last batch run eagerly, a changed learning rate recaptures.
+  bool graphs = false;
   bool trace = false;
+  // Each phase of a step timed on the devices (Recorder::phase; on CUDA two events a phase, some
+  // sixteen a step): dp_bench's and the tests' default; dp_train times them only for --log and
+  // --trace, which show them.
+  bool time_phases = true;
   // The job's processes (mpirun; process_group.h), for a strategy that runs across them. Null, or a
   // group of one: this process alone. Otherwise this engine's devices are the job's devices
   // rank·K .. rank·K + K-1 of P·K, a step's batch is split over all of them, and step() takes this

@@ -56,11 +56,6 @@ void Device::check_upload_slot(int slot) const {
                       "upload slot " + std::to_string(slot) + ": the slots are 0.." + std::to_string(kUploadSlots - 1));
 }
 
-int Device::mark() {
-  host_marks_.push_back(std::chrono::steady_clock::now());
-  return int(host_marks_.size()) - 1;
-}
-
 void Device::start_workers(std::function<void()> init) {
   try {
     compute_ = std::make_unique<Worker>(init);

@@ -95,14 +95,30 @@ class Device {
   // shares a page with one already locked is refused): the loader's PageAllocator.
   virtual std::shared_ptr<void> pin_host(void* /*p*/, size_t /*bytes*/) { return nullptr; }
 
+  // Step graphs (--graphs; CUDA graphs, as torch.cuda.graph captures and replays). Between
+  // begin_capture() and end_capture(slot) the work the calling thread enqueues on this device (ops,
+  // copies, marks) is recorded, not run, and kept as the graph of upload slot `slot` (replacing the
+  // one there); launch(slot) runs that graph once, after the slot's uploads (an await_upload while
+  // capturing is left to launch). Nothing of the host is replayed: an upload or download while
+  // capturing throws, as does an allocation (a replay would use the first step's host memory, or a
+  // buffer freed since), and every argument is the capture's (a learning rate, a batch size).
+  // prepare_graphs() before the first step: what capture needs set up once (cuBLAS's workspace on
+  // CUDA, so the eager steps and the graphs run on the same one). abandon_capture() drops a capture
+  // that failed. Compute thread only.
+  virtual void prepare_graphs() {}
+  virtual void begin_capture() = 0;
+  virtual void end_capture(int slot) = 0;
+  virtual void abandon_capture() noexcept = 0;
+  virtual void launch(int slot) = 0;
+
   // Timing without waiting. mark() notes the point the device's work has reached in its order and
   // returns its index: on a simulated device the host clock (its work is done when a call returns),
   // on CUDA an event on the compute stream, so a phase is timed without a host synchronisation.
   // After synchronize(), mark_time(i) is when mark i was reached, on the host's steady clock;
   // clear_marks() starts a new set (the engine: once per step). Compute thread only.
-  virtual int mark();
-  virtual std::chrono::steady_clock::time_point mark_time(int i) { return host_marks_.at(size_t(i)); }
-  virtual void clear_marks() { host_marks_.clear(); }
+  virtual int mark() = 0;
+  virtual std::chrono::steady_clock::time_point mark_time(int i) = 0;
+  virtual void clear_marks() = 0;
 
   // Runs fn on the device's compute thread / its communication thread.
   std::future<void> run(std::function<void()> fn) { return compute_->submit(std::move(fn)); }
@@ -124,7 +140,6 @@ class Device {
   DeviceKind kind_;
   Ledger ledger_;
   std::unique_ptr<Worker> compute_, comm_;
-  std::vector<std::chrono::steady_clock::time_point> host_marks_;
 };
 
 // Where there is no GPU, "every device" (--gpus all, dp_train's default) means this many simulated

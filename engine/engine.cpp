@@ -48,7 +48,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       spec_(spec),
       cfg_(cfg),
       strategy_(find_strategy(cfg_.sync)),
-      recorder_(int(devices_.size()), cfg_.trace) {
+      recorder_(int(devices_.size()), cfg_.trace, cfg_.time_phases) {
   if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
   if (cfg_.accumulate <= 0)
     throw UsageError("--accumulate: " + std::to_string(cfg_.accumulate) +
@@ -71,7 +71,9 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   }
   comm_->set_all_reduce_algorithm(cfg_.all_reduce);
   comm_->set_timeout(cfg_.timeout);
+  check_graphs();
   allocate_replicas();
+  if (cfg_.graphs) devices_[0]->run([this] { devices_[0]->prepare_graphs(); }).get();
 }
 
 void Engine::allocate_replicas() {
@@ -262,10 +264,12 @@ StepResult Engine::step() {
   }
   const auto traffic_before = recorder_.before(*comm_);
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
+  const bool graph = graphs_step(b);
   try {
     run_all([&](int r) {
       recorder_.begin_step(*devices_[r], r);
-      for (int k = 0; k < micros; ++k) {
+      if (graph) graph_step(parts[0], sizes[0]);
+      for (int k = 0; k < micros && !graph; ++k) {
         StepContext context(*this, r, parts[size_t(k)], sizes[size_t(k)], {k, micros, b.n});
         strategy_.step(context);
       }
@@ -297,6 +301,7 @@ StepResult Engine::step() {
                            ? std::numeric_limits<int64_t>::max()
                            : batches_tracked_ + micros;
   ++optimizer_steps_;
+  warm_ = warm_ || b.n == cfg_.batch * cfg_.accumulate;
   recorder_.after(*comm_, traffic_before, b.n == cfg_.batch * cfg_.accumulate);
   ++step_;
   return res;

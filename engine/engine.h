@@ -6,6 +6,7 @@
 // with no device left waiting; what it measures goes to its Recorder (recorder.h).
 #pragma once
 
+#include <array>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -110,6 +111,9 @@ class Engine {
   Recorder& recorder() { return recorder_; }
   const Recorder& recorder() const { return recorder_; }
   int64_t steps() const { return step_; }
+  // --graphs: the step graphs captured and the steps that ran as one (a launch), so far.
+  int64_t graph_captures() const { return graph_captures_; }
+  int64_t graph_launches() const { return graph_launches_; }
 
  private:
   friend class StepContext;
@@ -152,6 +156,20 @@ class Engine {
   void upload_chunks(int rank, float* chunks, const std::vector<float>& host);
   // zero3: the whole model gathered on device `rank` from every device's chunks (a collective).
   Buffer gather_parameters(int rank);
+  // --graphs (EngineConfig::graphs; step_graph.cpp): refused where it cannot run; the step of the
+  // one device as the graph of b's upload slot, captured where there is none or the learning rate
+  // changed since (an argument of the optimizer's kernel), then launched.
+  void check_graphs() const;
+  bool graphs_step(const StagedBatch& b) const;
+  void graph_step(const StagedBatch& b, const std::vector<int>& sizes);
+  struct StepGraph {
+    bool captured = false;
+    float lr = 0;
+    std::vector<Recorder::OpenPhase> phases;  // the capture's, reopened at each launch
+  };
+  std::array<StepGraph, Device::kUploadSlots> graphs_;
+  bool warm_ = false;  // a full step ran eagerly: cuDNN's plans made, every workspace at its size
+  int64_t graph_captures_ = 0, graph_launches_ = 0;
   std::deque<StagedBatch> staged_;  // oldest first
   int next_slot_ = 0;               // where the next batch staged with prefetch uploads
 };

@@ -14,6 +14,7 @@
 //   DP_TEST_DESYNC=<process>:<step>  recorded_bytes(): that process's first collective of the step is
 //                                    recorded 4 bytes larger
 //   DP_TEST_SLOW_UPLOADS=<ms>        upload_delay(): every device's uploads ahead wait that long first
+//   DP_TEST_NCCL=always              nccl_always(): NCCL for any CUDA devices (one_gpu_nccl below)
 #pragma once
 
 #include <chrono>
@@ -44,6 +45,11 @@ void communicator_built(const Communicator& comm);
 void collective(const Communicator& comm, int rank, Collective c, const std::function<bool()>& aborted, double timeout);
 // A process's device `rank` is about to all-reduce its chunk across the processes.
 void across_processes(const Communicator& comm, int process, int rank, double timeout);
+// Whether a process's CUDA devices take NCCL's communicator wherever they are CUDA devices: one GPU
+// alone (a one-rank clique, so NCCL's start, its polled waits, abort, --timeout and buckets on the
+// communication stream run on a machine with one GPU) or a GPU named twice (NCCL refuses it, and the
+// fallback to peer copies runs). False in a release binary: NCCL only for two or more distinct GPUs.
+bool nccl_always();
 // What --verify adds to its reference's first weight before comparing (0 in a release binary).
 double verify_offset();
 // The bytes a collective's flight record says (flight_recorder.h): `bytes`, but DP_TEST_DESYNC=<process>:

@@ -34,6 +34,7 @@ class ProcessCommunicator : public Communicator {
   void reduce_scatter(int rank, void* buf, int64_t chunk, DType type = DType::fp32) override;
   void all_gather(int rank, float* buf, int64_t chunk) override;
   int world() const override { return size() * group_.size(); }
+  std::string transport() const override { return "peer copies and MPI"; }
   int shard(int rank) const override { return rank * group_.size() + group_.rank(); }
   // From the job's device 0 (root 0: device 0 of process 0) to every device of every process: across
   // processes on device 0's channel (MPI_Bcast; counted as process 0 sending the buffer to each other

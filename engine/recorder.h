@@ -46,8 +46,10 @@ using PhaseSeconds = std::vector<std::array<double, kPhases>>;
 
 class Recorder {
  public:
-  // devices: the engine's; trace: keep spans (else only the phase seconds and the bytes).
-  Recorder(int devices, bool trace);
+  // devices: the engine's; trace: keep spans (else only the phase seconds and the bytes); timing: mark
+  // the phases on the devices at all (on CUDA two events each), which tracing implies. Without it the
+  // phase seconds stay 0 and a step enqueues no timing event.
+  Recorder(int devices, bool trace, bool timing = true);
   void set_buckets(int buckets);
 
   // The clock every span is on: microseconds since start_time(), when the engine was built.
@@ -68,6 +70,14 @@ class Recorder {
   // the end of its own work, idle time waiting for the host's launches included, so the phases add
   // up to the step.
   void close_phases(Device& dev, int rank, int64_t step);
+  // The phases of the step in flight on `rank`, as marks on the device; a step graph keeps those of
+  // its capture and reopens them when it is launched again (its marks are its own, Device::launch).
+  struct OpenPhase {
+    Phase phase;
+    int start, end;
+  };
+  const std::vector<OpenPhase>& open_phases(int rank) const { return open_phases_[size_t(rank)]; }
+  void reopen(int rank, std::vector<OpenPhase> phases) { open_phases_[size_t(rank)] = std::move(phases); }
   // Where bucket b's collective on `rank` stamps its interval: null unless tracing.
   Interval* bucket_timing(int rank, int b) { return trace_ ? &bucket_timing_[size_t(rank)][size_t(b)] : nullptr; }
   // After the bucket collectives have returned: their stamps become spans (a bucket the communicator
@@ -95,11 +105,7 @@ class Recorder {
   Traffic step_inter_traffic(int rank) const { return step_inter_traffic_[size_t(rank)]; }
 
  private:
-  struct OpenPhase {  // a phase of the step in flight: its marks on the device
-    Phase phase;
-    int start, end;
-  };
-  bool trace_;
+  bool trace_, timing_;
   std::chrono::steady_clock::time_point t0_;
   PhaseSeconds phase_seconds_;
   std::vector<std::vector<OpenPhase>> open_phases_;   // per device

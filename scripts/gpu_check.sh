@@ -29,10 +29,16 @@
 #             dp_bench on --gpus 0,0 --allow-shared-device --backend cuda
 #   prefetch  dp_train --gpus 0 --steps 2000 with and without --no-prefetch, 3 alternated rounds:
 #             images/s and the load phase (ms a step), the copy stream's gain
+#   graphs    dp_train --gpus 0 --steps 2000 with and without --graphs, 3 alternated rounds: images/s,
+#             the graph launches the report counts (none fails the step), test accuracy of each
+#   nccl      NCCL on the one GPU (the test build's dp_train, DP_TEST_NCCL=always): a one-rank clique,
+#             NCCL asked for a GPU named twice (the fallback), two ranks on it (NCCL_MULTI_RANK_GPU_ENABLE=1,
+#             2.30 and later); what carried the collectives each time; fails if the one-rank run was not NCCL
 #   ctest     the rest of the test suite (neither "cuda:" nor the README check)
 #   readme    the README check (every build/dp_* line of README.md and docs/*.md at small sizes); its
 #             commands name two GPUs, so on one it is skipped (counted as such, never as passed)
-#   sanitize  compute-sanitizer memcheck over the "cuda: ops:" cases
+#   sanitize  compute-sanitizer memcheck over the "cuda: ops:" cases, synccheck over those and the
+#             "cuda:" cases of the step graphs
 # A step whose dp_train/dp_bench prints a "warning:" (a cuDNN fallback, say) fails, as does one whose
 # key number cannot be read from its own output.
 # No step runs NCCL across processes (mpirun -np 2 dp_train --gpus ...): on one GPU the two processes
@@ -83,7 +89,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 fatal() { echo "gpu_check.sh: $*" >&2; exit 2; }
-steps="env configure build cuda train profile torch verify-scatter verify-allreduce compare skew comm prefetch ctest readme sanitize"
+steps="env configure build cuda train profile torch verify-scatter verify-allreduce compare skew comm prefetch graphs nccl ctest readme sanitize"
 [[ "$deadline" =~ ^[0-9]+$ ]] || fatal "--deadline: '$deadline' is not a whole number of seconds"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && [ -z "$tarball" ]; then tarball=$OUT/gpu-check.tar.gz; fi
 for s in ${only//,/ } ${skip//,/ }; do
@@ -182,7 +188,7 @@ fi
 # --- steps --------------------------------------------------------------------------------------------
 names=() codes=() statuses=() seconds=() keys=()
 n=0 failed=0 skipped=0
-warn_steps=" train profile verify-scatter verify-allreduce compare skew comm prefetch "  # dp's own runs
+warn_steps=" train profile verify-scatter verify-allreduce compare skew comm prefetch graphs nccl "  # dp's own runs
 selected() {
   [ -n "$only" ] && [[ ",$only," != *",$1,"* ]] && return 1
   [ -n "$skip" ] && [[ ",$skip," == *",$1,"* ]] && return 1
@@ -252,6 +258,8 @@ step compare 600 s_compare
 step skew 300 s_skew
 step comm 600 s_comm
 step prefetch 600 s_prefetch
+step graphs 600 s_graphs
+step nccl 300 s_nccl
 step ctest 1800 s_ctest
 step readme 900 s_readme
 step sanitize 900 s_sanitize

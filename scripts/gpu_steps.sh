@@ -144,36 +144,88 @@ s_train() {
   return $rc
 }
 
-s_prefetch() {
-  need dp_train || return $?
-  local steps=2000 sizes=(--limit-test 1000) rc=0 round mode flag
+# Three alternated rounds of dp_train --gpus 0, with flags $2 and without them (or with $3): each run's
+# log and report as $out/$1-{on,off}-{1,2,3}.{jsonl,json}.
+alternate() {
+  local name=$1 on=$2 off=${3:-} steps=2000 sizes=(--limit-test 1000) rc=0 round mode flags
   [ $dry = 1 ] && steps=20 sizes=(--limit-train 4096 --limit-test 256)
   for round in 1 2 3; do
     for mode in on off; do
-      flag=()
-      [ $mode = off ] && flag=(--no-prefetch)
+      flags=$on
+      [ $mode = off ] && flags=$off
+      # shellcheck disable=SC2086  # flags are words
       run "${dp_env[@]}" "$build/dp_train" --backend $backend --gpus 0 --data "$data" --steps $steps "${sizes[@]}" \
-        "${flag[@]}" --quiet --log-every $steps --log "$out/prefetch-$mode-$round.jsonl" || rc=$?
+        $flags --quiet --log-every $steps --log "$out/$name-$mode-$round.jsonl" --report "$out/$name-$mode-$round.json" ||
+        rc=$?
     done
   done
-  # The last step record of each run: images/s over its training steps, device 0's load phase.
-  KEY=$("$py" - "$out" << 'EOF'
+  return $rc
+}
+# What alternate's runs $1 measured, "on" named $2 and "off" $3: images/s of the last step record (paired
+# median of the three rounds), device 0's load phase, the graph launches (--graphs) and the test accuracy.
+paired() {
+  "$py" - "$out" "$@" << 'EOF'
 import json, statistics, sys
-def last(mode, r):
-    recs = [json.loads(l) for l in open(f"{sys.argv[1]}/prefetch-{mode}-{r}.jsonl")]
+out, name, on_name, off_name = sys.argv[1:5]
+def run(mode, r):
+    recs = [json.loads(l) for l in open(f"{out}/{name}-{mode}-{r}.jsonl")]
     s = [x for x in recs if x["kind"] == "step"][-1]
-    return s["images_per_second"], s["phase_ms"]["device0"]["load"]
+    report = json.load(open(f"{out}/{name}-{mode}-{r}.json"))
+    return (s["images_per_second"], s["phase_ms"]["device0"]["load"],
+            report.get("graphs", {}).get("launches", 0), report["test_accuracy"])
 try:
-    on, off = ([last(m, r) for r in (1, 2, 3)] for m in ("on", "off"))
+    on, off = ([run(m, r) for r in (1, 2, 3)] for m in ("on", "off"))
 except (OSError, ValueError, KeyError, IndexError):
     sys.exit()
 ratio = statistics.median(a[0] / b[0] for a, b in zip(on, off))
 med = lambda v, i: statistics.median(x[i] for x in v)
-print(f"img/s prefetch {med(on, 0):.0f} / --no-prefetch {med(off, 0):.0f} (paired median {ratio:.3f}x); "
-      f"load {med(on, 1):.4f} / {med(off, 1):.4f} ms a step")
+print(f"img/s {on_name} {med(on, 0):.0f} / {off_name} {med(off, 0):.0f} (paired median {ratio:.3f}x); "
+      f"load {med(on, 1):.4f} / {med(off, 1):.4f} ms a step; {on[0][2]} graph launches; "
+      f"test acc {on[0][3]:.4f} / {off[0][3]:.4f}")
 EOF
-)
+}
+
+# The copy stream's gain: prefetch (the default) against --no-prefetch
+s_prefetch() {
+  need dp_train || return $?
+  alternate prefetch "" --no-prefetch
+  local rc=$?
+  KEY=$(paired prefetch prefetch --no-prefetch)
   [ -n "$KEY" ] || BAD="the runs' logs give no images/s and load phase"
+  return $rc
+}
+
+# --graphs against eager steps; a run that launched no graph fails the step
+s_graphs() {
+  need dp_train || return $?
+  alternate graphs --graphs
+  local rc=$?
+  KEY=$(paired graphs --graphs eager)
+  [ -n "$KEY" ] || BAD="the runs' logs and reports give no images/s and launches"
+  case "$KEY" in *"; 0 graph launches"*) BAD="--graphs launched no graph" ;; esac
+  backend_is "$out/graphs-on-1.json"
+  return $rc
+}
+
+# NCCL on the one GPU (the test build's dp_train, DP_TEST_NCCL=always): a one-rank clique, NCCL asked for
+# a GPU named twice (the fallback), and two ranks on it where NCCL is 2.30 or newer; what carried the
+# collectives each time (the report's config.collectives), or why it did not run
+s_nccl() {
+  need dp_train_failpoints || return $?
+  local rc=0 name env gpus got says=()
+  local -a runs=("one-rank:DP_TEST_NCCL=always:0" "shared:DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=0:0,0"
+    "two-ranks:DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=1:0,0")
+  [ $dry = 1 ] && runs=("one-rank:DP_TEST_NCCL=always:0")
+  for r in "${runs[@]}"; do
+    IFS=: read -r name env gpus <<< "$r"
+    # shellcheck disable=SC2086  # env is words
+    run "${dp_env[@]}" $env "$build/dp_train_failpoints" --backend $backend --gpus $gpus --allow-shared-device \
+      --sync allreduce --bucket-kb 64 --verify --steps 6 --data "$data" --limit-test 256 --report "$out/nccl-$name.json" || rc=$?
+    got=$(json "$out/nccl-$name.json" 'j["config"]["collectives"]')
+    says+=("$name: ${got:-failed}")
+  done
+  KEY=$(IFS=';'; echo "${says[*]}" | sed 's/;/; /g')
+  [ $dry = 0 ] && ! grep -q "one-rank: nccl" <<< "$KEY" && BAD="the one-rank clique did not run NCCL"
   return $rc
 }
 
@@ -275,10 +327,15 @@ s_sanitize() {
     echo "$SKIP"
     return 0
   fi
-  run "${dp_env[@]}" "$cs" --tool memcheck --error-exitcode 99 "$build/dp_tests" '--test-case=cuda: ops: *'
-  local rc=$?
-  KEY="memcheck: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
-  KEY="$KEY; $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
+  # memcheck over the kernels; synccheck over them and the step graphs (their captures and launches)
+  local rc=0 tool cases
+  for tool in memcheck synccheck; do
+    cases='cuda: ops: *'
+    [ $tool = synccheck ] && cases='cuda: ops: *,cuda: graphs: *'
+    run "${dp_env[@]}" "$cs" --tool $tool --error-exitcode 99 "$build/dp_tests" "--test-case=$cases" || rc=$?
+    KEY="${KEY:+$KEY; }$tool: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
+    KEY="$KEY, $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
+  done
   return $rc
 }
 

@@ -241,3 +241,28 @@ TEST_CASE("trace: without --trace the engine keeps no spans") {
   }
   CHECK(e.recorder().host_spans().empty());
 }
+
+TEST_CASE("trace: without phase timing a step marks nothing on the device and trains the same bits") {
+  // dp_train times the phases only for --log and --trace (EngineConfig::time_phases): on CUDA some
+  // sixteen events a step otherwise. Timed or not, the same steps; untimed, no phase has a second.
+  const ModelSpec spec = make_model("lenet5");
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 6, init.data());
+  Batches data = make_batches(3, 12, 8);
+  std::vector<std::vector<float>> params;
+  for (bool timed : {true, false}) {
+    CAPTURE(timed);
+    EngineConfig c;
+    c.batch = 12, c.sync = "allreduce", c.time_phases = timed;
+    auto devs = make_test_devices("cpu", 2);
+    Engine e(raw(devs), spec, c);
+    e.set_params(init);
+    for (int s = 0; s < 3; ++s) e.step(data.x[size_t(s)].data(), data.y[size_t(s)].data(), 12);
+    double seconds = 0;
+    for (const auto& device : e.recorder().phase_seconds())
+      for (double t : device) seconds += t;
+    CHECK((seconds > 0) == timed);
+    params.push_back(e.params());
+  }
+  CHECK(params[0] == params[1]);
+}

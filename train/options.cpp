@@ -281,6 +281,9 @@ void add_data(CLI::App& app, TrainOptions& o) {
   app.add_flag_callback(
       "--no-prefetch", [&o] { o.prefetch = false; },
       "Upload each batch at its own step instead of during the step before, on a copy stream");
+  app.add_flag("--graphs", o.graphs,
+               "Capture the step once per batch buffer and replay it, one launch a step (CUDA graphs; simulated "
+               "devices replay their recorded calls): one device, SGD, prefetch");
 }
 
 // --optimizer and its settings: lr and weight decay default to the optimizer's PyTorch defaults where
@@ -371,7 +374,7 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
     std::string given;
     int n = 0;
     for (const char* f : {"--save", "--save-every", "--resume", "--verify", "--steps", "--epochs", "--log",
-                          "--log-every", "--trace", "--workers", "--no-prefetch"})
+                          "--log-every", "--trace", "--workers", "--no-prefetch", "--graphs"})
       if (app.count(f)) given += std::string(n++ ? ", " : "") + f;
     if (n > 0)
       throw UsageError("--eval: " + given + (n > 1 ? " only make" : " only makes") +

@@ -108,6 +108,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                  {"limit_test", o.limit_test},
                  {"workers", o.workers},
                  {"prefetch", o.prefetch},
+                 {"graphs", o.graphs},
                  {"gpus", o.devices.all ? nlohmann::json("all") : nlohmann::json(o.devices.ids)},
                  {"strategy", o.sync},
                  {"allreduce", all_reduce_json(o)}});
@@ -117,6 +118,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
   config["backend_requested"] = o.devices.backend;
   config["backend"] = kind_name(engine.device(0).kind());
   config["device_names"] = names;
+  config["collectives"] = engine.comm().transport();
   nlohmann::json epochs_json = nlohmann::json::array();
   for (auto& e : result.epochs)
     epochs_json.push_back({{"epoch", e.epoch},
@@ -144,6 +146,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                       {"devices", device_report(engine)},
                       {"notes", device_notes()}};
   if (o.accumulate > 1) j["accumulation"] = accumulation_note(o);  // what it does under this strategy
+  if (o.graphs) j["graphs"] = {{"captures", engine.graph_captures()}, {"launches", engine.graph_launches()}};
   if (o.verify)
     j["verify"] = {
         {"max_abs_diff", result.verify_max_diff}, {"tolerance", result.verify_tolerance}, {"ok", result.verify_ok}};

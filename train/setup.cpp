@@ -129,6 +129,8 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   ec.grad_dtype = o.grad_dtype;
   ec.timeout = o.timeout;
   ec.prefetch = o.prefetch && !o.eval;  // --eval stages nothing
+  ec.graphs = o.graphs;
+  ec.time_phases = !o.log.empty() || !o.trace.empty();
   return ec;
 }
 

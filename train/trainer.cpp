@@ -181,6 +181,8 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   EngineConfig ec = engine_config(opt, p.data.train.count);
   ec.group = g;
   Engine engine(pointers(p.devs), p.spec, ec);
+  if (!opt.quiet && opt.graphs)
+    std::printf("graphs: each step captured once per batch buffer, then replayed (the first and short ones eager)\n");
   if (!opt.quiet) note_clamped_sizes(opt, p.data);
   if (!opt.quiet) note_idle_devices(opt, ec.batch, engine.size());
   const Checkpoint init = starting_state(opt, p, g);

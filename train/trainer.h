@@ -41,6 +41,7 @@ struct TrainOptions {
   int64_t limit_train = 0, limit_test = 0;
   int workers = 1;       // --workers: 0 assembles each batch between steps, 1 on a loader thread (loader.h)
   bool prefetch = true;  // off with --no-prefetch: each batch uploads at its own step (EngineConfig::prefetch)
+  bool graphs = false;   // --graphs: the step captured and replayed (EngineConfig::graphs)
   DeviceConfig devices;
   std::string sync = "scatter";  // --sync: a strategy's name (engine/strategy.h)
   Split split = Split::even;

@@ -74,9 +74,10 @@ void check_verified_steps(const TrainOptions& o, const Schedule& plan, int64_t s
 
 namespace {
 
-// One device in this process, also when the run is one process of a job (EngineConfig::group).
+// One device in this process, also when the run is one process of a job (EngineConfig::group), eager.
 EngineConfig one_device(EngineConfig c) {
   c.sync = "allreduce", c.bucket_kb = 0, c.trace = false, c.group = nullptr, c.grad_dtype = DType::fp32;
+  c.graphs = false;  // the reference steps eagerly, so --graphs --verify checks the graphs against it
   return c;
 }
 

@@ -1,6 +1,7 @@
 // The simulated backend: a device that is a CPU thread with host memory booked in its ledger, so the
 // engine, the collectives and the memory-skew demo run and are tested on a machine without a GPU.
 #include <array>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -11,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/cpu/recording_ops.h"
 #include "engine/device.h"
 #include "engine/error.h"
 #include "engine/failpoint.h"
@@ -21,7 +23,8 @@ namespace {
 
 // A simulated device: host memory (64-byte aligned), the CPU kernels (the fast path this CPU runs, or
 // the reference), a compute and a communication thread, and for uploads ahead a copy thread, started
-// by the first: its copies run while the compute thread works, as a GPU's copy engine does.
+// by the first: its copies run while the compute thread works, as a GPU's copy engine does. Its step
+// graphs are recorded calls (RecordingOps), replayed in order.
 class SimDevice final : public Device {
  public:
   SimDevice(int rank, int id, int64_t cap, std::unique_ptr<Ops> ops)
@@ -34,20 +37,22 @@ class SimDevice final : public Device {
     stop_workers();
   }
 
-  Ops& ops() override { return *ops_; }
+  Ops& ops() override { return ops_; }
   // n == 0 comes with null pointers (empty shards, zero-size buffers): memcpy(dst, nullptr, 0) is
   // undefined behaviour, so it is skipped.
   void upload(void* dst, const void* src, size_t n) override {
+    refuse_while_capturing("an upload from host memory");
     if (n) std::memcpy(dst, src, n);
   }
   void download(void* dst, const void* src, size_t n) override {
+    refuse_while_capturing("a download to host memory");
     if (n) std::memcpy(dst, src, n);
   }
   void copy(void* dst, const void* src, size_t n) override {
-    if (n) std::memmove(dst, src, n);
+    if (n) ops_.run([=] { std::memmove(dst, src, n); });
   }
   void copy_from_peer(void* dst, const Device&, const void* src, size_t n) override {
-    if (n) std::memcpy(dst, src, n);
+    if (n) ops_.run([=] { std::memcpy(dst, src, n); });
   }
   // Compute work is done when its call returns; the copy thread's may not be.
   void synchronize() override { finish_uploads(); }
@@ -69,6 +74,7 @@ class SimDevice final : public Device {
   }
   void await_upload(int slot) override {
     check_upload_slot(slot);
+    if (ops_.recording()) return;  // launch waits
     for (auto& f : take(slot)) f.get();
   }
   void finish_uploads() noexcept override {
@@ -76,8 +82,42 @@ class SimDevice final : public Device {
       for (auto& f : take(s)) f.wait();
   }
 
+  void begin_capture() override {
+    if (ops_.recording()) throw DeviceError(id(), "begin_capture: a capture is already under way");
+    capture_.clear();
+    ops_.record(&capture_);
+  }
+  void end_capture(int slot) override {
+    check_upload_slot(slot);
+    ops_.stop();
+    graphs_[size_t(slot)] = {std::exchange(capture_, {}), marks_.size()};
+  }
+  void abandon_capture() noexcept override {
+    ops_.stop();
+    capture_.clear();
+  }
+  void launch(int slot) override {
+    check_upload_slot(slot);
+    const Graph& g = graphs_[size_t(slot)];
+    if (g.calls.empty()) throw DeviceError(id(), "launch: no graph captured for upload slot " + std::to_string(slot));
+    await_upload(slot);
+    marks_.resize(g.marks);
+    for (const auto& call : g.calls) call();
+  }
+
+  // Marks on the host clock, as the base's, but a mark taken while capturing is stamped when replayed.
+  int mark() override {
+    const size_t i = marks_.size();
+    marks_.emplace_back();
+    ops_.run([this, i] { marks_[i] = std::chrono::steady_clock::now(); });
+    return int(i);
+  }
+  std::chrono::steady_clock::time_point mark_time(int i) override { return marks_.at(size_t(i)); }
+  void clear_marks() override { marks_.clear(); }
+
  protected:
   void* raw_alloc(size_t bytes) override {
+    refuse_while_capturing("an allocation");
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!p) throw DeviceError(rank(), "host allocation of " + format_bytes(int64_t(bytes)) + " failed");
     return p;
@@ -85,10 +125,12 @@ class SimDevice final : public Device {
   void raw_free(void* p) noexcept override { std::free(p); }
 
  private:
-  void check_slot(int slot) const {
-    if (slot < 0 || slot >= kUploadSlots)
-      throw DeviceError(
-          id(), "upload slot " + std::to_string(slot) + ": the slots are 0.." + std::to_string(kUploadSlots - 1));
+  // What CUDA's stream capture refuses too (cudaErrorStreamCaptureUnsupported), or would bake in.
+  void refuse_while_capturing(const char* what) const {
+    if (ops_.recording())
+      throw DeviceError(id(), std::string(what) +
+                                  " while capturing a step graph: a replay would repeat the "
+                                  "captured step's host memory or pointers");
   }
   // A slot's pending uploads, handed to the caller to wait for (the comm thread synchronizes too).
   std::vector<std::future<void>> take(int slot) noexcept {
@@ -96,7 +138,14 @@ class SimDevice final : public Device {
     return std::exchange(uploads_[size_t(slot)], {});
   }
 
-  std::unique_ptr<Ops> ops_;
+  struct Graph {
+    RecordingOps::Graph calls;
+    size_t marks = 0;  // the marks taken while it was captured
+  };
+  RecordingOps ops_;
+  RecordingOps::Graph capture_;  // the capture under way
+  std::array<Graph, kUploadSlots> graphs_;
+  std::vector<std::chrono::steady_clock::time_point> marks_;
   std::mutex mu_;  // guards copier_ and uploads_
   std::unique_ptr<Worker> copier_;
   std::array<std::vector<std::future<void>>, kUploadSlots> uploads_;

@@ -101,14 +101,17 @@ void CudaDevice::open() {
 }
 
 void CudaDevice::close() noexcept {
+  abandon_capture();
   if (stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(stream_.get()));
   if (comm_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(comm_stream_.get()));
   if (copy_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(copy_stream_.get()));
+  for (cuda::GraphExec& g : graphs_) g.reset();
   ops_.reset();  // its cuDNN descriptors first: it borrows the handles and the scratch below
   scratch_.reset();
   bounce_.reset();
   cudnn_.reset();
   cublas_.reset();
+  cublas_workspace_.reset();  // after the handle that used it
   ready_.reset();
   computed_.reset();
   for (cuda::Event& e : uploaded_) e.reset();
@@ -124,6 +127,7 @@ Ops& CudaDevice::ops() {
 }
 
 void* CudaDevice::raw_alloc(size_t bytes) {
+  refuse_while_capturing("an allocation");
   DeviceGuard guard(id());
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, bytes);
@@ -145,6 +149,7 @@ void CudaDevice::raw_free(void* p) noexcept {
 }
 
 void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
+  refuse_while_capturing("an upload from host memory");
   if (bytes == 0) return;
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream_.get()));
@@ -166,6 +171,7 @@ std::shared_ptr<void> CudaDevice::pin_host(void* p, size_t bytes) {
 }
 
 void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
+  refuse_while_capturing("a download to host memory");
   if (bytes == 0) return;
   DeviceGuard guard(id());
   std::lock_guard lock(bounce_mu_);
@@ -252,6 +258,7 @@ void CudaDevice::upload_ahead(int slot, void* dst, const void* src_host, size_t 
 
 void CudaDevice::await_upload(int slot) {
   check_upload_slot(slot);
+  if (capturing()) return;  // launch waits: an event recorded outside a capture cannot be waited on inside it
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), uploaded_[slot].get(), 0));
 }
@@ -299,7 +306,9 @@ int CudaDevice::mark() {
     marks_.emplace_back(e);
   }
   if (marks_used_ == 0) first_mark_ = std::chrono::steady_clock::now();
-  DP_CUDA_CHECK(cudaEventRecord(marks_[marks_used_].get(), stream_.get()));
+  // Inside a capture an event-record node, which only the external flag lets the host time.
+  DP_CUDA_CHECK(
+      cudaEventRecordWithFlags(marks_[marks_used_].get(), stream_.get(), capturing() ? cudaEventRecordExternal : 0));
   return int(marks_used_++);
 }
 

@@ -11,11 +11,13 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -59,6 +61,17 @@ class CudaDevice final : public Device {
   void upload_ahead(int slot, void* dst, const void* src_host, size_t bytes) override;
   void await_upload(int slot) override;
   void finish_uploads() noexcept override;
+  // Step graphs (cuda_graph.cpp): cudaStreamBeginCapture on the compute stream in thread-local mode
+  // (the loader's and the communication thread's CUDA calls go on), instantiated per upload slot;
+  // marks taken while capturing are event-record nodes (cudaEventRecordExternal, so they can be
+  // timed), and launch starts the first mark's clock at cudaGraphLaunch. prepare_graphs gives cuBLAS
+  // a workspace of kCublasWorkspaceBytes (booked), as PyTorch does for graphs.
+  void prepare_graphs() override;
+  void begin_capture() override;
+  void end_capture(int slot) override;
+  void abandon_capture() noexcept override;
+  void launch(int slot) override;
+  static constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
   // Events recorded on the compute stream (with timing, unlike the ordering events). The first mark
   // of a set is taken as reached when it was recorded: the engine clears marks at the start of a step,
   // after the previous one synchronised, so the stream is idle then and the event runs at once; every
@@ -105,9 +118,16 @@ class CudaDevice final : public Device {
   std::mutex bounce_mu_;     // downloads from several threads take turns
   cuda::PinnedHost bounce_;  // download's page-locked landing place, grown on demand
   size_t bounce_bytes_ = 0;
-  cuda::Event ready_;                           // recorded on stream_ when a peer wants to wait for this device
-  cuda::Event computed_;                        // recorded on stream_ for the copy stream to wait on
-  cuda::Event uploaded_[Device::kUploadSlots];  // recorded on copy_stream_ after a slot's uploads
+  cuda::Event ready_;  // recorded on stream_ when a peer wants to wait for this device
+  // The thread capturing a step graph (none: not capturing); what it may not do then throws.
+  std::atomic<std::thread::id> capture_thread_{};
+  bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
+  void refuse_while_capturing(const char* what) const;
+  Buffer cublas_workspace_;                        // prepare_graphs'
+  cuda::GraphExec graphs_[Device::kUploadSlots];   // one per upload slot
+  size_t graph_marks_[Device::kUploadSlots] = {};  // the marks each graph records
+  cuda::Event computed_;                           // recorded on stream_ for the copy stream to wait on
+  cuda::Event uploaded_[Device::kUploadSlots];     // recorded on copy_stream_ after a slot's uploads
   mutable std::mutex ready_mu_;
   std::mutex peer_mu_;
   std::vector<int> peers_seen_;

@@ -66,12 +66,17 @@
 #include <utility>
 
 #include "engine/error.h"
+#include "engine/failpoint.h"
 #include "kernels/cuda/check.h"
 
 namespace dp {
 
 NcclCommunicator::NcclCommunicator(std::vector<Device*> devices)
-    : Communicator(std::move(devices)), world_(size()), comms_(devices_.size(), nullptr), events_(devices_.size()) {
+    : Communicator(std::move(devices)),
+      world_(size()),
+      one_rank_clique_(failpoint::nccl_always()),
+      comms_(devices_.size(), nullptr),
+      events_(devices_.size()) {
   try {
     for (int r = 0; r < size(); ++r) devices_[r]->run([this, r] { events_[r].done = cuda::make_event(); }).get();
   } catch (...) {
@@ -269,20 +274,20 @@ void NcclCommunicator::enqueue_all_reduce(int rank, void* buf, int64_t count, DT
 }
 
 void NcclCommunicator::reduce_scatter(int rank, void* buf, int64_t chunk, DType type) {
-  if (world_ == 1 || chunk == 0) return;
+  if (nothing_to_do(chunk)) return;
   if (!use_nccl(rank)) return Communicator::reduce_scatter(rank, buf, chunk, type);
   // NCCL's in-place form: recvbuff = sendbuff + rank·recvcount.
   enqueue_reduce_scatter(rank, buf, chunk, at(buf, int64_t(shard(rank)) * chunk, type), type, gpu(rank).stream());
 }
 
 void NcclCommunicator::all_gather(int rank, float* buf, int64_t chunk) {
-  if (world_ == 1 || chunk == 0) return;
+  if (nothing_to_do(chunk)) return;
   if (!use_nccl(rank)) return Communicator::all_gather(rank, buf, chunk);
   enqueue_all_gather(rank, buf, chunk, gpu(rank).stream());
 }
 
 void NcclCommunicator::all_reduce(int rank, void* buf, int64_t count, DType type) {
-  if (world_ == 1 || count == 0) return;
+  if (nothing_to_do(count)) return;
   if (!use_nccl(rank)) return Communicator::all_reduce(rank, buf, count, type);
   tally_all_reduce(rank, count, type);
   meet(rank, Collective::all_reduce);
@@ -337,7 +342,7 @@ void NcclCommunicator::submit_ordered(int rank, Interval* timing, std::function<
 }
 
 void NcclCommunicator::all_reduce_async(int rank, void* buf, int64_t count, Interval* timing, DType type) {
-  if (world_ == 1 || count == 0) return;
+  if (nothing_to_do(count)) return;
   submit_ordered(
       rank, timing, [this, rank, buf, count, type] { Communicator::all_reduce(rank, buf, count, type); },
       [this, rank, buf, count, type](cudaStream_t stream) {
@@ -349,7 +354,7 @@ void NcclCommunicator::all_reduce_async(int rank, void* buf, int64_t count, Inte
 
 void NcclCommunicator::reduce_scatter_async(int rank, void* buf, int64_t chunk, void* out, Interval* timing,
                                             DType type) {
-  if (world_ == 1 || chunk == 0) return Communicator::reduce_scatter_async(rank, buf, chunk, out, timing, type);
+  if (nothing_to_do(chunk)) return Communicator::reduce_scatter_async(rank, buf, chunk, out, timing, type);
   submit_ordered(
       rank, timing,
       [this, rank, buf, chunk, out, type] {
@@ -362,7 +367,7 @@ void NcclCommunicator::reduce_scatter_async(int rank, void* buf, int64_t chunk, 
 }
 
 void NcclCommunicator::all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing) {
-  if (world_ == 1 || chunk == 0) return;
+  if (nothing_to_do(chunk)) return;
   submit_ordered(
       rank, timing, [this, rank, buf, chunk] { Communicator::all_gather(rank, buf, chunk); },
       [this, rank, buf, chunk](cudaStream_t stream) { enqueue_all_gather(rank, buf, chunk, stream); });
@@ -384,13 +389,16 @@ void NcclCommunicator::wait(int rank) {
 }
 
 std::unique_ptr<Communicator> make_communicator(std::vector<Device*> devices) {
-  bool nccl = devices.size() >= 2;  // one rank has nothing to reduce: no NCCL
+  // One rank has nothing to reduce: no NCCL, but where the test build asks (failpoint::nccl_always).
+  const bool always = failpoint::nccl_always();
+  bool nccl = devices.size() >= 2 || always;
   std::set<int> ids;
   for (Device* d : devices) {
     if (d->kind() != DeviceKind::cuda || !dynamic_cast<CudaDevice*>(d)) nccl = false;
     ids.insert(d->id());
   }
-  if (ids.size() != devices.size()) nccl = false;  // a GPU shared by replicas: NCCL cannot rank it twice
+  // A GPU shared by replicas: NCCL cannot rank it twice (asked anyway, it refuses: the fallback runs).
+  if (ids.size() != devices.size() && !always) nccl = false;
   if (nccl) return std::make_unique<NcclCommunicator>(std::move(devices));
   return std::make_unique<Communicator>(std::move(devices));
 }

@@ -35,6 +35,11 @@ class NcclCommunicator : public Communicator {
                             DType type = DType::fp32) override;
   void all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing = nullptr) override;
   int world() const override { return world_; }
+  std::string transport() const override {
+    return clique_ == Clique::ready         ? "nccl"
+           : clique_ == Clique::unavailable ? "peer copies (NCCL could not start)"
+                                            : "nccl (not started: no collective yet)";
+  }
 
  protected:
   enum class Clique { none, ready, unavailable };
@@ -95,6 +100,10 @@ class NcclCommunicator : public Communicator {
     cuda::Event done;                   // recorded on the comm stream after the last bucket
   };
   int world_;  // NCCL ranks in the clique: size() in one process, every process's GPUs in a job
+  // The test build's one-rank clique (failpoint::nccl_always): one GPU's collectives go through NCCL.
+  const bool one_rank_clique_;
+  // A collective of `count` elements that moves nothing: empty, or one rank (but in a one-rank clique).
+  bool nothing_to_do(int64_t count) const { return count == 0 || (world_ == 1 && !one_rank_clique_); }
   std::vector<ncclComm_t> comms_;
   // Written by rank 0 between the two meetings of start_clique, read by every rank after the second
   // (or before its first, when none is there yet); reset by recover() with every rank idle.

@@ -55,6 +55,8 @@ inline void destroy_conv_desc(cudnnConvolutionDescriptor_t d) noexcept {
 }
 
 inline void destroy_pinned(void* p) noexcept { DP_CUDA_CHECK_PRINT(cudaFreeHost(p)); }
+inline void destroy_graph(cudaGraph_t g) noexcept { DP_CUDA_CHECK_PRINT(cudaGraphDestroy(g)); }
+inline void destroy_graph_exec(cudaGraphExec_t g) noexcept { DP_CUDA_CHECK_PRINT(cudaGraphExecDestroy(g)); }
 
 using Stream = Unique<cudaStream_t, destroy_stream>;
 using Event = Unique<cudaEvent_t, destroy_event>;
@@ -63,7 +65,10 @@ using CudnnHandle = Unique<cudnnHandle_t, destroy_cudnn>;
 using TensorDesc = Unique<cudnnTensorDescriptor_t, destroy_tensor_desc>;
 using FilterDesc = Unique<cudnnFilterDescriptor_t, destroy_filter_desc>;
 using ConvDesc = Unique<cudnnConvolutionDescriptor_t, destroy_conv_desc>;
-using PinnedHost = Unique<void*, destroy_pinned>;  // cudaMallocHost's page-locked host memory
+using PinnedHost = Unique<void*, destroy_pinned>;
+using Graph = Unique<cudaGraph_t, destroy_graph>;               // a captured graph
+using GraphExec = Unique<cudaGraphExec_t, destroy_graph_exec>;  // its instantiation, what is launched  //
+                                                                // cudaMallocHost's page-locked host memory
 
 // A stream that never synchronises with the legacy default stream (work of other libraries or
 // threads on stream 0 cannot serialise with ours). Created on the calling thread's current device.

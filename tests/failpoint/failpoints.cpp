@@ -32,6 +32,7 @@ struct Armed {
   std::map<const Device*, std::chrono::milliseconds> delays;
   std::map<std::pair<const Communicator*, int>, Collective> stalls;
   std::set<const Communicator*> stalled_processes;  // DP_TEST_STALL_RANK fires once per communicator
+  std::atomic<bool> nccl_always{false};
 };
 Armed& armed() {
   static Armed* a = new Armed;  // lives for the process: a hook may fire until _exit
@@ -142,6 +143,18 @@ std::chrono::milliseconds upload_delay(const Device& dev) {
   auto it = armed().delays.find(&dev);
   return it == armed().delays.end() ? std::chrono::milliseconds(every) : it->second;
 }
+
+bool nccl_always() {
+  static const bool from_env = [] {
+    const std::string v = env("DP_TEST_NCCL");
+    if (!v.empty() && v != "always") throw UsageError("DP_TEST_NCCL=" + v + ": the one value is 'always'");
+    return v == "always";
+  }();
+  return from_env || armed().nccl_always.load();
+}
+
+NcclAlways::NcclAlways() { armed().nccl_always.store(true); }
+NcclAlways::~NcclAlways() { armed().nccl_always.store(false); }
 
 void stall_once(const Communicator& comm, int rank, Collective c) {
   std::lock_guard<std::mutex> lock(armed().m);

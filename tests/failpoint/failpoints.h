@@ -34,4 +34,14 @@ class SlowUploads {
   std::vector<const Device*> devices_;
 };
 
+// While alive, the communicators made for CUDA devices are NCCL's wherever they can be
+// (failpoint::nccl_always): one GPU, or one GPU named twice.
+class NcclAlways {
+ public:
+  NcclAlways();
+  ~NcclAlways();
+  NcclAlways(const NcclAlways&) = delete;
+  NcclAlways& operator=(const NcclAlways&) = delete;
+};
+
 }  // namespace dp::failpoint

@@ -1,0 +1,73 @@
+// The CUDA device's step graphs (cuda_device.h; Device::begin_capture): the compute stream captured
+// in thread-local mode, one instantiated graph per upload slot, launched after that slot's uploads.
+// Compiled, not yet run on a GPU.
+#include <chrono>
+#include <string>
+
+#include "engine/cuda/cuda_device.h"
+#include "engine/error.h"
+#include "kernels/cuda/check.h"
+
+namespace dp {
+
+void CudaDevice::refuse_while_capturing(const char* what) const {
+  if (capturing())
+    throw DeviceError(id(), std::string(what) +
+                                " while capturing a step graph: a replay would repeat the captured "
+                                "step's host memory or pointers");
+}
+
+// cuBLAS otherwise allocates its workspace as it likes (per graph, with cudaMallocAsync, since CUDA
+// 12.2): one buffer, booked, for the eager steps and the graphs alike.
+void CudaDevice::prepare_graphs() {
+  if (cublas_workspace_) return;
+  cublas_workspace_ = alloc(kCublasWorkspaceBytes, Category::workspace);
+  DeviceGuard guard(id());
+  DP_CUBLAS_CHECK(cublasSetWorkspace(cublas_.get(), cublas_workspace_.data(), kCublasWorkspaceBytes));
+}
+
+void CudaDevice::begin_capture() {
+  if (capture_thread_.load() != std::thread::id())
+    throw DeviceError(id(), "begin_capture: a capture is already under way");
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
+  capture_thread_.store(std::this_thread::get_id());
+}
+
+void CudaDevice::end_capture(int slot) {
+  check_upload_slot(slot);
+  if (!capturing()) throw DeviceError(id(), "end_capture: this thread is not capturing");
+  DeviceGuard guard(id());
+  capture_thread_.store(std::thread::id());
+  cudaGraph_t raw = nullptr;
+  DP_CUDA_CHECK(cudaStreamEndCapture(stream_.get(), &raw));
+  cuda::Graph graph(raw);
+  cudaGraphExec_t exec = nullptr;
+  DP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph.get(), 0));
+  graphs_[slot] = cuda::GraphExec(exec);
+  graph_marks_[slot] = marks_used_;
+}
+
+// The capture is ended and whatever it made dropped; an error it left (the reason it failed, most
+// likely already thrown) is cleared from the thread's last-error slot.
+void CudaDevice::abandon_capture() noexcept {
+  if (!capturing()) return;
+  capture_thread_.store(std::thread::id());
+  DeviceGuard guard(id());
+  cudaGraph_t raw = nullptr;
+  if (cudaStreamEndCapture(stream_.get(), &raw) != cudaSuccess) (void)cudaGetLastError();
+  if (raw) cuda::Graph drop(raw);
+}
+
+void CudaDevice::launch(int slot) {
+  check_upload_slot(slot);
+  if (!graphs_[slot]) throw DeviceError(id(), "launch: no graph captured for upload slot " + std::to_string(slot));
+  DeviceGuard guard(id());
+  DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), uploaded_[slot].get(), 0));
+  // The marks are the graph's event-record nodes, counted from its launch (mark_time).
+  marks_used_ = graph_marks_[slot];
+  first_mark_ = std::chrono::steady_clock::now();
+  DP_CUDA_CHECK(cudaGraphLaunch(graphs_[slot].get(), stream_.get()));
+}
+
+}  // namespace dp

@@ -1,0 +1,253 @@
+// Step graphs (--graphs; EngineConfig::graphs, Device::begin_capture): a step captured once per upload
+// slot and replayed trains bit-identical to the eager step; what a replay would get wrong (the
+// capture's host memory, a learning rate changed since, a buffer allocated in the step) is refused
+// or recaptured; where a replay cannot run, --graphs is refused. On simulated devices a graph is the
+// recorded list of calls (engine/cpu/recording_ops.h), the twin of CUDA's stream capture: the same
+// engine code decides what is captured, when, and what is launched.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/error.h"
+#include "tests/backends.h"
+#include "tests/failpoint/failpoints.h"
+#include "tests/util.h"
+
+using namespace dp;
+using dp::test::Batches;
+using dp::test::make_batches;
+using dp::test::raw;
+namespace {
+
+struct GraphRun {
+  std::vector<StepResult> steps, evals;
+  std::vector<float> params, running;
+  int64_t captures = 0, launches = 0;
+  double forward_seconds = 0;
+};
+
+// Eleven steps of batch 12 on one device, prefetched as dp_train does: a short batch (7) in the middle,
+// the learning rate changed before step 8 (a schedule's), an evaluation after every step. The host
+// buffers are overwritten with NaN once their step has run: a replay that read the captured step's
+// host memory would show it.
+GraphRun train(const std::string& kind, const std::string& model, const std::string& sync, bool graphs, float clip) {
+  const ModelSpec spec = make_model(model);
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 3, init.data());
+  const std::vector<int> sizes{12, 12, 12, 12, 7, 12, 12, 12, 12, 12, 12};
+  const int K = int(sizes.size()), B = 12;
+  Batches data = make_batches(K, B, 5), test = make_batches(1, 16, 6);
+  EngineConfig c;
+  c.batch = B, c.sync = sync, c.prefetch = true, c.graphs = graphs, c.clip_grad_norm = clip, c.trace = true;
+  auto devs = dp::test::make_test_devices(kind, 1);
+  Engine e(raw(devs), spec, c);
+  e.set_params(init);
+  std::vector<std::vector<float>> host_x(3);
+  std::vector<std::vector<int32_t>> host_y(3);
+  auto stage = [&](int s) {
+    host_x[size_t(s % 3)] = data.x[size_t(s)];
+    host_y[size_t(s % 3)] = data.y[size_t(s)];
+    e.stage(host_x[size_t(s % 3)].data(), host_y[size_t(s % 3)].data(), sizes[size_t(s)]);
+  };
+  GraphRun run;
+  stage(0);
+  for (int s = 0; s < K; ++s) {
+    if (s + 1 < K) stage(s + 1);
+    if (s == 8) e.set_lr(0.05f);
+    run.steps.push_back(e.step());
+    std::fill(host_x[size_t(s % 3)].begin(), host_x[size_t(s % 3)].end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(host_y[size_t(s % 3)].begin(), host_y[size_t(s % 3)].end(), -1);
+    run.evals.push_back(e.evaluate(test.x[0].data(), test.y[0].data(), 16));
+  }
+  run.params = e.params();
+  run.running = e.running_stats();
+  run.captures = e.graph_captures(), run.launches = e.graph_launches();
+  run.forward_seconds = e.recorder().phase_seconds()[0][int(Phase::forward)];
+  return run;
+}
+
+void check_graphs_train_as_eager(const std::string& kind) {
+  for (const std::string model : {"lenet5", "lenet-bn"})
+    for (const std::string sync : {"scatter", "allreduce", "zero1"})
+      for (float clip : {0.0f, 0.5f}) {
+        CAPTURE(model);
+        CAPTURE(sync);
+        CAPTURE(clip);
+        const GraphRun want = train(kind, model, sync, false, clip), got = train(kind, model, sync, true, clip);
+        for (size_t s = 0; s < want.steps.size(); ++s) {
+          CAPTURE(s);
+          CHECK(std::isfinite(got.steps[s].loss));
+          CHECK(got.steps[s].loss == want.steps[s].loss);  // bitwise: the same kernels on the same bytes
+          CHECK(got.steps[s].correct == want.steps[s].correct);
+          CHECK(got.steps[s].finite_gradients);
+          CHECK(got.evals[s].loss == want.evals[s].loss);
+        }
+        CHECK(got.params == want.params);
+        CHECK(got.running == want.running);
+        // Step 0 and the short step 4 eager; a capture per slot (steps 1 and 2), and again per slot
+        // after the learning rate changed (steps 8 and 9): nine launches, four captures.
+        CHECK(got.launches == 9);
+        CHECK(got.captures == 4);
+        CHECK(want.launches == 0);
+        // The phases of a launched step are timed by its own marks.
+        CHECK(got.forward_seconds > 0);
+      }
+}
+
+}  // namespace
+
+TEST_CASE("graphs: steps replayed from a graph per upload slot train bit-identical to eager steps") {
+  check_graphs_train_as_eager("cpu");
+}
+
+TEST_CASE("cuda: graphs: steps replayed from a CUDA graph per upload slot train bit-identical to eager steps" *
+          doctest::skip(!dp::test::cuda_available())) {
+  check_graphs_train_as_eager("cuda");
+}
+
+// The device's side, on each backend there is: a captured op runs at launch, not at capture, and each
+// launch runs it again with the capture's arguments; what a replay would repeat wrongly throws while
+// capturing, and the device works on after the capture is abandoned.
+void check_capture(Device& d) {
+  d.run([&] {
+     Buffer x = d.alloc_floats(4, Category::workspace);
+     std::vector<float> got(4);
+     d.ops().fill(4, 0.0f, x.f());
+     d.begin_capture();
+     d.ops().fill(4, 1.0f, x.f());
+     d.ops().add(4, x.f(), x.f());  // doubles it
+     d.end_capture(1);
+     d.download(got.data(), x.f(), sizeof(float) * 4);
+     CHECK(got == std::vector<float>(4, 0.0f));  // recorded, not run
+     d.launch(1);
+     d.download(got.data(), x.f(), sizeof(float) * 4);
+     CHECK(got == std::vector<float>(4, 2.0f));
+     d.ops().fill(4, 5.0f, x.f());
+     d.launch(1);
+     d.download(got.data(), x.f(), sizeof(float) * 4);
+     CHECK(got == std::vector<float>(4, 2.0f));  // the fill's 1, not the 5 since
+     CHECK_THROWS_WITH_AS(d.launch(0), doctest::Contains("no graph captured for upload slot 0"), DeviceError);
+     const float host[4] = {7, 7, 7, 7};
+     for (int what = 0; what < 3; ++what) {
+       CAPTURE(what);
+       d.begin_capture();
+       if (what == 0)
+         CHECK_THROWS_WITH_AS(d.upload(x.f(), host, sizeof host),
+                              doctest::Contains("an upload from host memory while capturing"), DeviceError);
+       else if (what == 1)
+         CHECK_THROWS_WITH_AS(d.download(got.data(), x.f(), sizeof host),
+                              doctest::Contains("a download to host memory while capturing"), DeviceError);
+       else
+         CHECK_THROWS_WITH_AS(d.alloc_floats(4, Category::workspace),
+                              doctest::Contains("an allocation while capturing"), DeviceError);
+       d.abandon_capture();
+     }
+     d.ops().fill(4, 3.0f, x.f());  // eager again
+     d.download(got.data(), x.f(), sizeof(float) * 4);
+     CHECK(got == std::vector<float>(4, 3.0f));
+   }).get();
+}
+
+TEST_CASE("graphs: a simulated device's captured ops run at each launch with the capture's arguments") {
+  auto devs = dp::test::make_test_devices("cpu", 1);
+  check_capture(*devs[0]);
+}
+
+TEST_CASE("cuda: graphs: a CUDA device's captured ops run at each launch with the capture's arguments" *
+          doctest::skip(!dp::test::cuda_available())) {
+  auto devs = dp::test::make_test_devices("cuda", 1);
+  check_capture(*devs[0]);
+}
+
+TEST_CASE("graphs: a step that cannot be captured runs eagerly, and so does every step after") {
+  // A fault in the first capture (step 1) stands for a call the device cannot capture: the step and
+  // the rest run eagerly, the same bits as a run without --graphs, and nothing is launched.
+  const ModelSpec spec = make_model("lenet5");
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 8, init.data());
+  Batches data = make_batches(5, 8, 4);
+  std::vector<StepResult> want;
+  std::vector<float> want_params;
+  for (bool graphs : {false, true}) {
+    EngineConfig c;
+    c.batch = 8, c.sync = "allreduce", c.prefetch = true, c.graphs = graphs;
+    auto devs = dp::test::make_test_devices("cpu", 1);
+    Engine e(raw(devs), spec, c);
+    e.set_params(init);
+    for (int s = 0; s < 5; ++s) {
+      CAPTURE(s);
+      e.stage(data.x[size_t(s)].data(), data.y[size_t(s)].data(), 8);
+      if (graphs && s == 1) dp::failpoint::inject_fault(*devs[0], "not capturable");
+      const StepResult r = e.step();
+      if (!graphs) want.push_back(r);
+      if (graphs) CHECK(r.loss == want[size_t(s)].loss);
+    }
+    if (!graphs) want_params = e.params();
+    if (graphs) {
+      CHECK(e.params() == want_params);
+      CHECK(e.graph_launches() == 0);
+      CHECK_FALSE(e.config().graphs);
+    }
+  }
+}
+
+TEST_CASE("graphs: refused where a replay cannot run, naming why and what would") {
+  const ModelSpec spec = make_model("lenet5");
+  struct Case {
+    int devices;
+    EngineConfig config;
+    const char* says;
+  };
+  EngineConfig base;
+  base.batch = 8, base.sync = "allreduce", base.prefetch = true, base.graphs = true;
+  EngineConfig accumulate = base, eager_upload = base, adam = base, zero2 = base, zero3 = base;
+  accumulate.accumulate = 2, eager_upload.prefetch = false, adam.optimizer = Optimizer::adam;
+  zero2.sync = "zero2", zero3.sync = "zero3";
+  for (const Case& c :
+       {Case{2, base, "one device in one process only (the job has 2)"}, Case{1, accumulate, "--accumulate 2"},
+        Case{1, eager_upload, "leave out --no-prefetch"}, Case{1, adam, "use --optimizer sgd"},
+        Case{1, zero2, "--sync zero2 allocates each gradient bucket"}, Case{1, zero3, "--sync zero3 allocates"}}) {
+    CAPTURE(c.says);
+    auto devs = dp::test::make_test_devices("cpu", c.devices);
+    CHECK_THROWS_WITH_AS(Engine(raw(devs), spec, c.config), doctest::Contains(c.says), UsageError);
+  }
+}
+
+TEST_CASE("graphs: dp_train --graphs trains as without it, bit for bit, and reports its launches") {
+  dp::test::TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 200, 40);
+  const std::string base = std::string(DP_TRAIN_BIN) + " --backend cpu --gpus 0 --sync allreduce --data " +
+                           dir.path.string() + " --batch 32 --epochs 2 --quiet --seed 4";
+  for (bool graphs : {false, true}) {
+    const std::string tag = graphs ? "graphs" : "eager";
+    const dp::test::CommandResult r = dp::test::run_command(base + (graphs ? " --graphs" : "") + " --save " +
+                                                            (dir.path / (tag + ".safetensors")).string() +
+                                                            " --report " + (dir.path / (tag + ".json")).string());
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+  }
+  dp::test::check_same_tensors((dir.path / "graphs.safetensors").string(), (dir.path / "eager.safetensors").string());
+  const nlohmann::json report = dp::test::read_json((dir.path / "graphs.json").string());
+  CHECK(report["config"]["graphs"] == true);
+  // Two epochs of 200 images at 32: 6 full steps and a short one each; the first step eager.
+  CHECK(report["graphs"]["launches"] == 11);
+  CHECK(report["graphs"]["captures"] == 2);
+  CHECK(dp::test::read_json((dir.path / "eager.json").string()).count("graphs") == 0);
+
+  // --verify's reference steps eagerly: the graphs checked against it.
+  const dp::test::CommandResult verified =
+      dp::test::run_command(std::string(DP_TRAIN_BIN) + " --backend cpu --gpus 0 --sync allreduce --data " +
+                            dir.path.string() + " --batch 32 --graphs --verify --steps 8");
+  INFO(verified.output);
+  CHECK(verified.exit_code == 0);
+  CHECK(verified.output.find("graphs: each step captured once per batch buffer") != std::string::npos);
+
+  const dp::test::CommandResult two = dp::test::run_command(
+      std::string(DP_TRAIN_BIN) + " --backend cpu --devices 2 --graphs --data " + dir.path.string());
+  CHECK(two.exit_code == 2);
+  CHECK(two.output.find("--graphs: one device in one process only") != std::string::npos);
+}

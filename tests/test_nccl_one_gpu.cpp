@@ -1,0 +1,89 @@
+// NCCL on a machine with one GPU (the lent machines have one; NCCL refuses one GPU twice). The test
+// build's failpoint::nccl_always gives one GPU a one-rank NCCL clique, so NCCL's start, its polled
+// waits and the buckets on the communication stream run for real; and it asks NCCL for a GPU named
+// twice, which NCCL refuses ("Duplicate GPU detected"), so the fallback to peer copies runs. NCCL 2.30
+// and later can put two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1, experimental): tried where the
+// library is that new. Every case is a "cuda:" case, skipped visibly without a GPU.
+#include <doctest/doctest.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "tests/backends.h"
+#include "tests/failpoint/failpoints.h"
+#include "tests/util.h"
+#if DP_TESTS_CUDA
+#include <nccl.h>
+#endif
+
+using namespace dp;
+using dp::test::make_batches;
+using dp::test::raw;
+namespace {
+
+// Four steps of `sync` on `ids` (CUDA devices), NCCL asked for or not: the weights after them.
+std::vector<float> train(const std::vector<int>& ids, const std::string& sync, int64_t bucket_kb, bool nccl) {
+  const ModelSpec spec = make_model("lenet5");
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 2, init.data());
+  dp::test::Batches data = make_batches(4, 16, 3);
+  std::vector<std::unique_ptr<Device>> devs;
+  for (int r = 0; r < int(ids.size()); ++r) devs.push_back(make_cuda_device(r, ids[size_t(r)], 0));
+  EngineConfig c;
+  c.batch = 16, c.sync = sync, c.bucket_kb = bucket_kb;
+  std::unique_ptr<failpoint::NcclAlways> always;
+  if (nccl) always = std::make_unique<failpoint::NcclAlways>();
+  Engine e(raw(devs), spec, c);
+  always.reset();  // the communicator is made
+  e.set_params(init);
+  for (int s = 0; s < 4; ++s) e.step(data.x[size_t(s)].data(), data.y[size_t(s)].data(), 16);
+  return e.params();
+}
+
+}  // namespace
+
+TEST_CASE("cuda: nccl: a one-rank clique on one GPU and NCCL refused a shared GPU train as the peer path" *
+          doctest::skip(!dp::test::cuda_available())) {
+  for (const std::string sync : {"allreduce", "zero2"})
+    for (int64_t bucket_kb : {int64_t(0), int64_t(64)}) {
+      CAPTURE(sync);
+      CAPTURE(bucket_kb);
+      // One rank: NCCL's all-reduce and reduce-scatter of one rank copy, so the bits are the peer path's.
+      CHECK(train({0}, sync, bucket_kb, true) == train({0}, sync, bucket_kb, false));
+      // Two ranks on one GPU: NCCL refuses, the peer ring runs (a sum of two is the same bits either way).
+      CHECK(train({0, 0}, sync, bucket_kb, true) == train({0, 0}, sync, bucket_kb, false));
+    }
+}
+
+TEST_CASE("cuda: nccl: dp_train on one GPU says which NCCL ran: a one-rank clique, the fallback, two ranks" *
+          doctest::skip(!dp::test::cuda_available())) {
+  dp::test::TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 256, 32);
+  const std::string run = std::string(DP_TRAIN_BIN) +
+                          " --backend cuda --sync allreduce --bucket-kb 64 --verify --steps 6 "
+                          "--batch 32 --data " +
+                          dir.path.string();
+  // What carried the collectives, as the report says (Communicator::transport).
+  auto collectives = [&](const std::string& env, const std::string& gpus) {
+    const std::string report = (dir.path / "report.json").string();
+    const dp::test::CommandResult r =
+        dp::test::run_command(env + " " + run + " --gpus " + gpus + " --report " + report);
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+    return r.exit_code == 0 ? dp::test::read_json(report)["config"]["collectives"].get<std::string>() : "";
+  };
+  CHECK(collectives("DP_TEST_NCCL=always", "0") == "nccl");
+  CHECK(collectives("", "0") == "peer copies");
+  CHECK(collectives("DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=0", "0,0 --allow-shared-device") ==
+        "peer copies (NCCL could not start)");
+#if DP_TESTS_CUDA
+  int version = 0;
+  REQUIRE(ncclGetVersion(&version) == ncclSuccess);
+  if (version < 23000) {
+    MESSAGE("NCCL " << version << ": two ranks on one GPU need 2.30 (NCCL_MULTI_RANK_GPU_ENABLE); not tried");
+    return;
+  }
+  CHECK(collectives("DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=1", "0,0 --allow-shared-device") == "nccl");
+#endif
+}
