@@ -56,6 +56,17 @@ void Device::check_upload_slot(int slot) const {
                       "upload slot " + std::to_string(slot) + ": the slots are 0.." + std::to_string(kUploadSlots - 1));
 }
 
+void Device::refuse_while_capturing(bool capturing, const char* what) const {
+  if (capturing)
+    throw DeviceError(id_, std::string(what) +
+                               " while capturing a step graph: a replay would repeat the captured step's host "
+                               "memory or pointers");
+}
+
+void Device::no_graph(int slot) const {
+  throw DeviceError(id_, "launch: no graph captured for upload slot " + std::to_string(slot));
+}
+
 void Device::start_workers(std::function<void()> init) {
   try {
     compute_ = std::make_unique<Worker>(init);

@@ -133,6 +133,10 @@ class Device {
   void stop_workers();
   // Throws DeviceError unless 0 <= slot < kUploadSlots (upload_ahead, await_upload).
   void check_upload_slot(int slot) const;
+  // The step graphs' errors, alike on every backend: `what` (an upload, a download, an allocation)
+  // while this thread captures, which a replay would get wrong; a launch of a slot with no graph.
+  void refuse_while_capturing(bool capturing, const char* what) const;
+  [[noreturn]] void no_graph(int slot) const;
 
  private:
   friend class Buffer;

@@ -264,15 +264,15 @@ StepResult Engine::step() {
   }
   const auto traffic_before = recorder_.before(*comm_);
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
-  const bool graph = graphs_step(b);
+  const bool graph = runs_as_graph(b);
   try {
     run_all([&](int r) {
       recorder_.begin_step(*devices_[r], r);
-      if (graph) graph_step(parts[0], sizes[0]);
-      for (int k = 0; k < micros && !graph; ++k) {
-        StepContext context(*this, r, parts[size_t(k)], sizes[size_t(k)], {k, micros, b.n});
-        strategy_.step(context);
-      }
+      if (!graph || !graph_step(parts[0], sizes[0]))
+        for (int k = 0; k < micros; ++k) {
+          StepContext context(*this, r, parts[size_t(k)], sizes[size_t(k)], {k, micros, b.n});
+          strategy_.step(context);
+        }
       // The loss and the correct count, on the devices that compute it; device 0's also says whether
       // the gradient was finite. The download waits for the step's work (the step's one round trip);
       // close_phases then waits for the copy stream too: the next batch's upload, staged before this

@@ -158,10 +158,11 @@ class Engine {
   Buffer gather_parameters(int rank);
   // --graphs (EngineConfig::graphs; step_graph.cpp): refused where it cannot run; the step of the
   // one device as the graph of b's upload slot, captured where there is none or the learning rate
-  // changed since (an argument of the optimizer's kernel), then launched.
+  // changed since (an argument of the optimizer's kernel), then launched; false where the capture
+  // failed (the caller then runs the step eagerly).
   void check_graphs() const;
-  bool graphs_step(const StagedBatch& b) const;
-  void graph_step(const StagedBatch& b, const std::vector<int>& sizes);
+  bool runs_as_graph(const StagedBatch& b) const;
+  bool graph_step(const StagedBatch& b, const std::vector<int>& sizes);  // false: run it eagerly
   struct StepGraph {
     bool captured = false;
     float lr = 0;

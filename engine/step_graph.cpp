@@ -40,11 +40,11 @@ void Engine::check_graphs() const {
 
 // The first full step runs eagerly (it makes cuDNN's plans and sizes the workspaces, which no capture
 // may allocate), as does a short last batch, whose shapes differ from the capture's.
-bool Engine::graphs_step(const StagedBatch& b) const { return cfg_.graphs && warm_ && b.ahead && b.n == cfg_.batch; }
+bool Engine::runs_as_graph(const StagedBatch& b) const { return cfg_.graphs && warm_ && b.ahead && b.n == cfg_.batch; }
 
-// A capture that fails (a call the device cannot capture) ran nothing: the step runs eagerly instead,
-// and so does every step after, with a warning, as the run is still correct without graphs.
-void Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
+// A capture that fails (a call the device cannot capture) ran nothing: false, and the caller runs the
+// step eagerly instead, as every step after, with a warning, as the run is still correct without graphs.
+bool Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
   Device& dev = *devices_[0];
   StepGraph& g = graphs_[size_t(b.slot)];
   if (g.captured && g.lr == cfg_.lr) {
@@ -61,9 +61,8 @@ void Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
       std::fprintf(stderr, "dp: warning: --graphs: the step could not be captured (%s); every step runs eagerly\n",
                    e.what());
       cfg_.graphs = false;
-      recorder_.begin_step(dev, 0);
-      StepContext context(*this, 0, b, sizes, {0, 1, b.n});
-      return strategy_.step(context);
+      recorder_.begin_step(dev, 0);  // the capture's marks and phases dropped
+      return false;
     } catch (...) {
       dev.abandon_capture();
       throw;
@@ -73,6 +72,7 @@ void Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
   }
   dev.launch(b.slot);
   ++graph_launches_;
+  return true;
 }
 
 }  // namespace dp

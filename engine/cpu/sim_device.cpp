@@ -41,11 +41,11 @@ class SimDevice final : public Device {
   // n == 0 comes with null pointers (empty shards, zero-size buffers): memcpy(dst, nullptr, 0) is
   // undefined behaviour, so it is skipped.
   void upload(void* dst, const void* src, size_t n) override {
-    refuse_while_capturing("an upload from host memory");
+    refuse_while_capturing(ops_.recording(), "an upload from host memory");
     if (n) std::memcpy(dst, src, n);
   }
   void download(void* dst, const void* src, size_t n) override {
-    refuse_while_capturing("a download to host memory");
+    refuse_while_capturing(ops_.recording(), "a download to host memory");
     if (n) std::memcpy(dst, src, n);
   }
   void copy(void* dst, const void* src, size_t n) override {
@@ -99,7 +99,7 @@ class SimDevice final : public Device {
   void launch(int slot) override {
     check_upload_slot(slot);
     const Graph& g = graphs_[size_t(slot)];
-    if (g.calls.empty()) throw DeviceError(id(), "launch: no graph captured for upload slot " + std::to_string(slot));
+    if (g.calls.empty()) no_graph(slot);
     await_upload(slot);
     marks_.resize(g.marks);
     for (const auto& call : g.calls) call();
@@ -117,7 +117,7 @@ class SimDevice final : public Device {
 
  protected:
   void* raw_alloc(size_t bytes) override {
-    refuse_while_capturing("an allocation");
+    refuse_while_capturing(ops_.recording(), "an allocation");
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!p) throw DeviceError(rank(), "host allocation of " + format_bytes(int64_t(bytes)) + " failed");
     return p;
@@ -125,13 +125,6 @@ class SimDevice final : public Device {
   void raw_free(void* p) noexcept override { std::free(p); }
 
  private:
-  // What CUDA's stream capture refuses too (cudaErrorStreamCaptureUnsupported), or would bake in.
-  void refuse_while_capturing(const char* what) const {
-    if (ops_.recording())
-      throw DeviceError(id(), std::string(what) +
-                                  " while capturing a step graph: a replay would repeat the "
-                                  "captured step's host memory or pointers");
-  }
   // A slot's pending uploads, handed to the caller to wait for (the comm thread synchronizes too).
   std::vector<std::future<void>> take(int slot) noexcept {
     std::lock_guard lock(mu_);

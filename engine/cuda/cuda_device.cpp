@@ -127,7 +127,7 @@ Ops& CudaDevice::ops() {
 }
 
 void* CudaDevice::raw_alloc(size_t bytes) {
-  refuse_while_capturing("an allocation");
+  refuse_while_capturing(capturing(), "an allocation");
   DeviceGuard guard(id());
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, bytes);
@@ -149,7 +149,7 @@ void CudaDevice::raw_free(void* p) noexcept {
 }
 
 void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
-  refuse_while_capturing("an upload from host memory");
+  refuse_while_capturing(capturing(), "an upload from host memory");
   if (bytes == 0) return;
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream_.get()));
@@ -171,7 +171,7 @@ std::shared_ptr<void> CudaDevice::pin_host(void* p, size_t bytes) {
 }
 
 void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
-  refuse_while_capturing("a download to host memory");
+  refuse_while_capturing(capturing(), "a download to host memory");
   if (bytes == 0) return;
   DeviceGuard guard(id());
   std::lock_guard lock(bounce_mu_);

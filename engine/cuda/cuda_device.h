@@ -122,7 +122,6 @@ class CudaDevice final : public Device {
   // The thread capturing a step graph (none: not capturing); what it may not do then throws.
   std::atomic<std::thread::id> capture_thread_{};
   bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
-  void refuse_while_capturing(const char* what) const;
   Buffer cublas_workspace_;                        // prepare_graphs'
   cuda::GraphExec graphs_[Device::kUploadSlots];   // one per upload slot
   size_t graph_marks_[Device::kUploadSlots] = {};  // the marks each graph records

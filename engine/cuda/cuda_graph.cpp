@@ -2,20 +2,12 @@
 // in thread-local mode, one instantiated graph per upload slot, launched after that slot's uploads.
 // Compiled, not yet run on a GPU.
 #include <chrono>
-#include <string>
 
 #include "engine/cuda/cuda_device.h"
 #include "engine/error.h"
 #include "kernels/cuda/check.h"
 
 namespace dp {
-
-void CudaDevice::refuse_while_capturing(const char* what) const {
-  if (capturing())
-    throw DeviceError(id(), std::string(what) +
-                                " while capturing a step graph: a replay would repeat the captured "
-                                "step's host memory or pointers");
-}
 
 // cuBLAS otherwise allocates its workspace as it likes (per graph, with cudaMallocAsync, since CUDA
 // 12.2): one buffer, booked, for the eager steps and the graphs alike.
@@ -61,7 +53,7 @@ void CudaDevice::abandon_capture() noexcept {
 
 void CudaDevice::launch(int slot) {
   check_upload_slot(slot);
-  if (!graphs_[slot]) throw DeviceError(id(), "launch: no graph captured for upload slot " + std::to_string(slot));
+  if (!graphs_[slot]) no_graph(slot);
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), uploaded_[slot].get(), 0));
   // The marks are the graph's event-record nodes, counted from its launch (mark_time).
