@@ -138,11 +138,13 @@ class ProfilingOps final : public Ops {
     timed({"softmax_xent", {classes}}, 0,
           [&] { inner_->softmax_xent(n, classes, logits, labels, scale, dlogits, stats); });
   }
-  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd) override {
-    timed({"sgd_step", {n}}, 0, [&] { inner_->sgd_step(n, w, g, v, lr, momentum, wd); });
+  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd,
+                float* nonfinite) override {
+    timed({"sgd_step", {n}}, 0, [&] { inner_->sgd_step(n, w, g, v, lr, momentum, wd, nonfinite); });
   }
-  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) override {
-    timed({"adam_step", {n}}, 0, [&] { inner_->adam_step(n, w, g, m, v, s); });
+  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+                 float* nonfinite) override {
+    timed({"adam_step", {n}}, 0, [&] { inner_->adam_step(n, w, g, m, v, s, nonfinite); });
   }
   void add(int64_t n, const float* x, float* y) override {
     timed({"add", {n}}, 0, [&] { inner_->add(n, x, y); });
@@ -163,9 +165,6 @@ class ProfilingOps final : public Ops {
     bool finite = true;
     timed({"all_finite", {n}}, 0, [&] { finite = inner_->all_finite(n, x); });
     return finite;
-  }
-  void flag_nonfinite(int64_t n, const float* x, float* flag) override {
-    timed({"flag_nonfinite", {n}}, 0, [&] { inner_->flag_nonfinite(n, x, flag); });
   }
   void sum_squares(int64_t n, const float* x, float* sum) override {
     timed({"sum_squares", {n}}, 0, [&] { inner_->sum_squares(n, x, sum); });

@@ -30,12 +30,13 @@ std::string optimizer_state_text(const EngineConfig& c) {
 }
 
 void optimizer_step(Ops& ops, const EngineConfig& c, int64_t n, float* params, const float* grads,
-                    const std::vector<float*>& state, int64_t step) {
+                    const std::vector<float*>& state, int64_t step, float* nonfinite) {
   if (c.optimizer == Optimizer::sgd)
-    return ops.sgd_step(n, params, grads, state.empty() ? nullptr : state[0], c.lr, c.momentum, c.weight_decay);
+    return ops.sgd_step(n, params, grads, state.empty() ? nullptr : state[0], c.lr, c.momentum, c.weight_decay,
+                        nonfinite);
   const math::AdamStep s =
       math::adam_coefficients(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.optimizer == Optimizer::adamw, step);
-  ops.adam_step(n, params, grads, state[0], state[1], s);
+  ops.adam_step(n, params, grads, state[0], state[1], s, nonfinite);
 }
 
 }  // namespace dp

@@ -26,8 +26,9 @@ std::string optimizer_state_text(const EngineConfig& c);
 
 // One step over n parameters: state holds the buffers optimizer_state_names lists (zeros before the
 // first step, as PyTorch's are); step is the optimizer's step count, 1 on the first (Adam's bias
-// correction).
+// correction). nonfinite (device memory, or null) is set to 1 when a gradient read is not finite: the
+// step's finiteness check, in the optimizer's kernel (Ops::sgd_step).
 void optimizer_step(Ops& ops, const EngineConfig& c, int64_t n, float* params, const float* grads,
-                    const std::vector<float*>& state, int64_t step);
+                    const std::vector<float*>& state, int64_t step, float* nonfinite);
 
 }  // namespace dp

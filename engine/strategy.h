@@ -51,8 +51,8 @@ inline int64_t owned_floats(const std::vector<ShardUnit>& units) {
 void gather_unit(Communicator& comm, int rank, const ShardUnit& u, const float* chunks, float* whole,
                  bool queued = false);
 
-// A replica's stats buffer: the loss sum, the correct count and, on device 0 after a step, 1 where
-// the step's gradient held a value that is not finite (else 0).
+// A replica's stats buffer: the loss sum, the correct count and, on a device that stepped the
+// optimizer, 1 where the gradient it stepped held a value that is not finite (else 0).
 inline constexpr int kStats = 3, kNonfinite = 2;
 
 // Everything one device holds for its replica; which of the optional buffers it has is its
@@ -227,6 +227,9 @@ class Strategy {
 // gradient alone (zero1-3), so the shares' sums of squares are all-reduced first (one float each: the
 // norm costs the sharded strategies one more collective a step, a latency rather than bytes); the
 // others hold the whole gradient and square it there (two more passes over it, no collective).
+// The finiteness check after it (in the optimizer's kernel) sees what it would have seen before: a NaN
+// norm leaves the gradient as it was (the coefficient is 1), an infinite one turns an infinity into a
+// NaN (times 0) and a finite gradient into zeros.
 void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard);
 
 // The type the gradients' collectives carry on `devices` devices of the job: --grad-dtype's

@@ -134,12 +134,16 @@ class Ops {
   virtual void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
                             float* stats) = 0;
 
-  // One SGD step over a flat buffer (PyTorch's rule, see math::sgd_update).
-  virtual void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum,
-                        float weight_decay) = 0;
+  // One SGD step over a flat buffer (PyTorch's rule, see math::sgd_update). Both optimizers check the
+  // gradient as they read it: where nonfinite (device memory) is not null they set it to 1 when an
+  // element of g is not finite and leave it as it was otherwise, so a step's finiteness check costs no
+  // launch and no pass over the gradient of its own, and travels in the step's one download of the stats.
+  virtual void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay,
+                        float* nonfinite) = 0;
   // One Adam or AdamW step over a flat buffer (PyTorch's rule, see math::adam_update): m and v are the
   // first and second moments (exp_avg, exp_avg_sq), s the step's coefficients (math::adam_coefficients).
-  virtual void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) = 0;
+  virtual void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+                         float* nonfinite) = 0;
 
   virtual void add(int64_t n, const float* x, float* y) = 0;  // y += x (the reduction kernel)
   virtual void fill(int64_t n, float value, float* x) = 0;
@@ -151,9 +155,6 @@ class Ops {
   virtual void add_typed(DType t, int64_t n, const void* x, void* y) = 0;
   // True when every element is finite. Synchronises with the host.
   virtual bool all_finite(int64_t n, const float* x) = 0;
-  // Sets *flag (device memory) to 1 when an element of x is not finite and leaves it as it was
-  // otherwise: queued like any op, so a step's check travels in its one download of the stats.
-  virtual void flag_nonfinite(int64_t n, const float* x, float* flag) = 0;
   // Gradient clipping by the global norm (PyTorch's clip_grad_norm_): *sum (device memory) += the sum
   // of the squares of x, in a fixed order (the same bits every run); then x *= the clip coefficient of
   // the sum the pointer holds when the op runs (math::clip_coefficient), which a collective may have

@@ -138,7 +138,7 @@ TEST_CASE("lenet-bn: local BatchNorm on n devices equals one device normalising 
            ops.add(P, grads.f(), sum.f());
            first += sizes[size_t(r)];
          }
-         ops.sgd_step(P, params.f(), sum.f(), mom.f(), base.lr, base.momentum, base.weight_decay);
+         ops.sgd_step(P, params.f(), sum.f(), mom.f(), base.lr, base.momentum, base.weight_decay, nullptr);
        }
        d.download(want.params.data(), params.f(), size_t(P) * 4);
        d.download(want.buffers.data(), running.f(), size_t(spec.buffer_count) * 4);

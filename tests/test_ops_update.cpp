@@ -1,6 +1,6 @@
 // The optimizer steps and the flat-buffer ops over the op matrix (tests/ops_matrix.h): SGD, Adam and
 // AdamW against PyTorch's rules worked out by hand and against them in double on a large buffer; add, fill,
-// all_finite and flag_nonfinite; and every op's empty edge (n = 0, null pointers) touching nothing.
+// all_finite and the optimizers' finiteness check; and every op's empty edge (n = 0, null pointers) touching nothing.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -28,10 +28,10 @@ DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
   SUBCASE("with momentum and weight decay") {
     Mem w = be.put(Vec{1.0f, 0.0f}), v = be.put(Vec{0.0f, 0.0f});  // dp's buffers start at zero
     Mem g1 = be.put(Vec{0.5f, 1.0f}), g2 = be.put(Vec{-0.2f, 1.0f});
-    be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g1.f(), v.f(), 0.1f, 0.9f, 0.01f); });
+    be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g1.f(), v.f(), 0.1f, 0.9f, 0.01f, nullptr); });
     CHECK(be.get(v)[0] == doctest::Approx(0.51).epsilon(1e-6));
     CHECK(be.get(w)[0] == doctest::Approx(0.949).epsilon(1e-6));
-    be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g2.f(), v.f(), 0.1f, 0.9f, 0.01f); });
+    be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g2.f(), v.f(), 0.1f, 0.9f, 0.01f, nullptr); });
     const Vec v2 = be.get(v), w2 = be.get(w);
     CHECK(v2[0] == doctest::Approx(0.26849).epsilon(1e-6));
     CHECK(w2[0] == doctest::Approx(0.922151).epsilon(1e-6));
@@ -42,14 +42,14 @@ DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
     //   step 1: w = 1 - 0.1 * (0.5 + 0.01)          = 0.949
     //   step 2: w = 0.949 - 0.1 * (-0.2 + 0.00949)  = 0.968051
     Mem w = be.put(Vec{1.0f}), g1 = be.put(Vec{0.5f}), g2 = be.put(Vec{-0.2f});
-    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g1.f(), nullptr, 0.1f, 0.0f, 0.01f); });
+    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g1.f(), nullptr, 0.1f, 0.0f, 0.01f, nullptr); });
     CHECK(be.get(w)[0] == doctest::Approx(0.949).epsilon(1e-6));
-    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g2.f(), nullptr, 0.1f, 0.0f, 0.01f); });
+    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g2.f(), nullptr, 0.1f, 0.0f, 0.01f, nullptr); });
     CHECK(be.get(w)[0] == doctest::Approx(0.968051).epsilon(1e-6));
   }
   SUBCASE("momentum 0 with a buffer leaves the buffer alone") {
     Mem w = be.put(Vec{1.0f}), g = be.put(Vec{0.5f}), v = be.put(Vec{7.0f});
-    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g.f(), v.f(), 0.1f, 0.0f, 0.0f); });
+    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g.f(), v.f(), 0.1f, 0.0f, 0.0f, nullptr); });
     CHECK(be.get(w)[0] == doctest::Approx(0.95).epsilon(1e-6));
     CHECK(be.get(v)[0] == 7.0f);
   }
@@ -67,14 +67,14 @@ DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
     const float lr = 0.05f, mom = 0.9f, wd = 1e-3f;
     std::vector<double> wd_ref = dbl(w), vd_ref = dbl(v), tw(w.size()), tv(w.size());
     const std::vector<double> gd = dbl(g);
-    cpu::sgd_step<double>(n, wd_ref.data(), gd.data(), vd_ref.data(), lr, mom, wd);
+    cpu::sgd_step<double>(n, wd_ref.data(), gd.data(), vd_ref.data(), lr, mom, wd, nullptr);
     for (size_t i = 0; i < tw.size(); ++i) {
       const double sv = std::fabs(mom * v[i]) + std::fabs(g[i]) + std::fabs(wd * w[i]);
       tv[i] = 4 * kU * sv;
       tw[i] = 2 * kU * std::fabs(w[i]) + 6 * kU * lr * sv;
     }
     Mem gw = be.put(w), gg = be.put(g), gv = be.put(v);
-    be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), gv.f(), lr, mom, wd); });
+    be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), gv.f(), lr, mom, wd, nullptr); });
     check_close("sgd v", be.get(gv), vd_ref, tv);
     check_close("sgd w", be.get(gw), wd_ref, tw);
   }
@@ -82,10 +82,10 @@ DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
     // w - lr g: the product and the subtraction round once each: u |w| + 2u lr |g|, plus one u.
     std::vector<double> wd_ref = dbl(w), tw(w.size());
     const std::vector<double> gd = dbl(g);
-    cpu::sgd_step<double>(n, wd_ref.data(), gd.data(), nullptr, 0.1, 0.0, 0.0);
+    cpu::sgd_step<double>(n, wd_ref.data(), gd.data(), nullptr, 0.1, 0.0, 0.0, nullptr);
     for (size_t i = 0; i < tw.size(); ++i) tw[i] = 2 * kU * std::fabs(w[i]) + 3 * kU * 0.1 * std::fabs(g[i]);
     Mem gw = be.put(w), gg = be.put(g);
-    be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), nullptr, 0.1f, 0.0f, 0.0f); });
+    be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), nullptr, 0.1f, 0.0f, 0.0f, nullptr); });
     check_close("sgd w (no momentum)", be.get(gw), wd_ref, tw);
   }
 }
@@ -122,7 +122,7 @@ DP_OPS_TEST("adam and adamw: PyTorch's rule over three steps") {
       CAPTURE(t);
       Mem g = be.put(Vec{grads[t - 1][0], grads[t - 1][1]});
       const math::AdamStep s = math::adam_coefficients(0.1, 0.9, 0.999, 1e-8, 0.01, decoupled, t);
-      be.run([&](Ops& ops) { ops.adam_step(2, w.f(), g.f(), m.f(), v.f(), s); });
+      be.run([&](Ops& ops) { ops.adam_step(2, w.f(), g.f(), m.f(), v.f(), s, nullptr); });
       for (int i = 0; i < 2; ++i) ref.step(rw[i], rm[i], rv[i], grads[t - 1][i], t);
       const Vec gw = be.get(w), gm = be.get(m), gv = be.get(v);
       for (int i = 0; i < 2; ++i) {
@@ -166,14 +166,14 @@ DP_OPS_TEST("adam and adamw: against PyTorch's rule in double on a large buffer,
         rw[i] = wi - update;
       }
       Mem gw = be.put(w), gg = be.put(g), gm = be.put(m), gv = be.put(v);
-      be.run([&](Ops& ops) { ops.adam_step(n, gw.f(), gg.f(), gm.f(), gv.f(), s); });
+      be.run([&](Ops& ops) { ops.adam_step(n, gw.f(), gg.f(), gm.f(), gv.f(), s, nullptr); });
       check_close("adam m", be.get(gm), rm, tm);
       check_close("adam v", be.get(gv), rv, tv);
       check_close("adam w", be.get(gw), rw, tw);
     }
 }
 
-DP_OPS_TEST("add, fill, all_finite and flag_nonfinite") {
+DP_OPS_TEST("add, fill and all_finite") {
   SUBCASE("by hand; all_finite reads only the first n") {
     Mem x = be.put(Vec{1, 2, 3}), y = be.put(Vec{10, 20, 30});
     be.run([&](Ops& ops) { ops.add(3, x.f(), y.f()); });
@@ -226,25 +226,40 @@ DP_OPS_TEST("add, fill, all_finite and flag_nonfinite") {
     CHECK_FALSE(c);
     CHECK(empty);
   }
-  SUBCASE("flag_nonfinite raises the flag in device memory for an infinity or a NaN, else leaves it") {
-    const int64_t n = 100'003;
-    Vec bad = random_floats(size_t(n), 77, -1, 1), nan = bad;
-    const Vec good = bad;
-    bad[size_t(n) - 1] = -std::numeric_limits<float>::infinity();
-    nan[3] = kNaN;
-    Mem gg = be.put(good), gb = be.put(bad), gn = be.put(nan);
-    // flags: a good buffer (stays 0), a bad one, a NaN, a good one on a raised flag (stays 1), the
-    // bad one's first n - 1 elements only (stays 0)
-    Mem flags = be.put(Vec{0, 0, 0, 1, 0});
+}
+
+DP_OPS_TEST("the optimizers' finiteness check: the flag raised for an infinity or a NaN in g, else left") {
+  const int64_t n = 100'003;
+  Vec bad = random_floats(size_t(n), 77, -1, 1), nan = bad;
+  const Vec good = bad, w = random_floats(size_t(n), 78, -1, 1), v = random_floats(size_t(n), 79, 0, 0.1f);
+  bad[size_t(n) - 1] = -std::numeric_limits<float>::infinity();
+  nan[3] = kNaN;
+  const math::AdamStep adam = math::adam_coefficients(1e-3, 0.9, 0.999, 1e-8, 1e-2, true, 3);
+  // Each optimizer (SGD with and without a buffer, AdamW) over: a good gradient (the flag stays 0), a
+  // bad one, a NaN, a good one on a raised flag (stays 1), the bad one's first n - 1 elements only
+  // (stays 0), and the NaN with no flag at all.
+  for (int optimizer = 0; optimizer < 3; ++optimizer) {
+    CAPTURE(optimizer);
+    Mem gg = be.put(good), gb = be.put(bad), gn = be.put(nan), flags = be.put(Vec{0, 0, 0, 1, 0});
+    std::vector<Mem> ws, ms, vs;
+    for (int k = 0; k < 6; ++k) ws.push_back(be.put(w)), ms.push_back(be.put(v)), vs.push_back(be.put(v));
+    Mem* grads[6] = {&gg, &gb, &gn, &gg, &gb, &gn};
     be.run([&](Ops& ops) {
-      ops.flag_nonfinite(n, gg.f(), flags.f() + 0);
-      ops.flag_nonfinite(n, gb.f(), flags.f() + 1);
-      ops.flag_nonfinite(n, gn.f(), flags.f() + 2);
-      ops.flag_nonfinite(n, gg.f(), flags.f() + 3);
-      ops.flag_nonfinite(n - 1, gb.f(), flags.f() + 4);
-      ops.flag_nonfinite(0, gn.f(), flags.f() + 4);
+      for (int k = 0; k < 6; ++k) {
+        const int64_t count = k == 4 ? n - 1 : n;
+        float* flag = k == 5 ? nullptr : flags.f() + k;
+        float* g = grads[k]->f();
+        if (optimizer == 2)
+          ops.adam_step(count, ws[size_t(k)].f(), g, ms[size_t(k)].f(), vs[size_t(k)].f(), adam, flag);
+        else
+          ops.sgd_step(count, ws[size_t(k)].f(), g, optimizer == 0 ? vs[size_t(k)].f() : nullptr, 0.1f, 0.9f, 0.01f,
+                       flag);
+      }
     });
     CHECK(be.get(flags) == Vec{0, 1, 1, 1, 0});
+    // The check changes nothing else: the same weights with a flag as without (k = 2 against k = 5).
+    check_same_bits("weights, NaN gradient, flag or none", be.get(ws[2]), be.get(ws[5]));
+    check_same_bits("weights, good gradient, flag raised or not", be.get(ws[0]), be.get(ws[3]));
   }
 }
 
@@ -270,7 +285,7 @@ DP_OPS_TEST("zero-size edges: n = 0 with null pointers touches nothing") {
       ops.activation_forward(Activation::sigmoid, 0, nullptr, nullptr);
       ops.activation_backward(Activation::relu, 0, nullptr, nullptr, nullptr);
       ops.softmax_xent(0, 10, nullptr, nullptr, 1.0f, nullptr, stats.f());
-      ops.sgd_step(0, nullptr, nullptr, nullptr, 0.1f, 0.9f, 0.0f);
+      ops.sgd_step(0, nullptr, nullptr, nullptr, 0.1f, 0.9f, 0.0f, nullptr);
       finite = ops.all_finite(0, nullptr);
     });
     CHECK(be.get(stats) == Vec{1.5f, 2.0f});

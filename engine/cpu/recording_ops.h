@@ -117,11 +117,13 @@ class RecordingOps final : public Ops {
                     float* stats) override {
     run([=, this] { inner_->softmax_xent(n, classes, logits, labels, scale, dlogits, stats); });
   }
-  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd) override {
-    run([=, this] { inner_->sgd_step(n, w, g, v, lr, momentum, wd); });
+  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd,
+                float* nonfinite) override {
+    run([=, this] { inner_->sgd_step(n, w, g, v, lr, momentum, wd, nonfinite); });
   }
-  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) override {
-    run([=, this] { inner_->adam_step(n, w, g, m, v, s); });
+  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+                 float* nonfinite) override {
+    run([=, this] { inner_->adam_step(n, w, g, m, v, s, nonfinite); });
   }
   void add(int64_t n, const float* x, float* y) override {
     run([=, this] { inner_->add(n, x, y); });
@@ -141,9 +143,6 @@ class RecordingOps final : public Ops {
   bool all_finite(int64_t n, const float* x) override {
     if (recording()) throw std::logic_error("all_finite answers the host: it cannot be captured in a step graph");
     return inner_->all_finite(n, x);
-  }
-  void flag_nonfinite(int64_t n, const float* x, float* flag) override {
-    run([=, this] { inner_->flag_nonfinite(n, x, flag); });
   }
   void sum_squares(int64_t n, const float* x, float* sum) override {
     run([=, this] { inner_->sum_squares(n, x, sum); });

@@ -51,12 +51,12 @@ class AllReduce final : public OwnBatch {
     });
     if (!buckets.empty()) s.close_buckets();
     s.phase(Phase::optimizer, [&] {
-      // Every replica holds the same gradient now: device 0's check speaks for all.
+      // Every replica holds the same gradient now: each checks it (in the optimizer's kernel), all alike.
       const EngineConfig& c = s.config();
       Ops& ops = s.device().ops();
-      if (r == 0) ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
       clip_gradients(s, rep.grads.f(), P, false);  // the same bits on every replica: the same coefficient
-      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step());
+      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step(),
+                     rep.stats.f() + kNonfinite);
     });
   }
 

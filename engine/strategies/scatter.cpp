@@ -97,9 +97,9 @@ class Scatter final : public Strategy {
     s.phase(Phase::optimizer, [&] {
       if (r != 0) return;
       const EngineConfig& c = s.config();
-      ops.flag_nonfinite(P, rep.grads.f(), rep.stats.f() + kNonfinite);
       clip_gradients(s, rep.grads.f(), P, false);
-      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step());
+      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step(),
+                     rep.stats.f() + kNonfinite);
     });
   }
   bool computes_loss(int rank) const override { return rank == 0; }

@@ -40,10 +40,9 @@ class Zero1 final : public OwnBatch {
     s.phase(Phase::optimizer, [&] {
       // Each device checks the chunk it owns, the one chunk of the global gradient it holds.
       Ops& ops = s.device().ops();
-      ops.flag_nonfinite(chunk, rep.grads.f() + first, rep.stats.f() + kNonfinite);
       clip_gradients(s, rep.grads.f() + first, chunk, true);
       optimizer_step(ops, s.config(), chunk, rep.params.f() + first, rep.grads.f() + first, rep.state_pointers(),
-                     s.optimizer_step());
+                     s.optimizer_step(), rep.stats.f() + kNonfinite);
     });
     s.phase(Phase::gather, [&] { comm.all_gather(r, rep.params.f(), chunk); });
   }

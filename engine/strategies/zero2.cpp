@@ -47,16 +47,15 @@ class Zero2 final : public OwnBatch {
     Replica& rep = s.replica();
     s.phase(Phase::optimizer, [&] {
       Ops& ops = s.device().ops();
-      ops.flag_nonfinite(owned_floats(units), rep.grads.f(), rep.stats.f() + kNonfinite);  // every chunk it owns
       clip_gradients(s, rep.grads.f(), owned_floats(units), true);
       for (const ShardUnit& u : units) {
         const int64_t first = u.offset + u.chunk * s.shard();
         const int64_t count = std::clamp<int64_t>(u.offset + u.count - first, 0, u.chunk);
         std::vector<float*> state = rep.state_pointers();
         for (float*& p : state) p += u.owned;
-        if (count > 0)
+        if (count > 0)  // each chunk it owns checked as it is stepped
           optimizer_step(ops, s.config(), count, rep.params.f() + first, rep.grads.f() + u.owned, state,
-                         s.optimizer_step());
+                         s.optimizer_step(), rep.stats.f() + kNonfinite);
       }
     });
     s.phase(Phase::gather, [&] { gather_parameters(s); });

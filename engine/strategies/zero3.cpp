@@ -47,9 +47,9 @@ class Zero3 final : public OwnBatch {
       Replica& rep = s.replica();
       Ops& ops = s.device().ops();
       const int64_t owned = owned_floats(s.units());
-      ops.flag_nonfinite(owned, rep.grads.f(), rep.stats.f() + kNonfinite);
       clip_gradients(s, rep.grads.f(), owned, true);
-      optimizer_step(ops, s.config(), owned, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step());
+      optimizer_step(ops, s.config(), owned, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step(),
+                     rep.stats.f() + kNonfinite);
     });
   }
 

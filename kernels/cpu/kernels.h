@@ -145,13 +145,15 @@ void softmax_xent(int n, int classes,
                   T* dlogits,  // (N, CLASSES)
                   T* stats);   // (2)
 
-// PyTorch's SGD over a flat buffer (math::sgd_update). v may be null when momentum is 0.
+// PyTorch's SGD over a flat buffer (math::sgd_update). v may be null when momentum is 0. Both
+// optimizers set *nonfinite to 1 when a g is not finite, where nonfinite is not null (Ops::sgd_step).
 template <class T>
 void sgd_step(int64_t n,
               T* w,        // (n)
               const T* g,  // (n)
               T* v,        // (n) or null
-              T lr, T momentum, T weight_decay);
+              T lr, T momentum, T weight_decay,
+              T* nonfinite);  // (1) or null
 
 // PyTorch's Adam / AdamW over a flat buffer (math::adam_update).
 template <class T>
@@ -160,7 +162,8 @@ void adam_step(int64_t n,
                const T* g,  // (n)
                T* m,        // (n) exp_avg
                T* v,        // (n) exp_avg_sq
-               const math::AdamStep& s);
+               const math::AdamStep& s,
+               T* nonfinite);  // (1) or null
 
 template <class T>
 void add(int64_t n, const T* x /* (n) */, T* y /* (n) */);  // y += x
@@ -172,8 +175,6 @@ void widen(DType t, int64_t n, const uint16_t* x, float* y);
 void add_typed(DType t, int64_t n, const uint16_t* x, uint16_t* y);
 template <class T>
 bool all_finite(int64_t n, const T* x /* (n) */);
-template <class T>
-void flag_nonfinite(int64_t n, const T* x /* (n) */, T* flag /* (1): set to 1 if an x is not finite */);
 template <class T>
 void sum_squares(int64_t n, const T* x /* (n) */, T* sum /* (1): += the sum of x's squares */);
 template <class T>  // x *= math::clip_coefficient(*sum_squares, max_norm)

@@ -81,9 +81,9 @@ void ReferenceOps::softmax_xent(int n, int classes, const float* logits, const i
                                 float* dlogits, float* stats) {
   cpu::softmax_xent(n, classes, logits, labels, scale, dlogits, stats);
 }
-void ReferenceOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum,
-                            float weight_decay) {
-  cpu::sgd_step(n, w, g, v, lr, momentum, weight_decay);
+void ReferenceOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay,
+                            float* nonfinite) {
+  cpu::sgd_step(n, w, g, v, lr, momentum, weight_decay, nonfinite);
 }
 void ReferenceOps::add(int64_t n, const float* x, float* y) { cpu::add(n, x, y); }
 void ReferenceOps::fill(int64_t n, float value, float* x) { cpu::fill(n, value, x); }
@@ -99,12 +99,12 @@ void ReferenceOps::add_typed(DType t, int64_t n, const void* x, void* y) {
   if (t == DType::fp32) return add(n, static_cast<const float*>(x), static_cast<float*>(y));
   cpu::add_typed(t, n, static_cast<const uint16_t*>(x), static_cast<uint16_t*>(y));
 }
-void ReferenceOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) {
-  cpu::adam_step(n, w, g, m, v, s);
+void ReferenceOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+                             float* nonfinite) {
+  cpu::adam_step(n, w, g, m, v, s, nonfinite);
 }
 
 bool ReferenceOps::all_finite(int64_t n, const float* x) { return cpu::all_finite(n, x); }
-void ReferenceOps::flag_nonfinite(int64_t n, const float* x, float* flag) { cpu::flag_nonfinite(n, x, flag); }
 void ReferenceOps::sum_squares(int64_t n, const float* x, float* sum) { cpu::sum_squares(n, x, sum); }
 void ReferenceOps::clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) {
   cpu::clip_scale(n, sum_squares, max_norm, x);

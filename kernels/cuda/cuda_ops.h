@@ -101,15 +101,16 @@ class CudaOps final : public Ops {
                          float* running_var) override;
   void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
                     float* stats) override;
-  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay) override;
-  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) override;
+  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay,
+                float* nonfinite) override;
+  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+                 float* nonfinite) override;
   void add(int64_t n, const float* x, float* y) override;
   void fill(int64_t n, float value, float* x) override;
   void narrow(DType t, int64_t n, const float* x, void* y) override;
   void widen(DType t, int64_t n, const void* x, float* y) override;
   void add_typed(DType t, int64_t n, const void* x, void* y) override;
   bool all_finite(int64_t n, const float* x) override;
-  void flag_nonfinite(int64_t n, const float* x, float* flag) override;
   void sum_squares(int64_t n, const float* x, float* sum) override;
   void clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) override;
 

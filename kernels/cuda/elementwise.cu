@@ -12,21 +12,30 @@
 namespace dp {
 namespace {
 
-__global__ void sgd_kernel(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd) {
-  DP_GRID_STRIDE(i, n) { math::sgd_update(w[i], v[i], g[i], lr, momentum, wd); }
+// The optimizers check each gradient as they read it (Ops::sgd_step): a thread that sees a NaN or an
+// infinity raises the flag, where there is one; they all write the same value.
+__device__ __forceinline__ float checked(float g, float* nonfinite) {
+  if (nonfinite && !isfinite(g)) *nonfinite = 1.0f;
+  return g;
+}
+
+__global__ void sgd_kernel(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd,
+                           float* nonfinite) {
+  DP_GRID_STRIDE(i, n) { math::sgd_update(w[i], v[i], checked(g[i], nonfinite), lr, momentum, wd); }
 }
 
 // momentum 0: no buffer (the optimizer category stays empty), as the CPU twin
-__global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, float lr, float wd) {
+__global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, float lr, float wd, float* nonfinite) {
   DP_GRID_STRIDE(i, n) {
     float none = 0.0f;
-    math::sgd_update(w[i], none, g[i], lr, 0.0f, wd);
+    math::sgd_update(w[i], none, checked(g[i], nonfinite), lr, 0.0f, wd);
   }
 }
 
 // The coefficients travel by value in the launch's parameters.
-__global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, math::AdamStep s) {
-  DP_GRID_STRIDE(i, n) { math::adam_update(w[i], m[i], v[i], g[i], s); }
+__global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, math::AdamStep s,
+                            float* nonfinite) {
+  DP_GRID_STRIDE(i, n) { math::adam_update(w[i], m[i], v[i], checked(g[i], nonfinite), s); }
 }
 
 __global__ void sum_squares_kernel(int64_t n, const float* x, float* sum, CudaOps::Scratch* scratch) {
@@ -79,29 +88,30 @@ __global__ void fill_kernel(int64_t n, float value, float* x) {
 }
 
 // Any thread that sees a NaN or an infinity raises the flag; they all write the same value.
-template <class F>
-__global__ void nonfinite_kernel(int64_t n, const float* x, F* flag) {
+__global__ void nonfinite_kernel(int64_t n, const float* x, int32_t* flag) {
   DP_GRID_STRIDE(i, n) {
-    if (!isfinite(x[i])) *flag = F(1);
+    if (!isfinite(x[i])) *flag = 1;
   }
 }
 
 }  // namespace
 
-void CudaOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay) {
+void CudaOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay,
+                       float* nonfinite) {
   if (n == 0) return;
   if (v) {
-    sgd_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, v, lr, momentum, weight_decay);
+    sgd_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, v, lr, momentum, weight_decay, nonfinite);
     DP_CUDA_LAUNCH_CHECK("sgd_kernel");
   } else {
-    sgd_no_momentum_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, lr, weight_decay);
+    sgd_no_momentum_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, lr, weight_decay, nonfinite);
     DP_CUDA_LAUNCH_CHECK("sgd_no_momentum_kernel");
   }
 }
 
-void CudaOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s) {
+void CudaOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+                        float* nonfinite) {
   if (n == 0) return;
-  adam_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, m, v, s);
+  adam_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, m, v, s, nonfinite);
   DP_CUDA_LAUNCH_CHECK("adam_kernel");
 }
 
@@ -167,12 +177,6 @@ void CudaOps::clip_scale(int64_t n, const float* sum_squares, float max_norm, fl
   if (n == 0) return;
   clip_scale_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, sum_squares, max_norm, x);
   DP_CUDA_LAUNCH_CHECK("clip_scale_kernel");
-}
-
-void CudaOps::flag_nonfinite(int64_t n, const float* x, float* flag) {
-  if (n == 0) return;
-  nonfinite_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, flag);
-  DP_CUDA_LAUNCH_CHECK("nonfinite_kernel");
 }
 
 }  // namespace dp

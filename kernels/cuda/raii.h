@@ -65,10 +65,9 @@ using CudnnHandle = Unique<cudnnHandle_t, destroy_cudnn>;
 using TensorDesc = Unique<cudnnTensorDescriptor_t, destroy_tensor_desc>;
 using FilterDesc = Unique<cudnnFilterDescriptor_t, destroy_filter_desc>;
 using ConvDesc = Unique<cudnnConvolutionDescriptor_t, destroy_conv_desc>;
-using PinnedHost = Unique<void*, destroy_pinned>;
+using PinnedHost = Unique<void*, destroy_pinned>;               // cudaMallocHost's page-locked host memory
 using Graph = Unique<cudaGraph_t, destroy_graph>;               // a captured graph
-using GraphExec = Unique<cudaGraphExec_t, destroy_graph_exec>;  // its instantiation, what is launched  //
-                                                                // cudaMallocHost's page-locked host memory
+using GraphExec = Unique<cudaGraphExec_t, destroy_graph_exec>;  // its instantiation, what is launched
 
 // A stream that never synchronises with the legacy default stream (work of other libraries or
 // threads on stream 0 cannot serialise with ours). Created on the calling thread's current device.
