@@ -98,13 +98,8 @@ StrategyRun run_strategy(const std::vector<Device*>& devices, const Design& desi
   return run;
 }
 void check_options(const CompareOptions& o) {
-  if (o.batch <= 0)
-    throw UsageError("--batch: " + std::to_string(o.batch) +
-                     " is not a batch size; give a positive number of images, e.g. 256");
+  check_step_images(o.batch, o.accumulate);
   if (o.steps <= 0) throw UsageError("--steps: " + std::to_string(o.steps) + " measured steps; give at least 1");
-  if (o.accumulate <= 0 || int64_t(o.batch) * o.accumulate > std::numeric_limits<int>::max())
-    throw UsageError("--accumulate: " + std::to_string(o.accumulate) +
-                     " micro-batches per step; give at least 1, with --batch x --accumulate below 2^31");
   if (o.warmup < 0) throw UsageError("--warmup: must be >= 0");
   if (o.repeats < 1) throw UsageError("--repeats: " + std::to_string(o.repeats) + " sweeps; give at least 1");
   if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");

@@ -138,11 +138,10 @@ class ProfilingOps final : public Ops {
     timed({"softmax_xent", {classes}}, 0,
           [&] { inner_->softmax_xent(n, classes, logits, labels, scale, dlogits, stats); });
   }
-  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd,
-                float* nonfinite) override {
-    timed({"sgd_step", {n}}, 0, [&] { inner_->sgd_step(n, w, g, v, lr, momentum, wd, nonfinite); });
+  void sgd_step(int64_t n, float* w, const float* g, float* v, const math::SgdStep* s, float* nonfinite) override {
+    timed({"sgd_step", {n}}, 0, [&] { inner_->sgd_step(n, w, g, v, s, nonfinite); });
   }
-  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* s,
                  float* nonfinite) override {
     timed({"adam_step", {n}}, 0, [&] { inner_->adam_step(n, w, g, m, v, s, nonfinite); });
   }

@@ -18,6 +18,10 @@ Split parse_split(const std::string& s);
 // --grad-dtype's value (fp32, bf16 or fp16); UsageError naming the flag and the accepted values.
 DType parse_grad_dtype(const std::string& s);
 const char* split_name(Split s);
+// --batch and --accumulate (the images of a micro-batch, and micro-batches a step): UsageError naming
+// the flag where either is not positive or a step would hold more than 2^31 - 1 images. The engine
+// checks them; dp_train and dp_bench first, before any data is read.
+void check_step_images(int64_t batch, int64_t accumulate);
 
 // Per-device sample counts of a batch of b over n devices.
 //   even:  sizes differ by at most one (256 over 3 -> 86/85/85)

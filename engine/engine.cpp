@@ -19,6 +19,18 @@ Split parse_split(const std::string& s) {
   throw UsageError("--split: '" + s + "' is not a split; use even or chunk");
 }
 
+void check_step_images(int64_t batch, int64_t accumulate) {
+  if (batch <= 0)
+    throw UsageError("--batch: " + std::to_string(batch) +
+                     " is not a batch size; give a positive number of images, e.g. 256");
+  if (accumulate <= 0)
+    throw UsageError("--accumulate: " + std::to_string(accumulate) +
+                     " is not a number of micro-batches; give at least 1 (1: every batch is a step)");
+  if (batch * accumulate > std::numeric_limits<int>::max())
+    throw UsageError("--accumulate " + std::to_string(accumulate) + " with --batch " + std::to_string(batch) +
+                     ": a step of more than 2^31 - 1 images; give fewer micro-batches");
+}
+
 DType parse_grad_dtype(const std::string& s) {
   for (DType t : {DType::fp32, DType::bf16, DType::fp16})
     if (s == dtype_name(t)) return t;
@@ -49,13 +61,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
       cfg_(cfg),
       strategy_(find_strategy(cfg_.sync)),
       recorder_(int(devices_.size()), cfg_.trace, cfg_.time_phases) {
-  if (cfg_.batch <= 0) throw UsageError("--batch: must be at least 1");
-  if (cfg_.accumulate <= 0)
-    throw UsageError("--accumulate: " + std::to_string(cfg_.accumulate) +
-                     " micro-batches per step; give at least 1 (1: no accumulation)");
-  if (int64_t(cfg_.batch) * cfg_.accumulate > std::numeric_limits<int>::max())
-    throw UsageError("--accumulate " + std::to_string(cfg_.accumulate) + ": " + std::to_string(cfg_.batch) +
-                     "-image micro-batches make a step of more than 2^31 - 1 images");
+  check_step_images(cfg_.batch, cfg_.accumulate);
   if (!(cfg_.timeout > 0)) throw UsageError("--timeout: must be a positive number of seconds");
   check_grad_dtype(strategy_, cfg_.grad_dtype);
   const int n = size();
@@ -117,6 +123,7 @@ void Engine::allocate_replicas() {
     rep->net = std::make_unique<Network>(spec_, dev, b, -1, /*accumulates=*/cfg_.accumulate > 1);
     rep->stats = dev.alloc_floats(kStats, Category::outputs);
     if (cfg_.clip_grad_norm > 0 && strategy_.steps_optimizer(r)) rep->norm = dev.alloc_floats(1, Category::workspace);
+    if (strategy_.steps_optimizer(r)) rep->scalars = dev.alloc(sizeof(OptimizerScalars), Category::workspace);
     strategy_.allocate(dev, *rep, spec_, cfg_, r, b);
     // zero2's and zero3's reduce-scatters run on the communication thread: the ring's scratch sized
     // for the largest unit now, not grown there mid-step, where the ledger's peak would depend on
@@ -265,8 +272,12 @@ StepResult Engine::step() {
   const auto traffic_before = recorder_.before(*comm_);
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
   const bool graph = runs_as_graph(b);
+  // The optimizer's scalars go to the devices that step it, ahead of the step's work: its kernels
+  // read them there, so a replayed graph takes this step's learning rate and bias correction.
+  scalars_ = optimizer_scalars(cfg_, optimizer_steps_ + 1);
   try {
     run_all([&](int r) {
+      if (replicas_[r]->scalars) devices_[r]->upload(replicas_[r]->scalars.data(), &scalars_, sizeof scalars_);
       recorder_.begin_step(*devices_[r], r);
       if (!graph || !graph_step(parts[0], sizes[0]))
         for (int k = 0; k < micros; ++k) {

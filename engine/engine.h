@@ -18,6 +18,7 @@
 #include "engine/config.h"
 #include "engine/device.h"
 #include "engine/network.h"
+#include "engine/optimizer.h"
 #include "engine/process_group.h"
 #include "engine/recorder.h"
 #include "engine/strategy.h"
@@ -147,6 +148,7 @@ class Engine {
   int64_t step_ = 0;
   int64_t batches_tracked_ = 0;
   int64_t optimizer_steps_ = 0;
+  OptimizerScalars scalars_;      // the step's, uploaded to each Replica::scalars before it runs (host copy)
   std::vector<ShardUnit> units_;  // under a sharded strategy (Strategy::zero_stage), else none
   int64_t owned_ = 0;             // the floats of a device's chunks, every unit's together
   // Where device `rank`'s reduced gradient of its chunk of `u` is: in the padded flat buffer (zero1)
@@ -157,15 +159,13 @@ class Engine {
   // zero3: the whole model gathered on device `rank` from every device's chunks (a collective).
   Buffer gather_parameters(int rank);
   // --graphs (EngineConfig::graphs; step_graph.cpp): refused where it cannot run; the step of the
-  // one device as the graph of b's upload slot, captured where there is none or the learning rate
-  // changed since (an argument of the optimizer's kernel), then launched; false where the capture
-  // failed (the caller then runs the step eagerly).
+  // one device as the graph of b's upload slot, captured where there is none, then launched; false
+  // where the capture failed (the caller then runs the step eagerly).
   void check_graphs() const;
   bool runs_as_graph(const StagedBatch& b) const;
   bool graph_step(const StagedBatch& b, const std::vector<int>& sizes);  // false: run it eagerly
   struct StepGraph {
     bool captured = false;
-    float lr = 0;
     std::vector<Recorder::OpenPhase> phases;  // the capture's, reopened at each launch
   };
   std::array<StepGraph, Device::kUploadSlots> graphs_;

@@ -29,14 +29,19 @@ std::string optimizer_state_text(const EngineConfig& c) {
   return c.momentum != 0.0f ? "momentum buffer, P floats" : "no state";
 }
 
-void optimizer_step(Ops& ops, const EngineConfig& c, int64_t n, float* params, const float* grads,
-                    const std::vector<float*>& state, int64_t step, float* nonfinite) {
-  if (c.optimizer == Optimizer::sgd)
-    return ops.sgd_step(n, params, grads, state.empty() ? nullptr : state[0], c.lr, c.momentum, c.weight_decay,
-                        nonfinite);
-  const math::AdamStep s =
+OptimizerScalars optimizer_scalars(const EngineConfig& c, int64_t step) {
+  OptimizerScalars s;
+  s.sgd = {c.lr, c.momentum, c.weight_decay};
+  s.adam =
       math::adam_coefficients(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.optimizer == Optimizer::adamw, step);
-  ops.adam_step(n, params, grads, state[0], state[1], s, nonfinite);
+  return s;
+}
+
+void optimizer_step(Ops& ops, const EngineConfig& c, int64_t n, float* params, const float* grads,
+                    const std::vector<float*>& state, const OptimizerScalars* scalars, float* nonfinite) {
+  if (c.optimizer == Optimizer::sgd)
+    return ops.sgd_step(n, params, grads, state.empty() ? nullptr : state[0], &scalars->sgd, nonfinite);
+  ops.adam_step(n, params, grads, state[0], state[1], &scalars->adam, nonfinite);
 }
 
 }  // namespace dp

@@ -24,11 +24,19 @@ std::vector<std::string> optimizer_state_names(const EngineConfig& c);
 // floats" (after "the" or "its own").
 std::string optimizer_state_text(const EngineConfig& c);
 
+// One optimizer step's scalars, which the kernels read from device memory (Replica::scalars, written
+// before each step; Ops::sgd_step says why): SGD's learning rate, momentum and weight decay, and Adam's
+// coefficients for step `step`, the optimizer's step count, 1 on the first (its bias correction).
+struct OptimizerScalars {
+  math::SgdStep sgd;
+  math::AdamStep adam;
+};
+OptimizerScalars optimizer_scalars(const EngineConfig& c, int64_t step);
+
 // One step over n parameters: state holds the buffers optimizer_state_names lists (zeros before the
-// first step, as PyTorch's are); step is the optimizer's step count, 1 on the first (Adam's bias
-// correction). nonfinite (device memory, or null) is set to 1 when a gradient read is not finite: the
-// step's finiteness check, in the optimizer's kernel (Ops::sgd_step).
+// first step, as PyTorch's are), scalars the step's (device memory). nonfinite (device memory, or null)
+// is set to 1 when a gradient read is not finite: the step's finiteness check, in the optimizer's kernel.
 void optimizer_step(Ops& ops, const EngineConfig& c, int64_t n, float* params, const float* grads,
-                    const std::vector<float*>& state, int64_t step, float* nonfinite);
+                    const std::vector<float*>& state, const OptimizerScalars* scalars, float* nonfinite);
 
 }  // namespace dp

@@ -4,10 +4,11 @@
 // cost about as much as they compute; a graph is one launch. What a replay cannot do decides where it
 // runs: it repeats the capture's pointers and arguments, so the batch must already be in the upload
 // slot's buffer (prefetch), the step must have the capture's shape (a full batch, no micro-batches),
-// and every scalar the kernels take must be the capture's (SGD's learning rate: a changed one
-// recaptures; Adam's bias correction changes every step, so Adam is refused), and no buffer may be
-// allocated in the step (zero2's and zero3's buckets are, so they are refused). Collectives between
-// devices are not captured: one device in one process.
+// and every scalar that changes between steps must be read from device memory, not passed to a
+// kernel (the optimizer's: Replica::scalars, uploaded before each launch, so a learning-rate schedule
+// and Adam's bias correction need no recapture), and no buffer may be allocated in the step (zero2's
+// and zero3's buckets are, so they are refused). Collectives between devices are not captured: one
+// device in one process.
 #include <cstdio>
 #include <string>
 
@@ -33,8 +34,7 @@ void Engine::check_graphs() const {
     why = "--sync " + std::string(strategy_.name()) +
           " allocates each gradient bucket in the step and frees it after its reduce-scatter (what ZeRO saves), "
           "and a replay would write a freed buffer; use allreduce, zero1 or scatter";
-  else if (cfg_.optimizer != Optimizer::sgd)
-    why = "Adam's bias correction changes every step and a replay repeats the captured step's; use --optimizer sgd";
+
   if (!why.empty()) throw UsageError("--graphs: " + why);
 }
 
@@ -47,7 +47,7 @@ bool Engine::runs_as_graph(const StagedBatch& b) const { return cfg_.graphs && w
 bool Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
   Device& dev = *devices_[0];
   StepGraph& g = graphs_[size_t(b.slot)];
-  if (g.captured && g.lr == cfg_.lr) {
+  if (g.captured) {
     recorder_.reopen(0, g.phases);
   } else {
     g.captured = false;
@@ -67,7 +67,7 @@ bool Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
       dev.abandon_capture();
       throw;
     }
-    g = {true, cfg_.lr, recorder_.open_phases(0)};
+    g = {true, recorder_.open_phases(0)};
     ++graph_captures_;
   }
   dev.launch(b.slot);

@@ -100,7 +100,6 @@ std::vector<float*> Replica::state_pointers() const {
   return p;
 }
 
-int64_t StepContext::optimizer_step() const { return engine_.optimizer_steps() + 1; }
 const std::vector<ShardUnit>& StepContext::units() const { return engine_.units_; }
 int StepContext::shard() const { return engine_.comm().shard(rank_); }
 

@@ -24,6 +24,7 @@
 namespace dp {
 
 class Engine;
+struct OptimizerScalars;  // optimizer.h
 
 // The floats of the chunk each of n devices owns of P under a sharded strategy: ceil(P / n).
 inline int64_t shard_chunk(int64_t P, int n) { return (P + n - 1) / n; }
@@ -72,6 +73,10 @@ struct Replica {
   std::unique_ptr<Network> net;
   Buffer stats;  // (kStats)
   Buffer norm;   // (1) the gradient's sum of squares, on a device that steps the optimizer, under --clip-grad-norm
+  // On a device that steps the optimizer: the step's optimizer scalars (optimizer.h), written before
+  // each step (Engine::step), read by the optimizer's kernels.
+  Buffer scalars;
+  const OptimizerScalars* optimizer_scalars() const { return static_cast<const OptimizerScalars*>(scalars.data()); }
   // The rows the device uploads (Strategy::upload_rows); with prefetch two: the one a step trains on
   // and the next step's, uploading meanwhile (Engine::stage).
   struct Upload {
@@ -133,8 +138,7 @@ class StepContext {
   // Without SyncBatchNorm, on a model with BatchNorm and more than one device: device 0's running
   // statistics go to every replica before the forward (counted as a broadcast).
   bool broadcasts_buffers() const;
-  // The optimizer's step count for this step's update (1 on the first; Adam's bias correction).
-  int64_t optimizer_step() const;
+
   // Under a sharded strategy (Strategy::zero_stage): its units, and the chunk of each this device owns.
   const std::vector<ShardUnit>& units() const;
   int shard() const;

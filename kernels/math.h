@@ -71,6 +71,11 @@ DP_HD void sgd_update(T& w, T& v, T g, T lr, T momentum, T weight_decay) {
   w = w - lr * d;
 }
 
+// SGD's scalars for one step, as Ops::sgd_step reads them (from device memory).
+struct SgdStep {
+  float lr = 0.0f, momentum = 0.0f, weight_decay = 0.0f;
+};
+
 // PyTorch's Adam and AdamW (torch.optim.Adam / AdamW, amsgrad off, its single-tensor path), with the
 // operations in its order so that float results follow it step by step:
 //   Adam:   g <- g + wd * w                 AdamW: w <- w * (1 - lr * wd)

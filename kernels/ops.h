@@ -134,15 +134,17 @@ class Ops {
   virtual void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
                             float* stats) = 0;
 
-  // One SGD step over a flat buffer (PyTorch's rule, see math::sgd_update). Both optimizers check the
-  // gradient as they read it: where nonfinite (device memory) is not null they set it to 1 when an
-  // element of g is not finite and leave it as it was otherwise, so a step's finiteness check costs no
-  // launch and no pass over the gradient of its own, and travels in the step's one download of the stats.
-  virtual void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay,
-                        float* nonfinite) = 0;
+  // One SGD step over a flat buffer (PyTorch's rule, see math::sgd_update); v may be null when the
+  // momentum is 0. Both optimizers read their scalars `s` from device memory when the op runs, not
+  // when it is queued, so that a replayed step graph takes each step's own learning rate and bias
+  // correction (PyTorch's capturable optimizers do the same). Both check the gradient as they read it:
+  // where nonfinite (device memory) is not null they set it to 1 when an element of g is not finite and
+  // leave it as it was otherwise, so a step's finiteness check costs no launch and no pass over the
+  // gradient of its own, and travels in the step's one download of the stats.
+  virtual void sgd_step(int64_t n, float* w, const float* g, float* v, const math::SgdStep* s, float* nonfinite) = 0;
   // One Adam or AdamW step over a flat buffer (PyTorch's rule, see math::adam_update): m and v are the
   // first and second moments (exp_avg, exp_avg_sq), s the step's coefficients (math::adam_coefficients).
-  virtual void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+  virtual void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* s,
                          float* nonfinite) = 0;
 
   virtual void add(int64_t n, const float* x, float* y) = 0;  // y += x (the reduction kernel)

@@ -121,6 +121,10 @@ TEST_CASE("lenet-bn: local BatchNorm on n devices equals one device normalising 
        Buffer dlogits = d.alloc_floats(int64_t(B) * 10, Category::outputs),
               stats = d.alloc_floats(2, Category::outputs);
        Buffer labels = d.alloc(size_t(B) * 4, Category::inputs);
+       // SGD's scalars, which the kernel reads from device memory (Ops::sgd_step)
+       const math::SgdStep sgd{base.lr, base.momentum, base.weight_decay};
+       Buffer scalars = d.alloc(sizeof sgd, Category::workspace);
+       d.upload(scalars.data(), &sgd, sizeof sgd);
        d.upload(params.f(), init.params.data(), size_t(P) * 4);
        d.upload(running.f(), init.buffers.data(), size_t(spec.buffer_count) * 4);
        ops.fill(P, 0.0f, mom.f());
@@ -138,7 +142,7 @@ TEST_CASE("lenet-bn: local BatchNorm on n devices equals one device normalising 
            ops.add(P, grads.f(), sum.f());
            first += sizes[size_t(r)];
          }
-         ops.sgd_step(P, params.f(), sum.f(), mom.f(), base.lr, base.momentum, base.weight_decay, nullptr);
+         ops.sgd_step(P, params.f(), sum.f(), mom.f(), static_cast<const math::SgdStep*>(scalars.data()), nullptr);
        }
        d.download(want.params.data(), params.f(), size_t(P) * 4);
        d.download(want.buffers.data(), running.f(), size_t(spec.buffer_count) * 4);

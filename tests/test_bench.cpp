@@ -421,5 +421,6 @@ TEST_CASE(
   }
   int rc = bench("compare --devices 2 --batch 12 --steps 1 --accumulate 0", dir / "bad.log");
   CHECK(rc == 2);
-  CHECK(slurp(dir / "bad.log").find("--accumulate: 0 micro-batches per step; give at least 1") != std::string::npos);
+  CHECK(slurp(dir / "bad.log").find("--accumulate: 0 is not a number of micro-batches; give at least 1") !=
+        std::string::npos);
 }

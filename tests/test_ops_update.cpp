@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -18,6 +19,22 @@ namespace {
 
 using Vec = std::vector<float>;
 
+// The optimizers' scalars in device memory, where their kernels read them (Ops::sgd_step).
+template <class Step>
+struct Scalars {
+  Mem mem;
+  Scalars(Backend& be, const Step& s) {
+    static_assert(sizeof(Step) % sizeof(float) == 0);
+    Vec words(sizeof(Step) / sizeof(float));
+    std::memcpy(words.data(), &s, sizeof s);
+    mem = be.put(words);
+  }
+  const Step* get() { return reinterpret_cast<const Step*>(mem.f()); }
+};
+Scalars<math::SgdStep> sgd(Backend& be, float lr, float momentum, float weight_decay) {
+  return {be, math::SgdStep{lr, momentum, weight_decay}};
+}
+
 DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
   // torch.optim.SGD(lr=0.1, momentum=0.9, weight_decay=0.01), w0 = 1, grads 0.5 then -0.2:
   //   step 1: d = 0.5 + 0.01 * 1 = 0.51;            buf = d = 0.51;                 w = 1 - 0.051 = 0.949
@@ -28,10 +45,16 @@ DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
   SUBCASE("with momentum and weight decay") {
     Mem w = be.put(Vec{1.0f, 0.0f}), v = be.put(Vec{0.0f, 0.0f});  // dp's buffers start at zero
     Mem g1 = be.put(Vec{0.5f, 1.0f}), g2 = be.put(Vec{-0.2f, 1.0f});
-    be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g1.f(), v.f(), 0.1f, 0.9f, 0.01f, nullptr); });
+    {
+      auto s = sgd(be, 0.1f, 0.9f, 0.01f);
+      be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g1.f(), v.f(), s.get(), nullptr); });
+    }
     CHECK(be.get(v)[0] == doctest::Approx(0.51).epsilon(1e-6));
     CHECK(be.get(w)[0] == doctest::Approx(0.949).epsilon(1e-6));
-    be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g2.f(), v.f(), 0.1f, 0.9f, 0.01f, nullptr); });
+    {
+      auto s = sgd(be, 0.1f, 0.9f, 0.01f);
+      be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g2.f(), v.f(), s.get(), nullptr); });
+    }
     const Vec v2 = be.get(v), w2 = be.get(w);
     CHECK(v2[0] == doctest::Approx(0.26849).epsilon(1e-6));
     CHECK(w2[0] == doctest::Approx(0.922151).epsilon(1e-6));
@@ -42,14 +65,23 @@ DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
     //   step 1: w = 1 - 0.1 * (0.5 + 0.01)          = 0.949
     //   step 2: w = 0.949 - 0.1 * (-0.2 + 0.00949)  = 0.968051
     Mem w = be.put(Vec{1.0f}), g1 = be.put(Vec{0.5f}), g2 = be.put(Vec{-0.2f});
-    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g1.f(), nullptr, 0.1f, 0.0f, 0.01f, nullptr); });
+    {
+      auto s = sgd(be, 0.1f, 0.0f, 0.01f);
+      be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g1.f(), nullptr, s.get(), nullptr); });
+    }
     CHECK(be.get(w)[0] == doctest::Approx(0.949).epsilon(1e-6));
-    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g2.f(), nullptr, 0.1f, 0.0f, 0.01f, nullptr); });
+    {
+      auto s = sgd(be, 0.1f, 0.0f, 0.01f);
+      be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g2.f(), nullptr, s.get(), nullptr); });
+    }
     CHECK(be.get(w)[0] == doctest::Approx(0.968051).epsilon(1e-6));
   }
   SUBCASE("momentum 0 with a buffer leaves the buffer alone") {
     Mem w = be.put(Vec{1.0f}), g = be.put(Vec{0.5f}), v = be.put(Vec{7.0f});
-    be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g.f(), v.f(), 0.1f, 0.0f, 0.0f, nullptr); });
+    {
+      auto s = sgd(be, 0.1f, 0.0f, 0.0f);
+      be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g.f(), v.f(), s.get(), nullptr); });
+    }
     CHECK(be.get(w)[0] == doctest::Approx(0.95).epsilon(1e-6));
     CHECK(be.get(v)[0] == 7.0f);
   }
@@ -74,7 +106,10 @@ DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
       tw[i] = 2 * kU * std::fabs(w[i]) + 6 * kU * lr * sv;
     }
     Mem gw = be.put(w), gg = be.put(g), gv = be.put(v);
-    be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), gv.f(), lr, mom, wd, nullptr); });
+    {
+      auto s = sgd(be, lr, mom, wd);
+      be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), gv.f(), s.get(), nullptr); });
+    }
     check_close("sgd v", be.get(gv), vd_ref, tv);
     check_close("sgd w", be.get(gw), wd_ref, tw);
   }
@@ -85,7 +120,10 @@ DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
     cpu::sgd_step<double>(n, wd_ref.data(), gd.data(), nullptr, 0.1, 0.0, 0.0, nullptr);
     for (size_t i = 0; i < tw.size(); ++i) tw[i] = 2 * kU * std::fabs(w[i]) + 3 * kU * 0.1 * std::fabs(g[i]);
     Mem gw = be.put(w), gg = be.put(g);
-    be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), nullptr, 0.1f, 0.0f, 0.0f, nullptr); });
+    {
+      auto s = sgd(be, 0.1f, 0.0f, 0.0f);
+      be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), nullptr, s.get(), nullptr); });
+    }
     check_close("sgd w (no momentum)", be.get(gw), wd_ref, tw);
   }
 }
@@ -122,7 +160,8 @@ DP_OPS_TEST("adam and adamw: PyTorch's rule over three steps") {
       CAPTURE(t);
       Mem g = be.put(Vec{grads[t - 1][0], grads[t - 1][1]});
       const math::AdamStep s = math::adam_coefficients(0.1, 0.9, 0.999, 1e-8, 0.01, decoupled, t);
-      be.run([&](Ops& ops) { ops.adam_step(2, w.f(), g.f(), m.f(), v.f(), s, nullptr); });
+      Scalars<math::AdamStep> scalars(be, s);
+      be.run([&](Ops& ops) { ops.adam_step(2, w.f(), g.f(), m.f(), v.f(), scalars.get(), nullptr); });
       for (int i = 0; i < 2; ++i) ref.step(rw[i], rm[i], rv[i], grads[t - 1][i], t);
       const Vec gw = be.get(w), gm = be.get(m), gv = be.get(v);
       for (int i = 0; i < 2; ++i) {
@@ -166,7 +205,8 @@ DP_OPS_TEST("adam and adamw: against PyTorch's rule in double on a large buffer,
         rw[i] = wi - update;
       }
       Mem gw = be.put(w), gg = be.put(g), gm = be.put(m), gv = be.put(v);
-      be.run([&](Ops& ops) { ops.adam_step(n, gw.f(), gg.f(), gm.f(), gv.f(), s, nullptr); });
+      Scalars<math::AdamStep> scalars(be, s);
+      be.run([&](Ops& ops) { ops.adam_step(n, gw.f(), gg.f(), gm.f(), gv.f(), scalars.get(), nullptr); });
       check_close("adam m", be.get(gm), rm, tm);
       check_close("adam v", be.get(gv), rv, tv);
       check_close("adam w", be.get(gw), rw, tw);
@@ -234,7 +274,8 @@ DP_OPS_TEST("the optimizers' finiteness check: the flag raised for an infinity o
   const Vec good = bad, w = random_floats(size_t(n), 78, -1, 1), v = random_floats(size_t(n), 79, 0, 0.1f);
   bad[size_t(n) - 1] = -std::numeric_limits<float>::infinity();
   nan[3] = kNaN;
-  const math::AdamStep adam = math::adam_coefficients(1e-3, 0.9, 0.999, 1e-8, 1e-2, true, 3);
+  Scalars<math::AdamStep> adam(be, math::adam_coefficients(1e-3, 0.9, 0.999, 1e-8, 1e-2, true, 3));
+  auto sgd_scalars = sgd(be, 0.1f, 0.9f, 0.01f);
   // Each optimizer (SGD with and without a buffer, AdamW) over: a good gradient (the flag stays 0), a
   // bad one, a NaN, a good one on a raised flag (stays 1), the bad one's first n - 1 elements only
   // (stays 0), and the NaN with no flag at all.
@@ -250,9 +291,9 @@ DP_OPS_TEST("the optimizers' finiteness check: the flag raised for an infinity o
         float* flag = k == 5 ? nullptr : flags.f() + k;
         float* g = grads[k]->f();
         if (optimizer == 2)
-          ops.adam_step(count, ws[size_t(k)].f(), g, ms[size_t(k)].f(), vs[size_t(k)].f(), adam, flag);
+          ops.adam_step(count, ws[size_t(k)].f(), g, ms[size_t(k)].f(), vs[size_t(k)].f(), adam.get(), flag);
         else
-          ops.sgd_step(count, ws[size_t(k)].f(), g, optimizer == 0 ? vs[size_t(k)].f() : nullptr, 0.1f, 0.9f, 0.01f,
+          ops.sgd_step(count, ws[size_t(k)].f(), g, optimizer == 0 ? vs[size_t(k)].f() : nullptr, sgd_scalars.get(),
                        flag);
       }
     });
@@ -285,7 +326,7 @@ DP_OPS_TEST("zero-size edges: n = 0 with null pointers touches nothing") {
       ops.activation_forward(Activation::sigmoid, 0, nullptr, nullptr);
       ops.activation_backward(Activation::relu, 0, nullptr, nullptr, nullptr);
       ops.softmax_xent(0, 10, nullptr, nullptr, 1.0f, nullptr, stats.f());
-      ops.sgd_step(0, nullptr, nullptr, nullptr, 0.1f, 0.9f, 0.0f, nullptr);
+      ops.sgd_step(0, nullptr, nullptr, nullptr, nullptr, nullptr);  // n = 0: the scalars are not read either
       finite = ops.all_finite(0, nullptr);
     });
     CHECK(be.get(stats) == Vec{1.5f, 2.0f});

@@ -283,7 +283,7 @@ void add_data(CLI::App& app, TrainOptions& o) {
       "Upload each batch at its own step instead of during the step before, on a copy stream");
   app.add_flag("--graphs", o.graphs,
                "Capture the step once per batch buffer and replay it, one launch a step (CUDA graphs; simulated "
-               "devices replay their recorded calls): one device, SGD, prefetch");
+               "devices replay their recorded calls): one device, prefetch, scatter/allreduce/zero1");
 }
 
 // --optimizer and its settings: lr and weight decay default to the optimizer's PyTorch defaults where

@@ -17,15 +17,7 @@ namespace dp {
 
 // lead: this process writes the outputs (rank 0 of a job, or the only process).
 void check_options(const TrainOptions& o, bool lead) {
-  if (o.batch <= 0)
-    throw UsageError("--batch: " + std::to_string(o.batch) +
-                     " is not a batch size; give a positive number of images, e.g. 256");
-  if (o.accumulate <= 0)
-    throw UsageError("--accumulate: " + std::to_string(o.accumulate) +
-                     " is not a number of micro-batches; give at least 1 (1: every batch is a step)");
-  if (o.step_images() > std::numeric_limits<int>::max())
-    throw UsageError("--accumulate " + std::to_string(o.accumulate) + " with --batch " + std::to_string(o.batch) +
-                     ": a step of more than 2^31 - 1 images; give fewer micro-batches");
+  check_step_images(o.batch, o.accumulate);
   if (o.epochs <= 0 && o.steps <= 0) throw UsageError("--epochs: must be at least 1 (or give --steps)");
   if (o.steps < 0) throw UsageError("--steps: must be positive");
   if (!std::isfinite(o.lr) || o.lr <= 0) throw UsageError("--lr: must be a positive finite number, e.g. 0.1");

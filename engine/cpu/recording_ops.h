@@ -117,11 +117,10 @@ class RecordingOps final : public Ops {
                     float* stats) override {
     run([=, this] { inner_->softmax_xent(n, classes, logits, labels, scale, dlogits, stats); });
   }
-  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd,
-                float* nonfinite) override {
-    run([=, this] { inner_->sgd_step(n, w, g, v, lr, momentum, wd, nonfinite); });
+  void sgd_step(int64_t n, float* w, const float* g, float* v, const math::SgdStep* s, float* nonfinite) override {
+    run([=, this] { inner_->sgd_step(n, w, g, v, s, nonfinite); });
   }
-  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* s,
                  float* nonfinite) override {
     run([=, this] { inner_->adam_step(n, w, g, m, v, s, nonfinite); });
   }

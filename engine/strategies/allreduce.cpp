@@ -55,7 +55,7 @@ class AllReduce final : public OwnBatch {
       const EngineConfig& c = s.config();
       Ops& ops = s.device().ops();
       clip_gradients(s, rep.grads.f(), P, false);  // the same bits on every replica: the same coefficient
-      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step(),
+      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), rep.optimizer_scalars(),
                      rep.stats.f() + kNonfinite);
     });
   }

@@ -98,7 +98,7 @@ class Scatter final : public Strategy {
       if (r != 0) return;
       const EngineConfig& c = s.config();
       clip_gradients(s, rep.grads.f(), P, false);
-      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step(),
+      optimizer_step(ops, c, P, rep.params.f(), rep.grads.f(), rep.state_pointers(), rep.optimizer_scalars(),
                      rep.stats.f() + kNonfinite);
     });
   }

@@ -42,7 +42,7 @@ class Zero1 final : public OwnBatch {
       Ops& ops = s.device().ops();
       clip_gradients(s, rep.grads.f() + first, chunk, true);
       optimizer_step(ops, s.config(), chunk, rep.params.f() + first, rep.grads.f() + first, rep.state_pointers(),
-                     s.optimizer_step(), rep.stats.f() + kNonfinite);
+                     rep.optimizer_scalars(), rep.stats.f() + kNonfinite);
     });
     s.phase(Phase::gather, [&] { comm.all_gather(r, rep.params.f(), chunk); });
   }

@@ -55,7 +55,7 @@ class Zero2 final : public OwnBatch {
         for (float*& p : state) p += u.owned;
         if (count > 0)  // each chunk it owns checked as it is stepped
           optimizer_step(ops, s.config(), count, rep.params.f() + first, rep.grads.f() + u.owned, state,
-                         s.optimizer_step(), rep.stats.f() + kNonfinite);
+                         rep.optimizer_scalars(), rep.stats.f() + kNonfinite);
       }
     });
     s.phase(Phase::gather, [&] { gather_parameters(s); });

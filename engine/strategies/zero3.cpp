@@ -48,8 +48,8 @@ class Zero3 final : public OwnBatch {
       Ops& ops = s.device().ops();
       const int64_t owned = owned_floats(s.units());
       clip_gradients(s, rep.grads.f(), owned, true);
-      optimizer_step(ops, s.config(), owned, rep.params.f(), rep.grads.f(), rep.state_pointers(), s.optimizer_step(),
-                     rep.stats.f() + kNonfinite);
+      optimizer_step(ops, s.config(), owned, rep.params.f(), rep.grads.f(), rep.state_pointers(),
+                     rep.optimizer_scalars(), rep.stats.f() + kNonfinite);
     });
   }
 

@@ -81,9 +81,8 @@ void ReferenceOps::softmax_xent(int n, int classes, const float* logits, const i
                                 float* dlogits, float* stats) {
   cpu::softmax_xent(n, classes, logits, labels, scale, dlogits, stats);
 }
-void ReferenceOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay,
-                            float* nonfinite) {
-  cpu::sgd_step(n, w, g, v, lr, momentum, weight_decay, nonfinite);
+void ReferenceOps::sgd_step(int64_t n, float* w, const float* g, float* v, const math::SgdStep* s, float* nonfinite) {
+  if (n > 0) cpu::sgd_step(n, w, g, v, s->lr, s->momentum, s->weight_decay, nonfinite);
 }
 void ReferenceOps::add(int64_t n, const float* x, float* y) { cpu::add(n, x, y); }
 void ReferenceOps::fill(int64_t n, float value, float* x) { cpu::fill(n, value, x); }
@@ -99,9 +98,9 @@ void ReferenceOps::add_typed(DType t, int64_t n, const void* x, void* y) {
   if (t == DType::fp32) return add(n, static_cast<const float*>(x), static_cast<float*>(y));
   cpu::add_typed(t, n, static_cast<const uint16_t*>(x), static_cast<uint16_t*>(y));
 }
-void ReferenceOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+void ReferenceOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* s,
                              float* nonfinite) {
-  cpu::adam_step(n, w, g, m, v, s, nonfinite);
+  if (n > 0) cpu::adam_step(n, w, g, m, v, *s, nonfinite);
 }
 
 bool ReferenceOps::all_finite(int64_t n, const float* x) { return cpu::all_finite(n, x); }

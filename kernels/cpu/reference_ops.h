@@ -55,9 +55,8 @@ class ReferenceOps : public Ops {
                          float* running_var) override;
   void softmax_xent(int n, int classes, const float* logits, const int32_t* labels, float scale, float* dlogits,
                     float* stats) override;
-  void sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay,
-                float* nonfinite) override;
-  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+  void sgd_step(int64_t n, float* w, const float* g, float* v, const math::SgdStep* s, float* nonfinite) override;
+  void adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* s,
                  float* nonfinite) override;
   void add(int64_t n, const float* x, float* y) override;
   void fill(int64_t n, float value, float* x) override;

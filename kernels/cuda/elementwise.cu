@@ -19,22 +19,25 @@ __device__ __forceinline__ float checked(float g, float* nonfinite) {
   return g;
 }
 
-__global__ void sgd_kernel(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float wd,
-                           float* nonfinite) {
-  DP_GRID_STRIDE(i, n) { math::sgd_update(w[i], v[i], checked(g[i], nonfinite), lr, momentum, wd); }
+// The scalars are read from device memory as the kernel runs (a replayed graph's step takes its own).
+__global__ void sgd_kernel(int64_t n, float* w, const float* g, float* v, const math::SgdStep* step, float* nonfinite) {
+  const math::SgdStep s = *step;
+  DP_GRID_STRIDE(i, n) { math::sgd_update(w[i], v[i], checked(g[i], nonfinite), s.lr, s.momentum, s.weight_decay); }
 }
 
 // momentum 0: no buffer (the optimizer category stays empty), as the CPU twin
-__global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, float lr, float wd, float* nonfinite) {
+__global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, const math::SgdStep* step,
+                                       float* nonfinite) {
+  const math::SgdStep s = *step;
   DP_GRID_STRIDE(i, n) {
     float none = 0.0f;
-    math::sgd_update(w[i], none, checked(g[i], nonfinite), lr, 0.0f, wd);
+    math::sgd_update(w[i], none, checked(g[i], nonfinite), s.lr, 0.0f, s.weight_decay);
   }
 }
 
-// The coefficients travel by value in the launch's parameters.
-__global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, math::AdamStep s,
+__global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* step,
                             float* nonfinite) {
+  const math::AdamStep s = *step;
   DP_GRID_STRIDE(i, n) { math::adam_update(w[i], m[i], v[i], checked(g[i], nonfinite), s); }
 }
 
@@ -96,19 +99,18 @@ __global__ void nonfinite_kernel(int64_t n, const float* x, int32_t* flag) {
 
 }  // namespace
 
-void CudaOps::sgd_step(int64_t n, float* w, const float* g, float* v, float lr, float momentum, float weight_decay,
-                       float* nonfinite) {
+void CudaOps::sgd_step(int64_t n, float* w, const float* g, float* v, const math::SgdStep* s, float* nonfinite) {
   if (n == 0) return;
   if (v) {
-    sgd_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, v, lr, momentum, weight_decay, nonfinite);
+    sgd_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, v, s, nonfinite);
     DP_CUDA_LAUNCH_CHECK("sgd_kernel");
   } else {
-    sgd_no_momentum_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, lr, weight_decay, nonfinite);
+    sgd_no_momentum_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, s, nonfinite);
     DP_CUDA_LAUNCH_CHECK("sgd_no_momentum_kernel");
   }
 }
 
-void CudaOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep& s,
+void CudaOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* s,
                         float* nonfinite) {
   if (n == 0) return;
   adam_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, m, v, s, nonfinite);
