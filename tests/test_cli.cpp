@@ -177,7 +177,8 @@ TEST_CASE("dp_train --verify over more steps than its bound holds for is refused
   // 20 steps are verified, on LeNet-5's sigmoids: on lenet's ReLUs this data's difference from one
   // device grew from 6e-8 after 10 steps to 2.3e-5 after 15 and 3.3e-4 after 20 on an AMD EPYC's
   // AVX-512 kernels (the AVX2 and reference kernels' stayed under 1.2e-7), past the rounding bound:
-  // most likely a value within rounding of zero going either way through a ReLU (as with BatchNorm).
+  // most likely a value within rounding of zero going either way through a ReLU (as with BatchNorm;
+  // lenet is held to the weights' movement past the bound since), so the sigmoids keep the bound itself.
   const CommandResult twenty = run_command(base + " --steps 20 --quiet --model lenet5");
   INFO(twenty.output);
   CHECK(twenty.exit_code == 0);
@@ -204,6 +205,29 @@ TEST_CASE("dp_train --verify with Adam and AdamW: per weight, on every strategy"
   CHECK(r.exit_code == 1);
   CHECK(r.output.find("differs from 1 device by 0.01") != std::string::npos);
   CHECK(r.output.find(" FAILED;") != std::string::npos);
+}
+
+// A model with a threshold (ReLU, max-pool) past the rounding bound is held to 10% of the weights'
+// movement, as a value within rounding of the threshold goes either way (verify.cpp); one without
+// (lenet5's sigmoids and average pools) to the bound alone. The test build's hook moves the
+// reference's first weight by 1e-4 (past the bound, within the movement) and by 0.5 (past both).
+TEST_CASE("dp_train --verify: past the rounding bound, a ReLU model is held to the movement, a sigmoid one fails") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 64);
+  const std::string base =
+      kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --steps 3 --devices 2 --verify";
+  CommandResult r = run_command("DP_TEST_VERIFY_OFFSET=1e-4 " + base + " --model lenet");
+  INFO(r.output);
+  CHECK(r.exit_code == 0);
+  CHECK(r.output.find(") over it") != std::string::npos);
+  CHECK(r.output.find("verify: with ReLUs or max-pools ok: ") != std::string::npos);
+  r = run_command("DP_TEST_VERIFY_OFFSET=0.5 " + base + " --model lenet");
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find("verify: with ReLUs or max-pools FAILED: ") != std::string::npos);
+  r = run_command("DP_TEST_VERIFY_OFFSET=1e-4 " + base + " --model lenet5");
+  CHECK(r.exit_code == 1);
+  CHECK(r.output.find(") FAILED") != std::string::npos);
+  CHECK(r.output.find("max-pools") == std::string::npos);
 }
 
 TEST_CASE("dp_train: a non-finite loss stops with exit 3 naming the step and the layer") {

@@ -85,10 +85,12 @@ class Verifier {
 
  private:
   VerifyResult compare_adam(const std::vector<float>& a, const std::vector<float>& b) const;
-  // With BatchNorm, past the rounding bound: the difference against the weights' movement (verify.cpp).
+  // On a model with a threshold (a ReLU or a max-pool), past the rounding bound: the difference against
+  // the weights' movement (verify.cpp).
   void movement_check(VerifyResult& v, const std::vector<float>& a, const std::vector<float>& b) const;
 
   bool batchnorm_;
+  bool thresholds_;           // the model has a ReLU or a max-pool
   float lr_;                  // --lr: under a schedule the largest the steps took, which the bound takes
   double compression_;        // compression_rounding of the run's --grad-dtype, per step
   std::vector<float> start_;  // the weights both runs started from
