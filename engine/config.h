@@ -77,8 +77,8 @@ struct EngineConfig {
   // upload, and every device that uploads holds two batch buffers instead of one.
   bool prefetch = false;
   // Step graphs (--graphs; CUDA graphs): the step captured once per upload slot and replayed
-  // (Device::begin_capture), for one device in one process, with prefetch, SGD and no accumulation;
-  // the first step and a short last batch run eagerly, a changed learning rate recaptures.
+  // (Device::begin_capture), for one device in one process, with prefetch and no accumulation, not
+  // under zero2 or zero3; the first step and a short last batch run eagerly (step_graph.cpp).
   bool graphs = false;
   bool trace = false;
   // Each phase of a step timed on the devices (Recorder::phase; on CUDA two events a phase, some

@@ -101,7 +101,8 @@ class Device {
   // one there); launch(slot) runs that graph once, after the slot's uploads (an await_upload while
   // capturing is left to launch). Nothing of the host is replayed: an upload or download while
   // capturing throws, as does an allocation (a replay would use the first step's host memory, or a
-  // buffer freed since), and every argument is the capture's (a learning rate, a batch size).
+  // buffer freed since), and every argument is the capture's (a pointer, a batch size: what changes
+  // from step to step is read from device memory instead, as the optimizer's scalars are).
   // prepare_graphs() before the first step: what capture needs set up once (cuBLAS's workspace on
   // CUDA, so the eager steps and the graphs run on the same one). abandon_capture() drops a capture
   // that failed. Compute thread only.

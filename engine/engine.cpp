@@ -273,21 +273,22 @@ StepResult Engine::step() {
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
   const bool graph = runs_as_graph(b);
   // The optimizer's scalars go to the devices that step it, ahead of the step's work: its kernels
-  // read them there, so a replayed graph takes this step's learning rate and bias correction.
-  scalars_ = optimizer_scalars(cfg_, optimizer_steps_ + 1);
+  // read them there, so a replayed graph takes this step's learning rate and bias correction. A local:
+  // each device's step below ends by waiting for its stream, so its upload has read them by then.
+  const OptimizerScalars scalars = optimizer_scalars(cfg_, optimizer_steps_ + 1);
   try {
     run_all([&](int r) {
-      if (replicas_[r]->scalars) devices_[r]->upload(replicas_[r]->scalars.data(), &scalars_, sizeof scalars_);
+      if (replicas_[r]->scalars) devices_[r]->upload(replicas_[r]->scalars.data(), &scalars, sizeof scalars);
       recorder_.begin_step(*devices_[r], r);
       if (!graph || !graph_step(parts[0], sizes[0]))
         for (int k = 0; k < micros; ++k) {
           StepContext context(*this, r, parts[size_t(k)], sizes[size_t(k)], {k, micros, b.n});
           strategy_.step(context);
         }
-      // The loss and the correct count, on the devices that compute it; device 0's also says whether
-      // the gradient was finite. The download waits for the step's work (the step's one round trip);
-      // close_phases then waits for the copy stream too: the next batch's upload, staged before this
-      // step, is done when the step returns.
+      // The loss and the correct count, on the devices that compute it; each device that stepped the
+      // optimizer also says whether the gradient it stepped was finite. The download waits for the
+      // step's work (the step's one round trip); close_phases then waits for the copy stream too: the
+      // next batch's upload, staged before this step, is done when the step returns.
       if (strategy_.computes_loss(r))
         devices_[r]->download(stats[size_t(r)].data(), replicas_[r]->stats.f(), sizeof(float) * kStats);
       recorder_.close_phases(*devices_[r], r, step_);

@@ -148,7 +148,6 @@ class Engine {
   int64_t step_ = 0;
   int64_t batches_tracked_ = 0;
   int64_t optimizer_steps_ = 0;
-  OptimizerScalars scalars_;      // the step's, uploaded to each Replica::scalars before it runs (host copy)
   std::vector<ShardUnit> units_;  // under a sharded strategy (Strategy::zero_stage), else none
   int64_t owned_ = 0;             // the floats of a device's chunks, every unit's together
   // Where device `rank`'s reduced gradient of its chunk of `u` is: in the padded flat buffer (zero1)

@@ -34,7 +34,6 @@ void Engine::check_graphs() const {
     why = "--sync " + std::string(strategy_.name()) +
           " allocates each gradient bucket in the step and frees it after its reduce-scatter (what ZeRO saves), "
           "and a replay would write a freed buffer; use allreduce, zero1 or scatter";
-
   if (!why.empty()) throw UsageError("--graphs: " + why);
 }
 
@@ -50,7 +49,6 @@ bool Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
   if (g.captured) {
     recorder_.reopen(0, g.phases);
   } else {
-    g.captured = false;
     dev.begin_capture();
     try {
       StepContext context(*this, 0, b, sizes, {0, 1, b.n});

@@ -138,7 +138,6 @@ class StepContext {
   // Without SyncBatchNorm, on a model with BatchNorm and more than one device: device 0's running
   // statistics go to every replica before the forward (counted as a broadcast).
   bool broadcasts_buffers() const;
-
   // Under a sharded strategy (Strategy::zero_stage): its units, and the chunk of each this device owns.
   const std::vector<ShardUnit>& units() const;
   int shard() const;

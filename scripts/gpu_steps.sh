@@ -202,10 +202,11 @@ s_graphs() {
   local rc=$?
   KEY=$(paired graphs --graphs eager)
   [ -n "$KEY" ] || BAD="the runs' logs and reports give no images/s and launches"
-    case "$KEY" in *"; 0 graph launches"*) BAD="--graphs launched no graph" ;; esac
+  case "$KEY" in *"; 0 graph launches"*) BAD="--graphs launched no graph" ;; esac
   backend_is "$out/graphs-on-1.json"
-  # AdamW under a cosine schedule: the optimizer's scalars read from device memory at each launch, so
-  # two captures for every step after the first, and the weights as the eager reference's (--verify)
+  # AdamW under a cosine schedule: the optimizer's scalars are read from device memory at each launch,
+  # so two captures (one per upload slot) serve every step after the first, and the weights are the
+  # eager reference's (--verify)
   run "${dp_env[@]}" "$build/dp_train" --backend $backend --gpus 0 --data "$data" --steps 16 --limit-test 256 \
     --graphs --verify --optimizer adamw --lr-schedule cosine --report "$out/graphs-adamw.json" || rc=$?
   local captures

@@ -1,6 +1,7 @@
 // The optimizer steps and the flat-buffer ops over the op matrix (tests/ops_matrix.h): SGD, Adam and
 // AdamW against PyTorch's rules worked out by hand and against them in double on a large buffer; add, fill,
-// all_finite and the optimizers' finiteness check; and every op's empty edge (n = 0, null pointers) touching nothing.
+// all_finite and the optimizers' finiteness check; and every op's empty edge (n = 0, null pointers)
+// touching nothing.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -34,6 +35,11 @@ struct Scalars {
 Scalars<math::SgdStep> sgd(Backend& be, float lr, float momentum, float weight_decay) {
   return {be, math::SgdStep{lr, momentum, weight_decay}};
 }
+// One SGD step on the backend, its scalars put in device memory for it, no finiteness flag.
+void sgd_step(Backend& be, int64_t n, Mem& w, Mem& g, Mem* v, float lr, float momentum, float weight_decay) {
+  auto s = sgd(be, lr, momentum, weight_decay);
+  be.run([&](Ops& ops) { ops.sgd_step(n, w.f(), g.f(), v ? v->f() : nullptr, s.get(), nullptr); });
+}
 
 DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
   // torch.optim.SGD(lr=0.1, momentum=0.9, weight_decay=0.01), w0 = 1, grads 0.5 then -0.2:
@@ -45,16 +51,10 @@ DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
   SUBCASE("with momentum and weight decay") {
     Mem w = be.put(Vec{1.0f, 0.0f}), v = be.put(Vec{0.0f, 0.0f});  // dp's buffers start at zero
     Mem g1 = be.put(Vec{0.5f, 1.0f}), g2 = be.put(Vec{-0.2f, 1.0f});
-    {
-      auto s = sgd(be, 0.1f, 0.9f, 0.01f);
-      be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g1.f(), v.f(), s.get(), nullptr); });
-    }
+    sgd_step(be, 2, w, g1, &v, 0.1f, 0.9f, 0.01f);
     CHECK(be.get(v)[0] == doctest::Approx(0.51).epsilon(1e-6));
     CHECK(be.get(w)[0] == doctest::Approx(0.949).epsilon(1e-6));
-    {
-      auto s = sgd(be, 0.1f, 0.9f, 0.01f);
-      be.run([&](Ops& ops) { ops.sgd_step(2, w.f(), g2.f(), v.f(), s.get(), nullptr); });
-    }
+    sgd_step(be, 2, w, g2, &v, 0.1f, 0.9f, 0.01f);
     const Vec v2 = be.get(v), w2 = be.get(w);
     CHECK(v2[0] == doctest::Approx(0.26849).epsilon(1e-6));
     CHECK(w2[0] == doctest::Approx(0.922151).epsilon(1e-6));
@@ -65,23 +65,14 @@ DP_OPS_TEST("sgd: PyTorch's rule over two steps") {
     //   step 1: w = 1 - 0.1 * (0.5 + 0.01)          = 0.949
     //   step 2: w = 0.949 - 0.1 * (-0.2 + 0.00949)  = 0.968051
     Mem w = be.put(Vec{1.0f}), g1 = be.put(Vec{0.5f}), g2 = be.put(Vec{-0.2f});
-    {
-      auto s = sgd(be, 0.1f, 0.0f, 0.01f);
-      be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g1.f(), nullptr, s.get(), nullptr); });
-    }
+    sgd_step(be, 1, w, g1, nullptr, 0.1f, 0.0f, 0.01f);
     CHECK(be.get(w)[0] == doctest::Approx(0.949).epsilon(1e-6));
-    {
-      auto s = sgd(be, 0.1f, 0.0f, 0.01f);
-      be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g2.f(), nullptr, s.get(), nullptr); });
-    }
+    sgd_step(be, 1, w, g2, nullptr, 0.1f, 0.0f, 0.01f);
     CHECK(be.get(w)[0] == doctest::Approx(0.968051).epsilon(1e-6));
   }
   SUBCASE("momentum 0 with a buffer leaves the buffer alone") {
     Mem w = be.put(Vec{1.0f}), g = be.put(Vec{0.5f}), v = be.put(Vec{7.0f});
-    {
-      auto s = sgd(be, 0.1f, 0.0f, 0.0f);
-      be.run([&](Ops& ops) { ops.sgd_step(1, w.f(), g.f(), v.f(), s.get(), nullptr); });
-    }
+    sgd_step(be, 1, w, g, &v, 0.1f, 0.0f, 0.0f);
     CHECK(be.get(w)[0] == doctest::Approx(0.95).epsilon(1e-6));
     CHECK(be.get(v)[0] == 7.0f);
   }
@@ -106,10 +97,7 @@ DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
       tw[i] = 2 * kU * std::fabs(w[i]) + 6 * kU * lr * sv;
     }
     Mem gw = be.put(w), gg = be.put(g), gv = be.put(v);
-    {
-      auto s = sgd(be, lr, mom, wd);
-      be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), gv.f(), s.get(), nullptr); });
-    }
+    sgd_step(be, n, gw, gg, &gv, lr, mom, wd);
     check_close("sgd v", be.get(gv), vd_ref, tv);
     check_close("sgd w", be.get(gw), wd_ref, tw);
   }
@@ -120,10 +108,7 @@ DP_OPS_TEST("sgd: against the reference in double on a large buffer") {
     cpu::sgd_step<double>(n, wd_ref.data(), gd.data(), nullptr, 0.1, 0.0, 0.0, nullptr);
     for (size_t i = 0; i < tw.size(); ++i) tw[i] = 2 * kU * std::fabs(w[i]) + 3 * kU * 0.1 * std::fabs(g[i]);
     Mem gw = be.put(w), gg = be.put(g);
-    {
-      auto s = sgd(be, 0.1f, 0.0f, 0.0f);
-      be.run([&](Ops& ops) { ops.sgd_step(n, gw.f(), gg.f(), nullptr, s.get(), nullptr); });
-    }
+    sgd_step(be, n, gw, gg, nullptr, 0.1f, 0.0f, 0.0f);
     check_close("sgd w (no momentum)", be.get(gw), wd_ref, tw);
   }
 }

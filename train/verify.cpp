@@ -175,9 +175,9 @@ VerifyResult Verifier::compare(const std::vector<float>& a, int batch) {
 // threshold goes either way through it, and routes a whole gradient element one way in one run and the
 // other in the other: a jump no rounding bound covers, which training then carries on. BatchNorm makes
 // such values common (its beta starts at 0, so many are near zero); without it they are rare, not
-// impossible (lenet's ReLUs past 15 steps on an AMD EPYC with AVX-512). What is checked there instead: that the runs
-// differ by at most kMovementShare of how far the weights moved, where a wrong reduction (a sum not averaged, a bucket
-// not reduced) differs by the order of the movement itself.
+// impossible (lenet's ReLUs past 15 steps on an AMD EPYC with AVX-512). What is checked there
+// instead: that the runs differ by at most kMovementShare of how far the weights moved, where a wrong
+// reduction (a sum not averaged, a bucket not reduced) differs by the order of the movement itself.
 void Verifier::movement_check(VerifyResult& v, const std::vector<float>& a, const std::vector<float>& b) const {
   double moved = 0, diff = 0;
   for (size_t i = 0; i < b.size() && i < start_.size(); ++i)

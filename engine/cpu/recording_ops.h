@@ -3,8 +3,8 @@
 // its arguments (pointers, shapes, scalars: what a CUDA graph's kernel nodes keep) to be replayed,
 // in order, by launch. Other threads' calls run at once, as under cudaStreamCaptureModeThreadLocal.
 // all_finite, which answers the host, throws while recording: it cannot be captured on CUDA either.
-// So a step that reads a value a replay would not see again (a learning rate changed since, the
-// first step's batch) fails here as it would on a GPU.
+// So a step that passes a value a replay would not see again (a scalar argument changed since, the
+// first step's host batch) goes wrong here as it would on a GPU.
 #pragma once
 
 #include <atomic>
