@@ -22,7 +22,13 @@ inline const char* kind_name(DeviceKind k) { return k == DeviceKind::cuda ? "cud
 
 class Device;
 
-// Move-only device memory, booked under a category for as long as it lives.
+// Move-only device memory, booked under a category for as long as it lives. A CUDA device allocates
+// and frees it in the order of its compute stream (engine/cuda/cuda_device.h), so a buffer's other
+// users keep to that order: its uses on another stream (the comm stream's collectives, the copy
+// stream's uploads) or by another device (copy_from_peer) are ordered after the compute stream's work
+// at its allocation, by an event recorded there, and are done, or ordered before the compute stream's
+// work, when it is freed (the peer collectives end with every rank's copies waited for; NCCL's wait()
+// makes the compute stream wait for the comm stream). Nothing is freed while the device captures.
 class Buffer {
  public:
   Buffer() = default;

@@ -1,6 +1,7 @@
 // A CUDA device's host waits give up: while a watch is set (the NCCL communicator sets one), a wait
 // for the stream polls, asks whether the job aborted and stops at its timeout, whatever the stream is
-// stuck behind. tests/cuda/spin.h's kernel stands in for an NCCL collective waiting for a dead peer.
+// stuck behind; and freeing memory does not wait for the GPU at all. tests/cuda/spin.h's kernel stands
+// in for an NCCL collective waiting for a dead peer, or for a reduce-scatter still running.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -61,6 +62,57 @@ TEST_CASE("cuda: a download behind a stuck kernel gives up at the watch's timeou
      })
       .get();
   CHECK(host == ones);
+#else
+  FAIL("a CUDA device is usable, but this build has no CUDA backend");
+#endif
+}
+
+TEST_CASE("cuda: a free returns while the GPU is busy, and the memory is the pool's again for the next step" *
+          doctest::skip(!cuda_available())) {
+#if DP_TESTS_CUDA
+  // zero2 and zero3 free a bucket or a layer's weights several times a step, one of them while the
+  // next bucket's reduce-scatter runs; cudaFree would wait for everything on the GPU each time. The
+  // pool's free is ordered on the compute stream and returns at once: here the stream is held busy
+  // by the spin kernel (20 s at most) and the free must come back while it still is.
+  auto dev = make_cuda_device(0, 0, 0);
+  auto* cuda = dynamic_cast<CudaDevice*>(dev.get());
+  REQUIRE(cuda != nullptr);
+  REQUIRE_MESSAGE(cuda->pooled(), "this GPU has no memory pools (cudaDevAttrMemoryPoolsSupported is 0)");
+  constexpr int64_t kFloats = int64_t(1) << 22;  // 16 MiB, as a LeNet step's largest bucket is a few MiB
+  const int64_t booked = dev->ledger().snapshot().total;
+  SpinFlag flag;
+  bool busy_after_free = false;
+  double free_seconds = 0;
+  dev->run([&] {
+       Buffer bucket = dev->alloc_floats(kFloats, Category::gradients);
+       dev->ops().fill(kFloats, 1.0f, bucket.f());
+       spin_on(cuda->stream(), flag, 20.0);
+       const auto t0 = std::chrono::steady_clock::now();
+       bucket = Buffer();
+       free_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+       busy_after_free = cudaStreamQuery(cuda->stream()) == cudaErrorNotReady;
+       (void)cudaGetLastError();
+     })
+      .get();
+  flag.release();
+  dev->synchronize();
+  CHECK(busy_after_free);
+  CHECK(free_seconds < 5.0);
+  CHECK(dev->ledger().snapshot().total == booked);  // the ledger books what is allocated, not the pool
+  // Steps after the first take the same memory from the pool: nothing more from the driver.
+  const CudaDevice::PoolMemory first = cuda->pool_memory();
+  CHECK(first.reserved >= size_t(kFloats) * sizeof(float));
+  CHECK(first.used < size_t(kFloats) * sizeof(float));
+  for (int step = 0; step < 5; ++step)
+    dev->run([&] {
+         Buffer bucket = dev->alloc_floats(kFloats, Category::gradients);
+         dev->ops().fill(kFloats, 2.0f, bucket.f());
+       })
+        .get();
+  dev->synchronize();
+  const CudaDevice::PoolMemory later = cuda->pool_memory();
+  CHECK(later.reserved_high == first.reserved_high);
+  CHECK(later.used == first.used);
 #else
   FAIL("a CUDA device is usable, but this build has no CUDA backend");
 #endif

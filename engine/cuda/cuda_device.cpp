@@ -96,6 +96,7 @@ void CudaDevice::open() {
   DP_CUDNN_CHECK(cudnnCreate(&dnn));
   cudnn_ = cuda::CudnnHandle(dnn);
   DP_CUDNN_CHECK(cudnnSetStream(dnn, stream_.get()));
+  open_pool();
   scratch_ = alloc(sizeof(CudaOps::Scratch), Category::workspace);  // booked like every byte
   ops_ = std::make_unique<CudaOps>(stream_.get(), blas, dnn, static_cast<CudaOps::Scratch*>(scratch_.data()));
 }
@@ -119,6 +120,26 @@ void CudaDevice::close() noexcept {
   copy_stream_.reset();
   comm_stream_.reset();
   stream_.reset();
+  pool_.reset();  // the driver keeps it until a buffer still out (freed after this) comes back
+}
+
+void CudaDevice::open_pool() {
+  int supported = 0;
+  DP_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, id()));
+  if (!supported) return;  // cudaMalloc and cudaFree
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = id();
+  cudaMemPool_t pool = nullptr;
+  DP_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+  pool_ = cuda::MemPool(pool);
+  // Kept, not handed back to the driver at each synchronisation (the default threshold, 0, would):
+  // the next step allocates the same buffers again.
+  uint64_t keep = UINT64_MAX;
+  DP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  pooled_ = true;
 }
 
 Ops& CudaDevice::ops() {
@@ -129,23 +150,54 @@ Ops& CudaDevice::ops() {
 void* CudaDevice::raw_alloc(size_t bytes) {
   refuse_while_capturing(capturing(), "an allocation");
   DeviceGuard guard(id());
+  if (pool_) return pool_alloc(bytes);
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    size_t free = 0, total = 0;
-    if (cudaMemGetInfo(&free, &total) != cudaSuccess) (void)cudaGetLastError();
-    throw OutOfMemory(id(), "cudaMalloc of " + format_bytes(int64_t(bytes)) + " on " + name() +
-                                " failed: the driver reports " + format_bytes(int64_t(free)) + " free of " +
-                                format_bytes(int64_t(total)) + " (the ledger: " + ledger().snapshot().describe() + ")");
+    out_of_memory("cudaMalloc", bytes);
   }
   DP_CUDA_CHECK_NAMED(err, "cudaMalloc(&p, bytes)");
   return p;
 }
 
+// On the compute stream: usable at once by the work enqueued after it there, and by other streams
+// and GPUs once they are ordered after that work (the Buffer contract). Out of memory, the pool may
+// hold enough in pieces of other sizes: freed to the driver (after the stream's frees so far
+// complete), then tried once more.
+void* CudaDevice::pool_alloc(size_t bytes) {
+  void* p = nullptr;
+  cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream_.get());
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    wait_stream(stream_.get());
+    DP_CUDA_CHECK(cudaMemPoolTrimTo(pool_.get(), 0));
+    err = cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream_.get());
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      out_of_memory("cudaMallocFromPoolAsync", bytes);
+    }
+  }
+  DP_CUDA_CHECK_NAMED(err, "cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream_.get())");
+  return p;
+}
+
+void CudaDevice::out_of_memory(const char* call, size_t bytes) {
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) (void)cudaGetLastError();
+  throw OutOfMemory(id(), std::string(call) + " of " + format_bytes(int64_t(bytes)) + " on " + name() +
+                              " failed: the driver reports " + format_bytes(int64_t(free)) + " free of " +
+                              format_bytes(int64_t(total)) + " (the ledger: " + ledger().snapshot().describe() + ")");
+}
+
+// Returns at once with a pool: the memory goes back to the pool when the compute stream's work
+// enqueued so far is done, and a later allocation on that stream may take it.
 void CudaDevice::raw_free(void* p) noexcept {
   DeviceGuard guard(id());
-  DP_CUDA_CHECK_PRINT(cudaFree(p));
+  if (pooled_)
+    DP_CUDA_CHECK_PRINT(cudaFreeAsync(p, stream_.get()));  // after close(), the legacy stream's order
+  else
+    DP_CUDA_CHECK_PRINT(cudaFree(p));
 }
 
 void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
@@ -210,19 +262,23 @@ void CudaDevice::wait_for(const CudaDevice& other) {
   DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), other.ready_.get(), 0));  // may cross devices
 }
 
-void CudaDevice::enable_peer_access(int peer) {
+void CudaDevice::enable_peer_access(const CudaDevice& peer) {
   std::lock_guard lock(peer_mu_);
-  if (std::find(peers_seen_.begin(), peers_seen_.end(), peer) != peers_seen_.end()) return;
-  peers_seen_.push_back(peer);
+  if (std::find(peers_seen_.begin(), peers_seen_.end(), &peer) != peers_seen_.end()) return;
+  peers_seen_.push_back(&peer);
   int can = 0;
-  DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, id(), peer));
+  DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, id(), peer.id()));
   if (!can) return;  // cudaMemcpyPeerAsync still works, staged through the host
-  cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
-  if (err == cudaErrorPeerAccessAlreadyEnabled) {  // by another CudaDevice on this GPU, or by NCCL
-    (void)cudaGetLastError();
-    return;
-  }
-  DP_CUDA_CHECK_NAMED(err, "cudaDeviceEnablePeerAccess(peer, 0)");
+  if (cudaError_t err = cudaDeviceEnablePeerAccess(peer.id(), 0); err == cudaErrorPeerAccessAlreadyEnabled)
+    (void)cudaGetLastError();  // by another CudaDevice on this GPU, or by NCCL
+  else
+    DP_CUDA_CHECK_NAMED(err, "cudaDeviceEnablePeerAccess(peer.id(), 0)");
+  if (!peer.pool_) return;
+  cudaMemAccessDesc access{};
+  access.location.type = cudaMemLocationTypeDevice;
+  access.location.id = id();
+  access.flags = cudaMemAccessFlagsProtReadWrite;
+  DP_CUDA_CHECK(cudaMemPoolSetAccess(peer.pool_.get(), &access, 1));
 }
 
 void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) {
@@ -234,7 +290,7 @@ void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void*
   if (peer->id() == id()) {
     DP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_.get()));
   } else {
-    enable_peer_access(peer->id());
+    enable_peer_access(*peer);
     DP_CUDA_CHECK(cudaMemcpyPeerAsync(dst, id(), src, peer->id(), bytes, stream_.get()));
   }
 }
@@ -322,11 +378,19 @@ std::chrono::steady_clock::time_point CudaDevice::mark_time(int i) {
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double, std::milli>(ms));
 }
 
-std::pair<size_t, size_t> CudaDevice::driver_memory() {
+CudaDevice::PoolMemory CudaDevice::pool_memory() {
+  PoolMemory m;
+  if (!pool_) return m;
   DeviceGuard guard(id());
-  size_t free = 0, total = 0;
-  DP_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-  return {free, total};
+  auto get = [this](cudaMemPoolAttr attr) {
+    uint64_t v = 0;
+    DP_CUDA_CHECK(cudaMemPoolGetAttribute(pool_.get(), attr, &v));
+    return size_t(v);
+  };
+  m.reserved = get(cudaMemPoolAttrReservedMemCurrent);
+  m.reserved_high = get(cudaMemPoolAttrReservedMemHigh);
+  m.used = get(cudaMemPoolAttrUsedMemCurrent);
+  return m;
 }
 
 bool cuda_built() { return true; }

@@ -2,8 +2,9 @@
 // and it owns, all created on its compute thread: the compute stream every op and copy is enqueued
 // on, a cuBLAS and a cuDNN handle bound to that stream, a communication stream (NCCL's, for
 // all-reduce overlapping backward), a copy stream (the next batch's upload, overlapping the step),
-// and the events peers and streams wait on. Memory is cudaMalloc'd and booked
-// by the Device base in the ledger.
+// and the events peers and streams wait on. Memory comes from a pool of its own, stream-ordered on
+// the compute stream (cudaMallocFromPoolAsync, cudaFreeAsync: below), and is booked by the Device
+// base in the ledger.
 //
 // Several CudaDevices may name the same GPU (--gpus 0,0 --allow-shared-device): each then has its
 // own streams and handles on the shared context, and the communicator uses peer copies, not NCCL.
@@ -91,9 +92,23 @@ class CudaDevice final : public Device {
   };
   void set_watch(std::shared_ptr<const Watch> watch);
 
-  // The driver's view of this GPU's memory, bytes: (free, total), from cudaMemGetInfo. It counts
-  // what the ledger does not: the context, library workspaces, NCCL buffers, other processes.
-  std::pair<size_t, size_t> driver_memory();
+  // Memory. Each CudaDevice allocates from a pool of its own (cudaMemPoolCreate on its GPU) in the
+  // order of its compute stream: cudaMallocFromPoolAsync, and cudaFreeAsync, which returns at once
+  // and hands the memory back once the stream's work before it is done, where cudaFree waits for
+  // the whole GPU (zero2 and zero3 free a bucket or a layer's weights several times a step, one of
+  // them while the next bucket's reduce-scatter runs). The pool keeps what it got from the driver
+  // (no release threshold), so a step's buffers are the last step's memory again, as PyTorch's
+  // caching allocator and its cudaMallocAsync backend keep theirs. What makes this safe is the
+  // Buffer contract (engine/device.h): every use of a buffer on another stream or GPU is ordered
+  // after the compute stream's work at its allocation and finished or ordered before the compute
+  // stream's work at its free. Where the GPU has no memory pools (cudaDevAttrMemoryPoolsSupported),
+  // cudaMalloc and cudaFree.
+  struct PoolMemory {
+    size_t reserved = 0, reserved_high = 0;  // what the pool holds from the driver, now and at most
+    size_t used = 0;                         // what is allocated from it now
+  };
+  PoolMemory pool_memory();  // zeros where there is no pool
+  bool pooled() const { return pooled_; }
 
   cudaStream_t stream() const { return stream_.get(); }
   cudaStream_t comm_stream() const { return comm_stream_.get(); }
@@ -107,8 +122,13 @@ class CudaDevice final : public Device {
  private:
   void open();            // on the compute thread
   void close() noexcept;  // on the compute thread
-  void enable_peer_access(int peer_id);
-  void wait_stream(cudaStream_t stream);  // synchronize()'s wait, for this device's stream
+  // Lets this GPU read peer's memory: peer access between the GPUs where the topology allows, and
+  // peer's pool opened to this GPU (a pool's memory does not follow cudaDeviceEnablePeerAccess).
+  void enable_peer_access(const CudaDevice& peer);
+  void open_pool();                                                 // in open(): pool_, where the GPU has memory pools
+  void* pool_alloc(size_t bytes);                                   // raw_alloc with a pool
+  [[noreturn]] void out_of_memory(const char* call, size_t bytes);  // OutOfMemory, with the driver's and ledger's view
+  void wait_stream(cudaStream_t stream);                            // synchronize()'s wait, for this device's stream
 
   cuda::Stream stream_, comm_stream_, copy_stream_;
   cuda::CublasHandle cublas_;
@@ -129,7 +149,9 @@ class CudaDevice final : public Device {
   cuda::Event uploaded_[Device::kUploadSlots];     // recorded on copy_stream_ after a slot's uploads
   mutable std::mutex ready_mu_;
   std::mutex peer_mu_;
-  std::vector<int> peers_seen_;
+  std::vector<const CudaDevice*> peers_seen_;
+  cuda::MemPool pool_;              // created in open(), destroyed last in close()
+  bool pooled_ = false;             // this device's memory came from pool_: freed with cudaFreeAsync, after close() too
   std::vector<cuda::Event> marks_;  // grown on demand, reused every step
   size_t marks_used_ = 0;
   std::chrono::steady_clock::time_point first_mark_;

@@ -1,5 +1,5 @@
-// Move-only owners of CUDA, cuBLAS and cuDNN objects: streams, events, library handles and cuDNN
-// descriptors. Each is destroyed exactly once, with a printed (never thrown) error if that fails.
+// Move-only owners of CUDA, cuBLAS and cuDNN objects: streams, events, memory pools, library handles
+// and cuDNN descriptors. Each is destroyed exactly once, with a printed (never thrown) error if that fails.
 // Device memory is owned by dp::Buffer (engine/device.h), which also books it in the ledger.
 #pragma once
 
@@ -57,6 +57,8 @@ inline void destroy_conv_desc(cudnnConvolutionDescriptor_t d) noexcept {
 inline void destroy_pinned(void* p) noexcept { DP_CUDA_CHECK_PRINT(cudaFreeHost(p)); }
 inline void destroy_graph(cudaGraph_t g) noexcept { DP_CUDA_CHECK_PRINT(cudaGraphDestroy(g)); }
 inline void destroy_graph_exec(cudaGraphExec_t g) noexcept { DP_CUDA_CHECK_PRINT(cudaGraphExecDestroy(g)); }
+// Memory still allocated from the pool keeps it alive: the driver destroys it once that is freed.
+inline void destroy_mem_pool(cudaMemPool_t p) noexcept { DP_CUDA_CHECK_PRINT(cudaMemPoolDestroy(p)); }
 
 using Stream = Unique<cudaStream_t, destroy_stream>;
 using Event = Unique<cudaEvent_t, destroy_event>;
@@ -68,6 +70,7 @@ using ConvDesc = Unique<cudnnConvolutionDescriptor_t, destroy_conv_desc>;
 using PinnedHost = Unique<void*, destroy_pinned>;               // cudaMallocHost's page-locked host memory
 using Graph = Unique<cudaGraph_t, destroy_graph>;               // a captured graph
 using GraphExec = Unique<cudaGraphExec_t, destroy_graph_exec>;  // its instantiation, what is launched
+using MemPool = Unique<cudaMemPool_t, destroy_mem_pool>;        // a stream-ordered allocator's pool
 
 // A stream that never synchronises with the legacy default stream (work of other libraries or
 // threads on stream 0 cannot serialise with ours). Created on the calling thread's current device.
