@@ -100,6 +100,10 @@ class Device {
   // on a simulated device, whose copies are memcpy. p and bytes should be whole pages (a range that
   // shares a page with one already locked is refused): the loader's PageAllocator.
   virtual std::shared_ptr<void> pin_host(void* /*p*/, size_t /*bytes*/) { return nullptr; }
+  // The most this device's allocator held at once, what is allocated and what it keeps for reuse
+  // (a CUDA device's memory pool: PyTorch's max_memory_reserved, beside the ledger's peak, its
+  // max_memory_allocated); -1 where every allocation is handed back as it is freed (simulated devices).
+  virtual int64_t reserved_peak() { return -1; }
 
   // Step graphs (--graphs; CUDA graphs, as torch.cuda.graph captures and replays). Between
   // begin_capture() and end_capture(slot) the work the calling thread enqueues on this device (ops,

@@ -113,6 +113,9 @@ TEST_CASE("cuda: a free returns while the GPU is busy, and the memory is the poo
   const CudaDevice::PoolMemory later = cuda->pool_memory();
   CHECK(later.reserved_high == first.reserved_high);
   CHECK(later.used == first.used);
+  // What the report shows as "pool held": at least every buffer the ledger booked at its peak.
+  CHECK(dev->reserved_peak() == int64_t(later.reserved_high));
+  CHECK(dev->reserved_peak() >= dev->ledger().snapshot().total_peak);
 #else
   FAIL("a CUDA device is usable, but this build has no CUDA backend");
 #endif

@@ -127,8 +127,38 @@ TEST_CASE("report: the device table's categories add up to each device's peak") 
       }
       CHECK(sum == d["peak_bytes"].get<int64_t>());
       if (sync == "zero3") CHECK(d["category_peaks"]["gathered"].get<int64_t>() > 0);
+      CHECK_FALSE(d.contains("reserved_peak_bytes"));  // a simulated device allocates exactly
     }
   }
+}
+
+TEST_CASE("report: a CUDA device's memory pool shows beside its peak, as PyTorch's reserved beside allocated") {
+  // Device records as device_report writes them; the second one a CUDA device with a pool.
+  auto record = [](const std::string& name, int64_t peak) {
+    nlohmann::json cats = nlohmann::json::object();
+    for (int c = 0; c < dp::kCategories; ++c) cats[dp::category_name(dp::Category(c))] = 0;
+    cats["parameters"] = peak;
+    return nlohmann::json{{"name", name},           {"peak_bytes", peak},       {"peak_by_category", cats},
+                          {"category_peaks", cats}, {"bytes_sent_per_step", 0}, {"bytes_received_per_step", 0}};
+  };
+  nlohmann::json devices = {record("sim:0", 4096), record("cuda:0", 8192)};
+  const std::string plain = dp::device_table(devices, "note");
+  CHECK(cells(plain.substr(0, plain.find('\n')))[2] == "parameters");  // no pool, no column
+  CHECK(plain.find("pool held") == std::string::npos);
+  devices[1]["reserved_peak_bytes"] = 2 << 20;
+  std::istringstream lines(dp::device_table(devices, "note"));
+  std::string line;
+  std::vector<std::vector<std::string>> rows;
+  while (std::getline(lines, line) && line.rfind("(", 0) != 0) rows.push_back(cells(line));
+  REQUIRE(rows.size() == 3);
+  CHECK(rows[0][1] == "peak");
+  CHECK(rows[0][2] == "pool held");
+  CHECK(rows[0][3] == "parameters");
+  CHECK(rows[1][2] == "-");  // sim:0 has no pool
+  CHECK(rows[2][1] == dp::format_bytes(8192));
+  CHECK(rows[2][2] == dp::format_bytes(2 << 20));
+  CHECK(rows[2][3] == dp::format_bytes(8192));  // the categories still add up to the peak
+  CHECK(line.find("pool held: the most its memory pool kept from the driver") != std::string::npos);
 }
 
 TEST_CASE("report: checkpoints record dp_version, and one without it still resumes") {

@@ -39,7 +39,10 @@ nlohmann::json device_notes() {
       {"peak_by_category", "bytes of each category at the moment the device's total peaked: they sum to peak_bytes"},
       {"category_peaks",
        "each category's own peak over the run, reached at different moments: the most a category held, not a "
-       "breakdown of peak_bytes; it equals peak_by_category where every category peaks at the same moment"}};
+       "breakdown of peak_bytes; it equals peak_by_category where every category peaks at the same moment"},
+      {"reserved_peak_bytes",
+       "CUDA devices only: the most the device's memory pool held from the driver, what was allocated and what it "
+       "kept for reuse (PyTorch's max_memory_reserved; peak_bytes is its max_memory_allocated)"}};
 }
 
 // The all-reduce algorithm beside the strategy: "ring" or "naive" under allreduce, null under scatter
@@ -164,15 +167,17 @@ nlohmann::json device_report(Engine& e) {
       peaks[category_name(Category(c))] = s.peak[c];
     }
     Traffic t = e.recorder().step_traffic(r);
-    out.push_back({{"rank", r},
-                   {"id", d.id()},
-                   {"name", d.name()},
-                   {"kind", kind_name(d.kind())},
-                   {"peak_bytes", s.total_peak},
-                   {"peak_by_category", cats},
-                   {"category_peaks", peaks},
-                   {"bytes_sent_per_step", t.sent},
-                   {"bytes_received_per_step", t.received}});
+    nlohmann::json entry = {{"rank", r},
+                            {"id", d.id()},
+                            {"name", d.name()},
+                            {"kind", kind_name(d.kind())},
+                            {"peak_bytes", s.total_peak},
+                            {"peak_by_category", cats},
+                            {"category_peaks", peaks},
+                            {"bytes_sent_per_step", t.sent},
+                            {"bytes_received_per_step", t.received}};
+    if (const int64_t reserved = d.reserved_peak(); reserved >= 0) entry["reserved_peak_bytes"] = reserved;
+    out.push_back(std::move(entry));
   }
   return out;
 }
@@ -187,7 +192,11 @@ std::string device_table(const nlohmann::json& devices, const std::string& memor
     for (const nlohmann::json& d : devices) largest = std::max(largest, bytes(d, "category_peaks", c));
     return shown(Category(c), largest);
   };
+  // CUDA devices: what their memory pools held at most, beside the peak (-: a device without one).
+  const bool reserved = std::any_of(devices.begin(), devices.end(),
+                                    [](const nlohmann::json& d) { return d.contains("reserved_peak_bytes"); });
   std::vector<std::vector<std::string>> rows = {{"device", "peak"}};
+  if (reserved) rows[0].push_back("pool held");
   for (int c = 0; c < kCategories; ++c)
     if (booked(c)) rows[0].push_back(category_name(Category(c)));
   rows[0].insert(rows[0].end(), {"sent/step", "received/step"});
@@ -197,13 +206,16 @@ std::string device_table(const nlohmann::json& devices, const std::string& memor
     if (job) name += 'p' + std::to_string(d["process"].get<int>()) + ' ';
     name += d["name"].get<std::string>();
     std::vector<std::string> row = {name, format_bytes(d["peak_bytes"].get<int64_t>())};
+    if (reserved)
+      row.push_back(d.contains("reserved_peak_bytes") ? format_bytes(d["reserved_peak_bytes"].get<int64_t>()) : "-");
     for (int c = 0; c < kCategories; ++c)
       if (booked(c)) row.push_back(format_bytes(bytes(d, "peak_by_category", c)));
     row.insert(row.end(), {format_bytes(d["bytes_sent_per_step"].get<int64_t>()),
                            format_bytes(d["bytes_received_per_step"].get<int64_t>())});
     rows.push_back(row);
   }
-  std::string out = columns(rows) + "(memory by category at each device's peak: the categories add up to the peak)\n";
+  std::string out = columns(rows) + "(memory by category at each device's peak: the categories add up to the peak" +
+                    (reserved ? "; pool held: the most its memory pool kept from the driver" : "") + ")\n";
   // Device 0's peak over the mean peak of the others: nn.DataParallel's burden in one number.
   if (devices.size() < 2) return out;
   double others = 0;

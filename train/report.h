@@ -37,10 +37,12 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
 
 // Per device: rank, id, name, kind, peak_bytes, peak_by_category (every category at the moment the
 // total peaked: they sum to peak_bytes), category_peaks (each category's own peak over the run, at
-// different moments: they need not sum to anything), bytes_sent_per_step, bytes_received_per_step.
+// different moments: they need not sum to anything), bytes_sent_per_step, bytes_received_per_step;
+// on CUDA devices reserved_peak_bytes (Device::reserved_peak: what the memory pool held at most).
 nlohmann::json device_report(Engine& engine);
 // The per-device table dp_train prints at the end: the peak and, in one column per category, the
-// bytes at that moment (peak_by_category: the columns add up to the peak), then bytes per step.
+// bytes at that moment (peak_by_category: the columns add up to the peak), then bytes per step; a
+// "pool held" column after the peak where a device reports reserved_peak_bytes.
 // In a job, every process's devices (gather_devices' records, named "p<process> <device>") and the skew
 // over all of them.
 std::string device_table(Engine& engine);

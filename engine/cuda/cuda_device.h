@@ -108,6 +108,7 @@ class CudaDevice final : public Device {
     size_t used = 0;                         // what is allocated from it now
   };
   PoolMemory pool_memory();  // zeros where there is no pool
+  int64_t reserved_peak() override { return pool_ ? int64_t(pool_memory().reserved_high) : -1; }
   bool pooled() const { return pooled_; }
 
   cudaStream_t stream() const { return stream_.get(); }
