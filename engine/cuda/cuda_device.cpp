@@ -120,7 +120,6 @@ void CudaDevice::close() noexcept {
   copy_stream_.reset();
   comm_stream_.reset();
   stream_.reset();
-  pool_.reset();  // the driver keeps it until a buffer still out (freed after this) comes back
 }
 
 void CudaDevice::open_pool() {
@@ -139,7 +138,6 @@ void CudaDevice::open_pool() {
   // the next step allocates the same buffers again.
   uint64_t keep = UINT64_MAX;
   DP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-  pooled_ = true;
 }
 
 Ops& CudaDevice::ops() {
@@ -194,7 +192,7 @@ void CudaDevice::out_of_memory(const char* call, size_t bytes) {
 // enqueued so far is done, and a later allocation on that stream may take it.
 void CudaDevice::raw_free(void* p) noexcept {
   DeviceGuard guard(id());
-  if (pooled_)
+  if (pool_)
     DP_CUDA_CHECK_PRINT(cudaFreeAsync(p, stream_.get()));  // after close(), the legacy stream's order
   else
     DP_CUDA_CHECK_PRINT(cudaFree(p));

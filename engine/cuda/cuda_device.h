@@ -109,7 +109,7 @@ class CudaDevice final : public Device {
   };
   PoolMemory pool_memory();  // zeros where there is no pool
   int64_t reserved_peak() override { return pool_ ? int64_t(pool_memory().reserved_high) : -1; }
-  bool pooled() const { return pooled_; }
+  bool pooled() const { return bool(pool_); }
 
   cudaStream_t stream() const { return stream_.get(); }
   cudaStream_t comm_stream() const { return comm_stream_.get(); }
@@ -151,8 +151,9 @@ class CudaDevice final : public Device {
   mutable std::mutex ready_mu_;
   std::mutex peer_mu_;
   std::vector<const CudaDevice*> peers_seen_;
-  cuda::MemPool pool_;              // created in open(), destroyed last in close()
-  bool pooled_ = false;             // this device's memory came from pool_: freed with cudaFreeAsync, after close() too
+  // Created in open(); kept past close() (a buffer freed after it still goes back with cudaFreeAsync)
+  // and destroyed with the device, when the driver ends it once every buffer is back.
+  cuda::MemPool pool_;
   std::vector<cuda::Event> marks_;  // grown on demand, reused every step
   size_t marks_used_ = 0;
   std::chrono::steady_clock::time_point first_mark_;
