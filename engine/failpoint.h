@@ -48,7 +48,8 @@ void across_processes(const Communicator& comm, int process, int rank, double ti
 // Whether a process's CUDA devices take NCCL's communicator wherever they are CUDA devices: one GPU
 // alone (a one-rank clique, so NCCL's start, its polled waits, abort, --timeout and buckets on the
 // communication stream run on a machine with one GPU) or a GPU named twice (NCCL refuses it, and the
-// fallback to peer copies runs). False in a release binary: NCCL only for two or more distinct GPUs.
+// fallback to peer copies runs); across processes, NCCL is asked for a GPU that two processes share.
+// False in a release binary: NCCL only for two or more distinct GPUs.
 bool nccl_always();
 // What --verify adds to its reference's first weight before comparing (0 in a release binary).
 double verify_offset();

@@ -34,7 +34,8 @@
 #             steps of AdamW under a cosine schedule with --verify (2 captures, the eager reference's weights)
 #   nccl      NCCL on the one GPU (the test build's dp_train, DP_TEST_NCCL=always): a one-rank clique,
 #             NCCL asked for a GPU named twice (the fallback), two ranks on it (NCCL_MULTI_RANK_GPU_ENABLE=1,
-#             2.30 and later); what carried the collectives each time; fails if the one-rank run was not NCCL
+#             2.30 and later); what carried the collectives each time; fails if the one-rank run was not NCCL;
+#             whether the cuda step ran two processes on the GPU (mpirun: only where the build has MPI)
 #   ctest     the rest of the test suite (neither "cuda:" nor the README check)
 #   readme    the README check (every build/dp_* line of README.md and docs/*.md at small sizes); its
 #             commands name two GPUs, so on one it is skipped (counted as such, never as passed)
@@ -69,7 +70,7 @@ cd "$here" || exit 2
 
 kit=gpu-kit out=gpu-check-out build="" tarball="" only="" skip="" epochs=10 jobs="" arch="" dry=0 link_data=1
 deadline=0 started=$(date +%s)
-usage() { sed -n '2,56p' "$0"; }
+usage() { sed -n '2,/^[^#]/{/^#/p}' "$0"; }  # the header comment, whole
 while [ $# -gt 0 ]; do
   case "$1" in
     --kit) kit=${2:?--kit needs a directory}; shift ;;

@@ -218,7 +218,8 @@ s_graphs() {
 
 # NCCL on the one GPU (the test build's dp_train, DP_TEST_NCCL=always): a one-rank clique, NCCL asked for
 # a GPU named twice (the fallback), and two ranks on it where NCCL is 2.30 or newer; what carried the
-# collectives each time (the report's config.collectives), or why it did not run
+# collectives each time (the report's config.collectives), or why it did not run. Two processes on the
+# GPU under mpirun are a case of the cuda step, run where the build found an MPI: said which here.
 s_nccl() {
   need dp_train_failpoints || return $?
   local rc=0 name env gpus got says=()
@@ -233,6 +234,11 @@ s_nccl() {
     got=$(json "$out/nccl-$name.json" 'j["config"]["collectives"]')
     says+=("$name: ${got:-failed}")
   done
+  if grep -q '^MPIEXEC_EXECUTABLE:FILEPATH=/' "$build/CMakeCache.txt" 2> /dev/null; then
+    says+=("processes: in the cuda step (mpirun -np 2)")
+  else
+    says+=("processes: not run (no MPI in this build)")
+  fi
   KEY=$(IFS=';'; echo "${says[*]}" | sed 's/;/; /g')
   [ $dry = 0 ] && ! grep -q "one-rank: nccl" <<< "$KEY" && BAD="the one-rank clique did not run NCCL"
   return $rc

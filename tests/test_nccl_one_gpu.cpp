@@ -3,7 +3,8 @@
 // waits and the buckets on the communication stream run for real; and it asks NCCL for a GPU named
 // twice, which NCCL refuses ("Duplicate GPU detected"), so the fallback to peer copies runs. NCCL 2.30
 // and later can put two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1, experimental): tried where the
-// library is that new. Every case is a "cuda:" case, skipped visibly without a GPU.
+// library is that new, by threads of one process and by two processes under mpirun (where this build
+// has MPI). Every case is a "cuda:" case, skipped visibly without a GPU.
 #include <doctest/doctest.h>
 
 #include <string>
@@ -12,6 +13,7 @@
 #include "engine/engine.h"
 #include "tests/backends.h"
 #include "tests/failpoint/failpoints.h"
+#include "tests/mpi_job.h"
 #include "tests/util.h"
 #if DP_TESTS_CUDA
 #include <nccl.h>
@@ -39,6 +41,18 @@ std::vector<float> train(const std::vector<int>& ids, const std::string& sync, i
   e.set_params(init);
   for (int s = 0; s < 4; ++s) e.step(data.x[size_t(s)].data(), data.y[size_t(s)].data(), 16);
   return e.params();
+}
+
+// Whether this NCCL can rank two processes or threads on one GPU (2.30: NCCL_MULTI_RANK_GPU_ENABLE);
+// says so where it cannot.
+bool multi_rank_gpu() {
+  int version = 0;
+#if DP_TESTS_CUDA
+  REQUIRE(ncclGetVersion(&version) == ncclSuccess);
+#endif
+  if (version >= 23000) return true;
+  MESSAGE("NCCL " << version << ": two ranks on one GPU need 2.30 (NCCL_MULTI_RANK_GPU_ENABLE); not tried");
+  return false;
 }
 
 }  // namespace
@@ -77,13 +91,39 @@ TEST_CASE("cuda: nccl: dp_train on one GPU says which NCCL ran: a one-rank cliqu
   CHECK(collectives("", "0") == "peer copies");
   CHECK(collectives("DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=0", "0,0 --allow-shared-device") ==
         "peer copies (NCCL could not start)");
-#if DP_TESTS_CUDA
-  int version = 0;
-  REQUIRE(ncclGetVersion(&version) == ncclSuccess);
-  if (version < 23000) {
-    MESSAGE("NCCL " << version << ": two ranks on one GPU need 2.30 (NCCL_MULTI_RANK_GPU_ENABLE); not tried");
-    return;
-  }
-  CHECK(collectives("DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=1", "0,0 --allow-shared-device") == "nccl");
-#endif
+  if (multi_rank_gpu())
+    CHECK(collectives("DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=1", "0,0 --allow-shared-device") == "nccl");
+}
+
+// Two processes of one device each (mpirun -np 2 ... --gpus 0) on the one GPU, against one process of
+// two replicas of it (peer copies): every sum is of two addends, the same bits in any order.
+TEST_CASE("cuda: nccl: two processes on the one GPU under mpirun: refused, NCCL's refusal, or two NCCL ranks" *
+          doctest::skip(!dp::test::cuda_available())) {
+  namespace mpi = dp::test::mpi;
+  if (!mpi::have_mpi()) return;
+  const mpi::Job job;
+  const std::string run = std::string(DP_TRAIN_BIN) + " --backend cuda" + job.with("--steps 6");
+  auto two = [&](const std::string& env) {
+    return dp::test::run_command(env + " " + mpi::kMpirun + " -np 2 " + run + " --gpus 0 --save " + job.dir / "p.st" +
+                                 " --report " + job.dir / "p.json");
+  };
+  // A release binary's verdict, before NCCL starts: every process names the GPU both use.
+  dp::test::CommandResult r = two("");
+  INFO(r.output);  // read when a check fails: the last run's
+  CHECK(r.exit_code != 0);
+  CHECK(r.output.find("both use the GPU at PCI") != std::string::npos);
+  // NCCL asked: it refuses one GPU twice, and every process says so instead of waiting.
+  r = two("DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=0");
+  CHECK(r.exit_code != 0);
+  CHECK(r.output.find("NCCL across processes could not start") != std::string::npos);
+  CHECK(r.output.find("both use the GPU") == std::string::npos);
+  if (!multi_rank_gpu()) return;
+  r = two("DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=1");
+  REQUIRE(r.exit_code == 0);
+  CHECK(dp::test::read_json(job.dir / "p.json")["config"]["collectives"] == "nccl");
+  const dp::test::CommandResult one =
+      dp::test::run_command(run + " --gpus 0,0 --allow-shared-device --save " + job.dir / "o.st");
+  INFO(one.output);
+  REQUIRE(one.exit_code == 0);
+  CHECK(mpi::weights(job.dir / "p.st") == mpi::weights(job.dir / "o.st"));
 }
