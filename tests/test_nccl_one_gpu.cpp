@@ -7,6 +7,7 @@
 // has MPI). Every case is a "cuda:" case, skipped visibly without a GPU.
 #include <doctest/doctest.h>
 
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -117,6 +118,7 @@ TEST_CASE("cuda: nccl: two processes on the one GPU under mpirun: refused, NCCL'
   CHECK(r.exit_code != 0);
   CHECK(r.output.find("NCCL across processes could not start") != std::string::npos);
   CHECK(r.output.find("both use the GPU") == std::string::npos);
+  CHECK(!std::filesystem::exists(job.dir / "p.st"));  // neither refusal left a checkpoint
   if (!multi_rank_gpu()) return;
   r = two("DP_TEST_NCCL=always NCCL_MULTI_RANK_GPU_ENABLE=1");
   REQUIRE(r.exit_code == 0);
