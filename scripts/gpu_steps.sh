@@ -234,10 +234,13 @@ s_nccl() {
     got=$(json "$out/nccl-$name.json" 'j["config"]["collectives"]')
     says+=("$name: ${got:-failed}")
   done
-  if grep -q '^MPIEXEC_EXECUTABLE:FILEPATH=/' "$build/CMakeCache.txt" 2> /dev/null; then
+  # as the case itself asks (tests/mpi_job.h, have_mpi): a build with MPI (dp_tests links it), its mpiexec
+  local mpiexec
+  mpiexec=$(sed -n 's/^MPIEXEC_EXECUTABLE:FILEPATH=//p' "$build/CMakeCache.txt" 2> /dev/null)
+  if ldd "$build/dp_tests" 2> /dev/null | grep -q libmpi && [ -x "$mpiexec" ]; then
     says+=("processes: in the cuda step (mpirun -np 2)")
   else
-    says+=("processes: not run (no MPI in this build)")
+    says+=("processes: not run (no MPI in this build, or no mpiexec)")
   fi
   KEY=$(IFS=';'; echo "${says[*]}" | sed 's/;/; /g')
   [ $dry = 0 ] && ! grep -q "one-rank: nccl" <<< "$KEY" && BAD="the one-rank clique did not run NCCL"

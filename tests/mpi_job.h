@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <filesystem>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -36,16 +37,21 @@ inline bool have_mpi() {
 struct Job {
   TempDir dir;
   std::string args;
+  std::string train = kTrain;  // dp_train and its backend
   Job() {
     std::filesystem::create_directory(dir / "data");
     write_synthetic_dataset(dir / "data", 192, 40);
     args = " --data " + dir / "data" + " --quiet";
   }
-  // P processes running dp_train with `more`.
-  CommandResult mpirun(int processes, const std::string& more) const {
-    return run_command(kMpirun + " -np " + std::to_string(processes) + " " + kTrain + with(more));
+  // P processes running dp_train with `more`, each with the variables `env` ("NAME=value ...", given
+  // to mpirun's -x).
+  CommandResult mpirun(int processes, const std::string& more, const std::string& env = "") const {
+    std::string exports;
+    std::istringstream vars(env);
+    for (std::string var; vars >> var;) exports += " -x " + var;
+    return run_command(kMpirun + " -np " + std::to_string(processes) + exports + " " + train + with(more));
   }
-  CommandResult one(const std::string& more) const { return run_command("timeout -s KILL 120 " + kTrain + with(more)); }
+  CommandResult one(const std::string& more) const { return run_command("timeout -s KILL 120 " + train + with(more)); }
   // --sync allreduce and --batch 24 unless `more` gives them.
   std::string with(const std::string& more) const {
     return args + (more.find("--sync") == std::string::npos ? " --sync allreduce" : "") +

@@ -259,8 +259,7 @@ TEST_CASE("mpi: a process that stops answering trips --timeout, one that is kill
   if (!have_mpi()) return;
   Job job;
   auto start = std::chrono::steady_clock::now();
-  CommandResult r = run_command("env DP_TEST_STALL_RANK=1 " + kMpirun + " -np 2 -x DP_TEST_STALL_RANK " + kTrain +
-                                job.with("--steps 4 --timeout 1"));
+  CommandResult r = job.mpirun(2, "--steps 4 --timeout 1", "DP_TEST_STALL_RANK=1");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   INFO(r.output);
   CHECK(r.exit_code == 1);

@@ -250,11 +250,13 @@ TEST_CASE("cuda: mpi: NCCL across processes, one GPU each, two processes on one 
   if (!have_mpi()) return;
   Job job;
   const std::string gpu = std::string(DP_TRAIN_BIN) + " --backend cuda";
-  CommandResult shared = run_command(kMpirun + " -np 2 " + gpu + job.with("--gpus 0 --steps 2"));
+  CommandResult shared =
+      run_command(kMpirun + " -np 2 " + gpu + job.with("--gpus 0 --steps 2 --save " + job.dir / "p.st"));
   INFO(shared.output);
   CHECK(shared.exit_code != 0);
   CHECK(shared.exit_code != 137);  // refused, not killed by timeout(1)
   CHECK(shared.output.find("both use the GPU at PCI") != std::string::npos);
+  CHECK(!std::filesystem::exists(job.dir / "p.st"));
   if (probe_cuda().count < 2) {
     MESSAGE("skipped: training across processes on GPUs needs two GPUs, one per process");
     return;

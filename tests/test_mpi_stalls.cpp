@@ -127,8 +127,7 @@ TEST_CASE("mpi: processes whose collectives differ are stopped at that step's ch
   Job job;
   const std::string flight = job.dir / "flight";
   // A test-only seam: process 1 records its first collective of step 3 as 4 bytes larger.
-  CommandResult r = run_command("env DP_TEST_DESYNC=1:3 " + kMpirun + " -np 2 -x DP_TEST_DESYNC " + kTrain +
-                                job.with("--devices 2 --steps 6 --flight-dir " + flight));
+  CommandResult r = job.mpirun(2, "--devices 2 --steps 6 --flight-dir " + flight, "DP_TEST_DESYNC=1:3");
   INFO(r.output);
   CHECK(r.exit_code == 1);
   CHECK(r.output.find("the processes ran different collectives in step 3: collective #1 of the step on channel ") !=
@@ -140,7 +139,5 @@ TEST_CASE("mpi: processes whose collectives differ are stopped at that step's ch
   CHECK(view.output.find("the ranks differ") != std::string::npos);
   // Without the seam the same job passes every step's check; with the recorder off there is no check.
   CHECK(job.mpirun(2, "--devices 2 --steps 6").exit_code == 0);
-  CHECK(run_command("env DP_TEST_DESYNC=1:3 " + kMpirun + " -np 2 -x DP_TEST_DESYNC " + kTrain +
-                    job.with("--devices 2 --steps 6 --flight-records 0"))
-            .exit_code == 0);
+  CHECK(job.mpirun(2, "--devices 2 --steps 6 --flight-records 0", "DP_TEST_DESYNC=1:3").exit_code == 0);
 }
