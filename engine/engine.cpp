@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <new>
@@ -12,6 +13,26 @@
 #include "engine/process_communicator.h"
 
 namespace dp {
+namespace {
+
+double seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// A step of n images in `micros` micro-batches, from what each device's stats say: the loss and the
+// correct count summed; finite where every device found what it checked finite (device 0 the whole
+// gradient, or each device its own shard).
+StepResult step_result(const std::vector<std::array<float, kStats>>& stats, int n, int micros) {
+  StepResult res;
+  res.n = n;
+  res.micro_batches = micros;
+  for (const auto& s : stats) {
+    res.loss += s[0];
+    res.correct += int64_t(s[1]);
+    res.finite_gradients = res.finite_gradients && s[kNonfinite] == 0.0f;
+  }
+  return res;
+}
+
+}  // namespace
 
 Split parse_split(const std::string& s) {
   if (s == "even") return Split::even;
@@ -259,6 +280,8 @@ void Engine::stage(const float* x, const int32_t* y, int n) {
 
 StepResult Engine::step() {
   if (staged_.empty()) throw std::logic_error("Engine::step: no batch staged; stage() one first");
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point step_start = Clock::now();
   const StagedBatch b = staged_.front();
   staged_.pop_front();
   // The micro-batches of the step (--accumulate): `batch` rows each, the last what is left.
@@ -278,6 +301,7 @@ StepResult Engine::step() {
   const OptimizerScalars scalars = optimizer_scalars(cfg_, optimizer_steps_ + 1);
   try {
     run_all([&](int r) {
+      const Clock::time_point start = Clock::now();
       if (replicas_[r]->scalars) devices_[r]->upload(replicas_[r]->scalars.data(), &scalars, sizeof scalars);
       recorder_.begin_step(*devices_[r], r);
       if (!graph || !graph_step(parts[0], sizes[0]))
@@ -289,23 +313,17 @@ StepResult Engine::step() {
       // optimizer also says whether the gradient it stepped was finite. The download waits for the
       // step's work (the step's one round trip); close_phases then waits for the copy stream too: the
       // next batch's upload, staged before this step, is done when the step returns.
+      const Clock::time_point enqueued = Clock::now();
       if (strategy_.computes_loss(r))
         devices_[r]->download(stats[size_t(r)].data(), replicas_[r]->stats.f(), sizeof(float) * kStats);
       recorder_.close_phases(*devices_[r], r, step_);
+      recorder_.host_step(r, seconds(enqueued - start), seconds(Clock::now() - enqueued));
     });
   } catch (...) {
     drop_staged();
     throw;
   }
-  StepResult res;
-  res.n = b.n;
-  res.micro_batches = micros;
-  for (const auto& s : stats) {
-    res.loss += s[0];
-    res.correct += int64_t(s[1]);
-  }
-  // Each device flags what it checked: device 0 the whole gradient, or each device its own shard.
-  for (const auto& s : stats) res.finite_gradients = res.finite_gradients && s[kNonfinite] == 0.0f;
+  const StepResult res = step_result(stats, b.n, micros);
   // Saturates at 2^63 - 1 rather than wrapping to a negative count, which a checkpoint could not hold.
   // BatchNorm's count goes on per micro-batch, each a forward in training (PyTorch's num_batches_tracked).
   if (spec_.has_batchnorm())
@@ -316,6 +334,7 @@ StepResult Engine::step() {
   warm_ = warm_ || b.n == cfg_.batch * cfg_.accumulate;
   recorder_.after(*comm_, traffic_before, b.n == cfg_.batch * cfg_.accumulate);
   ++step_;
+  recorder_.step_seconds(seconds(Clock::now() - step_start));
   return res;
 }
 

@@ -4,8 +4,8 @@
 // shipped dp_train or dp_bench has no DP_TEST_ string in it); the test build's binaries (dp_tests,
 // dp_train_failpoints) link tests/failpoint/failpoints.cpp, which arms them from the tests' own calls
 // (tests/failpoint/failpoints.h) and from the environment of a dp_train a test starts:
-//   DP_TEST_AT=point:action,...      at(): raise SIGINT, SIGTERM or SIGHUP at this process, hang, or
-//                                    fail (throw IoError, as a refused write)
+//   DP_TEST_AT=point:action,...      at(): raise SIGINT, SIGTERM or SIGHUP at this process, hang,
+//                                    fail (throw IoError, as a refused write) or sleepN (N ms)
 //   DP_TEST_STALL=<collective>:<rank> collective(): that rank of every communicator never arrives in its
 //                                    first such collective (names as collective_name gives them)
 //   DP_TEST_STALL_RANK=<process>     across_processes(): that process stops answering at its first

@@ -7,6 +7,7 @@ Recorder::Recorder(int devices, bool trace, bool timing)
       timing_(timing || trace),
       t0_(std::chrono::steady_clock::now()),
       phase_seconds_(size_t(devices)),
+      host_{std::vector<std::array<double, 2>>(size_t(devices)), 0.0},
       open_phases_(size_t(devices)),
       spans_(size_t(devices)),
       bucket_spans_(size_t(devices)),
@@ -61,6 +62,8 @@ void Recorder::host_span(std::string name, double start_us, double end_us,
 
 void Recorder::reset_timing() {
   for (auto& p : phase_seconds_) p = {};
+  for (auto& d : host_.device) d = {};
+  host_.in_step = 0;
   for (auto& s : spans_) s.clear();
   for (auto& s : bucket_spans_) s.clear();
   for (auto& s : eval_spans_) s.clear();

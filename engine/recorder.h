@@ -43,6 +43,14 @@ struct HostSpan {  // the trainer's own: an epoch, a save
 
 // Per device: the seconds spent in each phase so far.
 using PhaseSeconds = std::vector<std::array<double, kPhases>>;
+// The host's side of the steps so far, in seconds: per device, its thread's time enqueueing the steps'
+// work (a simulated device runs its ops as they are called, so there this is their compute) and waiting
+// for the device to finish it (the step's one round trip: the stats' download and the stream's end);
+// and the trainer's time inside Engine::step, the rest of whose wall time is its own between the steps.
+struct HostSeconds {
+  std::vector<std::array<double, 2>> device;  // [rank]: {enqueue, wait}
+  double in_step = 0;
+};
 
 class Recorder {
  public:
@@ -78,6 +86,13 @@ class Recorder {
   };
   const std::vector<OpenPhase>& open_phases(int rank) const { return open_phases_[size_t(rank)]; }
   void reopen(int rank, std::vector<OpenPhase> phases) { open_phases_[size_t(rank)] = std::move(phases); }
+  // After a step's work on `rank`, from its device's thread: the seconds it spent enqueueing the
+  // step and waiting for the device. After the whole step, from the trainer's: its seconds inside.
+  void host_step(int rank, double enqueue, double wait) {
+    auto& [e, w] = host_.device[size_t(rank)];
+    e += enqueue, w += wait;
+  }
+  void step_seconds(double seconds) { host_.in_step += seconds; }
   // Where bucket b's collective on `rank` stamps its interval: null unless tracing.
   Interval* bucket_timing(int rank, int b) { return trace_ ? &bucket_timing_[size_t(rank)][size_t(b)] : nullptr; }
   // After the bucket collectives have returned: their stamps become spans (a bucket the communicator
@@ -87,7 +102,7 @@ class Recorder {
   // A span on the trace's host lane; kept only when tracing. From the thread that drives the engine.
   void host_span(std::string name, double start_us, double end_us,
                  std::vector<std::pair<std::string, double>> args = {});
-  // Drops the phase seconds and every span.
+  // Drops the phase and host seconds and every span.
   void reset_timing();
 
   // The bytes of a step: counted from before() to after() on every device, kept when `full` (a step of
@@ -96,6 +111,7 @@ class Recorder {
   void after(const Communicator& comm, const std::vector<std::pair<Traffic, Traffic>>& before, bool full);
 
   const PhaseSeconds& phase_seconds() const { return phase_seconds_; }
+  const HostSeconds& host_seconds() const { return host_; }
   const std::vector<std::vector<Span>>& spans() const { return spans_; }
   const std::vector<std::vector<BucketSpan>>& bucket_spans() const { return bucket_spans_; }
   const std::vector<std::vector<EvalSpan>>& eval_spans() const { return eval_spans_; }
@@ -108,6 +124,7 @@ class Recorder {
   bool trace_, timing_;
   std::chrono::steady_clock::time_point t0_;
   PhaseSeconds phase_seconds_;
+  HostSeconds host_;
   std::vector<std::vector<OpenPhase>> open_phases_;   // per device
   std::vector<std::vector<Interval>> bucket_timing_;  // per device, per bucket: this step's, when tracing
   std::vector<std::vector<Span>> spans_;

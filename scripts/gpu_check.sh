@@ -30,8 +30,10 @@
 #   prefetch  dp_train --gpus 0 --steps 2000 with and without --no-prefetch, 3 alternated rounds:
 #             images/s and the load phase (ms a step), the copy stream's gain
 #   graphs    dp_train --gpus 0 --steps 2000 with and without --graphs, 3 alternated rounds: images/s,
-#             the graph launches the report counts (none fails the step), test accuracy of each; then 16
-#             steps of AdamW under a cosine schedule with --verify (2 captures, the eager reference's weights)
+#             the host's time a step (--log's host_ms: enqueueing, waiting for the GPU, between two
+#             steps), the graph launches the report counts (none fails the step), test accuracy of
+#             each; then 16 steps of AdamW under a cosine schedule with --verify (2 captures, the
+#             eager reference's weights)
 #   nccl      NCCL on the one GPU (the test build's dp_train, DP_TEST_NCCL=always): a one-rank clique,
 #             NCCL asked for a GPU named twice (the fallback), two ranks on it (NCCL_MULTI_RANK_GPU_ENABLE=1,
 #             2.30 and later); what carried the collectives each time; fails if the one-rank run was not NCCL;

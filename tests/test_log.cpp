@@ -40,6 +40,22 @@ void check_finite_numbers(const nlohmann::json& j, const std::vector<std::string
   }
 }
 
+// A step record's host_ms: the trainer's milliseconds a step inside Engine::step (device 0's thread
+// enqueueing and waiting within them) and between the steps, which add up to the record's wall time.
+void check_host_ms(const nlohmann::json& j, int64_t steps, int64_t images) {
+  const nlohmann::json& h = j["host_ms"];
+  REQUIRE(h.size() == 4);
+  for (const char* k : {"step", "enqueue", "wait", "between"}) {
+    CAPTURE(k);
+    REQUIRE(h[k].is_number());
+    CHECK(h[k].get<double>() >= 0);
+  }
+  CHECK(h["step"].get<double>() > 0);
+  CHECK(h["enqueue"].get<double>() + h["wait"].get<double>() <= h["step"].get<double>());
+  const double wall_ms = 1e3 * double(images) / j["images_per_second"].get<double>() / double(steps);
+  CHECK(h["step"].get<double>() + h["between"].get<double>() == doctest::Approx(wall_ms).epsilon(1e-9));
+}
+
 }  // namespace
 
 TEST_CASE("log: --steps 7 --log-every 3 writes steps 3, 6, 7 and each epoch, matching the report") {
@@ -63,6 +79,7 @@ TEST_CASE("log: --steps 7 --log-every 3 writes steps 3, 6, 7 and each epoch, mat
     if (j["kind"] == "step") {
       CHECK(j["step"] == expected[i].second);
       CHECK(j["step"].get<int64_t>() > last_step);
+      check_host_ms(j, j["step"].get<int64_t>() - last_step, j["images"].get<int64_t>());
       last_step = j["step"].get<int64_t>();
       check_finite_numbers(j, {"step", "epoch", "loss", "images_per_second", "elapsed_s", "lr"});
       CHECK(j["images_per_second"].get<double>() > 0);
@@ -125,13 +142,36 @@ TEST_CASE("log: a run stopped by a signal keeps its records, up to the step it s
   CHECK(steps == std::vector<int64_t>{2, 4, 5});
 }
 
+TEST_CASE("log: host_ms puts a host that is slow between two steps in `between`, not in the step") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 192, 64);
+  // The trainer sleeps 400 ms as step 3 begins, before its batch is handed over and it is stepped.
+  CommandResult r = run_command("timeout -s KILL 120 env DP_TEST_AT=step-3:sleep400 " + kTrain +
+                                " --backend cpu --data " + dir.path.string() +
+                                " --batch 32 --devices 2 --steps 5 --quiet --log-every 1 --log " + dir / "run.jsonl");
+  INFO(r.output);
+  REQUIRE(r.exit_code == 0);
+  int records = 0;
+  for (const nlohmann::json& j : read_lines(dir / "run.jsonl")) {
+    if (j["kind"] != "step") continue;
+    CAPTURE(j.dump());
+    ++records;
+    check_host_ms(j, 1, 32);
+    if (j["step"] == 3) {
+      CHECK(j["host_ms"]["between"].get<double>() >= 400);
+      CHECK(j["host_ms"]["step"].get<double>() < 400);
+    }
+  }
+  CHECK(records == 5);
+}
+
 TEST_CASE("log: a write the system refuses throws IoError naming the file and the reason") {
-  const dp::PhaseSeconds phases(2);  // two devices, nothing timed yet
-  dp::TrainLog log("/dev/full", 1, dp::find_strategy("scatter"), phases);
+  const dp::Recorder times(2, false);  // two devices, nothing timed yet
+  dp::TrainLog log("/dev/full", 1, dp::find_strategy("scatter"), times);
   dp::StepResult step;
   step.loss = 2.3, step.n = 32;
   try {
-    log.step(1, 1, step, 0.1, phases, false);
+    log.step(1, 1, step, 0.1, times, false);
     FAIL("no IoError");
   } catch (const dp::IoError& e) {
     const std::string what = e.what();

@@ -31,11 +31,25 @@ nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& bef
   return {{"device0", device0}, {"max", most}};
 }
 
+// The host's milliseconds per step of `steps` that took `seconds` of wall time: the trainer's inside
+// Engine::step, device 0's thread enqueueing and waiting within it, and the trainer's between the steps.
+nlohmann::ordered_json host_ms(const HostSeconds& now, const HostSeconds& before, int64_t steps, double seconds) {
+  const double per_step = 1e3 / double(steps), in_step = (now.in_step - before.in_step) * per_step;
+  return {{"step", in_step},
+          {"enqueue", (now.device[0][0] - before.device[0][0]) * per_step},
+          {"wait", (now.device[0][1] - before.device[0][1]) * per_step},
+          {"between", seconds * per_step - in_step}};
+}
+
 }  // namespace
 
-TrainLog::TrainLog(const std::string& path, int64_t every, const Strategy& strategy, const PhaseSeconds& phases,
+TrainLog::TrainLog(const std::string& path, int64_t every, const Strategy& strategy, const Recorder& times,
                    int64_t resumed)
-    : path_(path), every_(every), strategy_(strategy), interval_phases_(phases) {
+    : path_(path),
+      every_(every),
+      strategy_(strategy),
+      interval_phases_(times.phase_seconds()),
+      interval_host_(times.host_seconds()) {
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | (resumed > 0 ? 0 : O_TRUNC) | O_CLOEXEC, 0666);
   if (fd_ < 0) throw IoError(path + ": cannot open the log: " + std::strerror(errno));
   if (resumed > 0) keep_records_through(resumed);
@@ -80,14 +94,14 @@ void TrainLog::write_line(const std::string& line) {
   written_ += off_t(line.size());
 }
 
-void TrainLog::step(int64_t step, int epoch, const StepResult& r, double lr, const PhaseSeconds& phases, bool last) {
+void TrainLog::step(int64_t step, int epoch, const StepResult& r, double lr, const Recorder& times, bool last) {
   ++steps_, images_ += r.n, micro_batches_ += r.micro_batches, loss_sum_ += r.loss * r.n;
   lr_ = json_float(float(lr));
   last_step_ = step, epoch_ = epoch;
-  if (last || step % every_ == 0) flush(phases);
+  if (last || step % every_ == 0) flush(times);
 }
 
-void TrainLog::flush(const PhaseSeconds& phases) {
+void TrainLog::flush(const Recorder& times) {
   if (steps_ == 0) return;
   const Clock::time_point now = Clock::now();
   const double seconds = std::chrono::duration<double>(now - interval_start_).count() - paused_;
@@ -100,14 +114,16 @@ void TrainLog::flush(const PhaseSeconds& phases) {
                               {"images_per_second", seconds > 0 ? double(images_) / seconds : 0.0},
                               {"elapsed_s", elapsed_before_ + std::chrono::duration<double>(now - start_).count()},
                               {"lr", lr_},
-                              {"phase_ms", phase_ms(phases, interval_phases_, steps_, strategy_)}};
+                              {"phase_ms", phase_ms(times.phase_seconds(), interval_phases_, steps_, strategy_)},
+                              {"host_ms", host_ms(times.host_seconds(), interval_host_, steps_, seconds)}};
   failpoint::at("log", last_step_);
   write_line(j.dump() + "\n");
   recorded_step_ = last_step_;
   steps_ = images_ = micro_batches_ = 0;
   loss_sum_ = paused_ = 0;
   interval_start_ = now;
-  interval_phases_ = phases;
+  interval_phases_ = times.phase_seconds();
+  interval_host_ = times.host_seconds();
 }
 
 void TrainLog::epoch(const EpochRecord& rec, int64_t step, double eval_seconds) {

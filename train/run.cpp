@@ -224,7 +224,7 @@ Interrupted Run::interrupted(int sig) {
   }
   if (!skipped.empty()) what += "; " + skipped[0] + (skipped.size() > 1 ? " and " + skipped[1] : "") + " not written";
   // The log's records are on disk as they come; the steps since the last one get theirs now.
-  log([&](TrainLog& l) { l.flush(engine_.recorder().phase_seconds()); });
+  log([&](TrainLog& l) { l.flush(engine_.recorder()); });
   if (log_)
     what += "; log " + log_->path() +
             (log_->last_step() > 0 ? " kept up to step " + std::to_string(log_->last_step()) : " has no step records");
@@ -282,9 +282,7 @@ void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier
   }
   meter.add(r);
   progress.update(s + 1, r.n, meter.loss());
-  log([&](TrainLog& l) {
-    l.step(step_, meter.epoch(), r, lr, engine_.recorder().phase_seconds(), step_ >= plan_.total_steps);
-  });
+  log([&](TrainLog& l) { l.step(step_, meter.epoch(), r, lr, engine_.recorder(), step_ >= plan_.total_steps); });
   if (o_.save_every > 0 && step_ % o_.save_every == 0) save();
   stop_if_signalled();
 }

@@ -196,7 +196,7 @@ TrainResult train(const TrainOptions& opt, ProcessGroup* group) {
   CheckpointSaver saver(opt, p.spec, p.id, p.plan.per_epoch);
   std::optional<TrainLog> log;  // opened as training starts (truncated; resumed: kept up to its step); rank 0's alone
   if (!opt.log.empty() && lead)
-    log.emplace(opt.log, opt.log_every, engine.strategy(), engine.recorder().phase_seconds(),
+    log.emplace(opt.log, opt.log_every, engine.strategy(), engine.recorder(),
                 opt.resume.empty() ? 0 : p.resumed.global_step);
   Run run(opt, p.plan, engine, saver, signals, log ? &*log : nullptr, p.resumed.global_step, g);
   run.stop_if_signalled();  // one that came during the setup: nothing trained, nothing saved

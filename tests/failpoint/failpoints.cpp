@@ -39,15 +39,28 @@ Armed& armed() {
   return *a;
 }
 
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+// A non-negative number of at most six digits, or -1.
+int small_number(const std::string& s) {
+  if (s.empty() || s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos) return -1;
+  return std::stoi(s);
+}
+
 // DP_TEST_AT="point:action,...": raise a signal at this process (SIGINT, SIGTERM, SIGHUP), hang for
-// good (after a line on stderr) or fail as a refused write does (IoError) the first time the run
-// reaches `point`.
-constexpr int kHang = 0, kFail = -1;
+// good (after a line on stderr), fail as a refused write does (IoError) or sleep N milliseconds
+// (sleepN: a slow host between steps) the first time the run reaches `point`.
+constexpr int kHang = 0, kFail = -1, kSleep = -2;
 struct AtHook {
   std::string point;
-  int action = kHang;  // a signal number, kHang or kFail
+  int action = kHang;  // a signal number, kHang, kFail or kSleep
+  int sleep_ms = 0;
   bool fired = false;
 };
+
 std::vector<AtHook> parse_at(const std::string& spec) {
   std::vector<AtHook> hooks;
   for (size_t at = 0; at < spec.size();) {
@@ -60,23 +73,14 @@ std::vector<AtHook> parse_at(const std::string& spec) {
       hook.action = action == "SIGINT" ? SIGINT : action == "SIGTERM" ? SIGTERM : SIGHUP;
     else if (action == "fail")
       hook.action = kFail;
+    else if (action.starts_with("sleep") && small_number(action.substr(5)) >= 0)
+      hook.action = kSleep, hook.sleep_ms = small_number(action.substr(5));
     else if (action != "hang")
-      throw UsageError("DP_TEST_AT=" + spec + ": " + item + " is not point:SIGINT|SIGTERM|SIGHUP|hang|fail");
+      throw UsageError("DP_TEST_AT=" + spec + ": " + item + " is not point:SIGINT|SIGTERM|SIGHUP|hang|fail|sleepN");
     hooks.push_back(hook);
     at = comma + 1;
   }
   return hooks;
-}
-
-std::string env(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? v : "";
-}
-
-// A non-negative number of at most six digits, or -1.
-int small_number(const std::string& s) {
-  if (s.empty() || s.size() > 6 || s.find_first_not_of("0123456789") != std::string::npos) return -1;
-  return std::stoi(s);
 }
 
 }  // namespace
@@ -85,14 +89,18 @@ void at(const char* point, int64_t n) {
   static std::vector<AtHook>* const hooks = new std::vector<AtHook>(parse_at(env("DP_TEST_AT")));
   if (hooks->empty()) return;
   const std::string name = n >= 0 ? std::string(point) + "-" + std::to_string(n) : std::string(point);
-  std::vector<int> actions;
+  std::vector<std::pair<int, int>> actions;  // {action, sleep_ms}
   {
     std::lock_guard<std::mutex> lock(armed().m);
     for (AtHook& hook : *hooks)
-      if (!hook.fired && hook.point == name) hook.fired = true, actions.push_back(hook.action);
+      if (!hook.fired && hook.point == name) hook.fired = true, actions.emplace_back(hook.action, hook.sleep_ms);
   }
-  for (int action : actions) {
+  for (auto [action, sleep_ms] : actions) {
     if (action == kFail) throw IoError("DP_TEST_AT: " + name + ": the write failed on purpose");
+    if (action == kSleep) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+      continue;
+    }
     if (action != kHang) {
       std::raise(action);
       continue;
