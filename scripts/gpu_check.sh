@@ -45,16 +45,19 @@
 #             "cuda:" cases of the step graphs
 # A step whose dp_train/dp_bench prints a "warning:" (a cuDNN fallback, say) fails, as does one whose
 # key number cannot be read from its own output.
-# No step runs NCCL across processes (mpirun -np 2 dp_train --gpus ...): on one GPU the two processes
-# would share it, and NCCL refuses one GPU twice in a communicator (dp says so before NCCL starts).
-# then a summary table (step, exit code, ok/FAIL/skip, seconds, key number) in OUT/summary.txt; the exit
-# code is 1 if any step failed, 2 if the machine cannot run the check at all (no nvidia-smi, nvcc or kit).
+# NCCL across processes on distinct GPUs (mpirun -np 2 dp_train --gpus ...) needs two GPUs: no step
+# runs it. Two processes on the one GPU are a case of the cuda step where the build found an MPI (the
+# nccl step says whether it ran). The run ends with a summary table (step, exit code, ok/FAIL/skip,
+# seconds, key number) in OUT/summary.txt; the exit code is 1 if any step failed, 2 if the machine
+# cannot run the check at all (no nvidia-smi, nvcc or kit).
 #
 # --deadline SECONDS: the whole run's budget from its start. Each step's limit is cut to what is left
 # (less 20 s for the summary and the tarball); a step with under 30 s left is skipped, and the summary
-# and tarball are written all the same. On a machine lent for 10-minute calls: one call with
-# `--deadline 540 --skip ctest,readme` (the build, the GPU's tests, training, the profile, PyTorch,
-# dp_bench), and a second `--only configure,build,ctest,sanitize` where time is left.
+# and tarball are written all the same. On a machine lent for calls of at most 10 minutes and 15 minutes
+# in all, its start included: one call with `--deadline 280 --only env,configure,build,cuda,train,
+# graphs,nccl,profile,torch`, then at once, on the machine still warm (its build kept), `--deadline 240
+# --only configure,build,compare,skew,sanitize`; ctest and readme (the CPU cases, the README's two-GPU
+# commands) belong to a longer loan.
 #
 # --cpu-dry-run runs the same steps on a machine without a GPU (CPU-only build, --backend cpu, small
 # sizes, the GPU entry expected Skipped), so the script's own logic can be tested anywhere.
