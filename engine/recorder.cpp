@@ -7,7 +7,7 @@ Recorder::Recorder(int devices, bool trace, bool timing)
       timing_(timing || trace),
       t0_(std::chrono::steady_clock::now()),
       phase_seconds_(size_t(devices)),
-      host_{std::vector<std::array<double, 2>>(size_t(devices)), 0.0},
+      host_{std::vector<HostSeconds::PerDevice>(size_t(devices)), 0.0},
       open_phases_(size_t(devices)),
       spans_(size_t(devices)),
       bucket_spans_(size_t(devices)),

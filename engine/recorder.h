@@ -48,7 +48,10 @@ using PhaseSeconds = std::vector<std::array<double, kPhases>>;
 // for the device to finish it (the step's one round trip: the stats' download and the stream's end);
 // and the trainer's time inside Engine::step, the rest of whose wall time is its own between the steps.
 struct HostSeconds {
-  std::vector<std::array<double, 2>> device;  // [rank]: {enqueue, wait}
+  struct PerDevice {
+    double enqueue = 0, wait = 0;
+  };
+  std::vector<PerDevice> device;  // [rank]
   double in_step = 0;
 };
 
@@ -89,8 +92,8 @@ class Recorder {
   // After a step's work on `rank`, from its device's thread: the seconds it spent enqueueing the
   // step and waiting for the device. After the whole step, from the trainer's: its seconds inside.
   void host_step(int rank, double enqueue, double wait) {
-    auto& [e, w] = host_.device[size_t(rank)];
-    e += enqueue, w += wait;
+    HostSeconds::PerDevice& d = host_.device[size_t(rank)];
+    d.enqueue += enqueue, d.wait += wait;
   }
   void step_seconds(double seconds) { host_.in_step += seconds; }
   // Where bucket b's collective on `rank` stamps its interval: null unless tracing.

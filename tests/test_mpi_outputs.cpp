@@ -249,9 +249,8 @@ TEST_CASE("cuda: mpi: NCCL across processes, one GPU each, two processes on one 
           doctest::skip(!cuda_available())) {
   if (!have_mpi()) return;
   Job job;
-  const std::string gpu = std::string(DP_TRAIN_BIN) + " --backend cuda";
-  CommandResult shared =
-      run_command(kMpirun + " -np 2 " + gpu + job.with("--gpus 0 --steps 2 --save " + job.dir / "p.st"));
+  job.train = std::string(DP_TRAIN_BIN) + " --backend cuda";
+  CommandResult shared = job.mpirun(2, "--gpus 0 --steps 2 --save " + job.dir / "p.st");
   INFO(shared.output);
   CHECK(shared.exit_code != 0);
   CHECK(shared.exit_code != 137);  // refused, not killed by timeout(1)
@@ -264,13 +263,11 @@ TEST_CASE("cuda: mpi: NCCL across processes, one GPU each, two processes on one 
   const int steps = 6;
   const std::string run = " --gpus 0 --steps " + std::to_string(steps);
   CommandResult m =
-      run_command(kMpirun + " -np 2 sh -c 'CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec " + gpu +
+      run_command(kMpirun + " -np 2 sh -c 'CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec " + job.train +
                   job.with(run + " --save " + job.dir / "p.st" + " --report " + job.dir / "p.json") + "'");
   INFO(m.output);
   REQUIRE(m.exit_code == 0);
-  CommandResult o =
-      run_command("timeout -s KILL 120 " + gpu +
-                  job.with("--gpus 0,1 --steps " + std::to_string(steps) + " --save " + job.dir / "o.st"));
+  CommandResult o = job.one("--gpus 0,1 --steps " + std::to_string(steps) + " --save " + job.dir / "o.st");
   REQUIRE(o.exit_code == 0);
   CHECK(max_diff(weights(job.dir / "p.st"), weights(job.dir / "o.st")) <= summation_tolerance(steps, 24, 0.1f, 0.9f));
   const int64_t P = make_model("lenet").param_count;

@@ -36,8 +36,8 @@ nlohmann::ordered_json phase_ms(const PhaseSeconds& now, const PhaseSeconds& bef
 nlohmann::ordered_json host_ms(const HostSeconds& now, const HostSeconds& before, int64_t steps, double seconds) {
   const double per_step = 1e3 / double(steps), in_step = (now.in_step - before.in_step) * per_step;
   return {{"step", in_step},
-          {"enqueue", (now.device[0][0] - before.device[0][0]) * per_step},
-          {"wait", (now.device[0][1] - before.device[0][1]) * per_step},
+          {"enqueue", (now.device[0].enqueue - before.device[0].enqueue) * per_step},
+          {"wait", (now.device[0].wait - before.device[0].wait) * per_step},
           {"between", seconds * per_step - in_step}};
 }
 

@@ -89,20 +89,20 @@ void at(const char* point, int64_t n) {
   static std::vector<AtHook>* const hooks = new std::vector<AtHook>(parse_at(env("DP_TEST_AT")));
   if (hooks->empty()) return;
   const std::string name = n >= 0 ? std::string(point) + "-" + std::to_string(n) : std::string(point);
-  std::vector<std::pair<int, int>> actions;  // {action, sleep_ms}
+  std::vector<AtHook> fired;
   {
     std::lock_guard<std::mutex> lock(armed().m);
     for (AtHook& hook : *hooks)
-      if (!hook.fired && hook.point == name) hook.fired = true, actions.emplace_back(hook.action, hook.sleep_ms);
+      if (!hook.fired && hook.point == name) hook.fired = true, fired.push_back(hook);
   }
-  for (auto [action, sleep_ms] : actions) {
-    if (action == kFail) throw IoError("DP_TEST_AT: " + name + ": the write failed on purpose");
-    if (action == kSleep) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+  for (const AtHook& hook : fired) {
+    if (hook.action == kFail) throw IoError("DP_TEST_AT: " + name + ": the write failed on purpose");
+    if (hook.action == kSleep) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(hook.sleep_ms));
       continue;
     }
-    if (action != kHang) {
-      std::raise(action);
+    if (hook.action != kHang) {
+      std::raise(hook.action);
       continue;
     }
     std::fprintf(stderr, "dp_train: DP_TEST_AT: hanging at %s\n", name.c_str());
