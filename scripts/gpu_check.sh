@@ -134,9 +134,10 @@ nice=()
 generator=()
 command -v ninja > /dev/null && generator=(-G Ninja)
 
-# A Python that has torch: $PYTHON, python3, or Debian's /usr/bin/python3 (a dry run on Debian).
+# A Python that has torch: $PYTHON, python3, or on a dry run scripts/deps.sh --bench's .venv-bench or
+# Debian's /usr/bin/python3 (the torch step is skipped, naming why, where none has).
 py=""
-for p in ${PYTHON:-} python3 /usr/bin/python3; do
+for p in ${PYTHON:-} python3 "$here/.venv-bench/bin/python" /usr/bin/python3; do
   if command -v "$p" > /dev/null && "$p" -c 'import torch' 2> /dev/null; then py=$(command -v "$p"); break; fi
 done
 [ -n "$py" ] || py=$(command -v python3 || echo python3)

@@ -309,6 +309,12 @@ s_comm() {
 s_torch() {
   local dev=cuda args=(--epochs "$epochs") rc=0 mode modes=(eager reduce-overhead) rates=()
   [ $dry = 1 ] && dev=cpu args=(--epochs 1 --max-steps 16) modes=(eager)  # Debian's torch 1.13 cannot compile
+  if ! "$py" -c 'import torch, numpy' 2> /dev/null; then  # a GPU machine has one; a dry run's may not
+    local why="no Python with torch and numpy (\$PYTHON, python3, .venv-bench, /usr/bin/python3; scripts/deps.sh --bench)"
+    echo "$why"
+    if [ $dry = 1 ]; then SKIP="not run: $why"; else BAD=$why; fi
+    return 0
+  fi
   for mode in "${modes[@]}"; do
     run "$py" "$here/bench/torch_gpu.py" --data "$data" --device $dev --batch 256 --mode $mode "${args[@]}" \
       --json "$out/torch-$mode.json" || rc=$?
