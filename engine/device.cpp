@@ -59,8 +59,8 @@ void Device::check_upload_slot(int slot) const {
 void Device::refuse_while_capturing(bool capturing, const char* what) const {
   if (capturing)
     throw DeviceError(id_, std::string(what) +
-                               " while capturing a step graph: a replay would repeat the captured step's host "
-                               "memory or pointers");
+                               " while capturing a step graph: a graph holds the device's work alone, and a "
+                               "replay repeats the captured step's pointers");
 }
 
 void Device::no_graph(int slot) const {

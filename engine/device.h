@@ -113,10 +113,10 @@ class Device {
   // capturing throws, as does an allocation (a replay would use the first step's host memory, or a
   // buffer freed since), and every argument is the capture's (a pointer, a batch size: what changes
   // from step to step is read from device memory instead, as the optimizer's scalars are).
-  // prepare_graphs() before the first step: what capture needs set up once (cuBLAS's workspace on
-  // CUDA, so the eager steps and the graphs run on the same one). abandon_capture() drops a capture
-  // that failed. Compute thread only.
-  virtual void prepare_graphs() {}
+  // prepare_steps() before an engine's first step, graphs or not: what its steps need set up once
+  // (cuBLAS's workspace on CUDA, booked, so that eager steps and graphs run on the same one and pick
+  // the same GEMM kernels). abandon_capture() drops a capture that failed. Compute thread only.
+  virtual void prepare_steps() {}
   virtual void begin_capture() = 0;
   virtual void end_capture(int slot) = 0;
   virtual void abandon_capture() noexcept = 0;

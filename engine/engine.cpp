@@ -100,7 +100,7 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   comm_->set_timeout(cfg_.timeout);
   check_graphs();
   allocate_replicas();
-  if (cfg_.graphs) devices_[0]->run([this] { devices_[0]->prepare_graphs(); }).get();
+  for (auto& d : devices_) d->run([&d] { d->prepare_steps(); }).get();
 }
 
 void Engine::allocate_replicas() {
@@ -352,7 +352,9 @@ std::pair<int, int> Engine::process_rows(int n) const {
 BatchNormPass Engine::batchnorm_pass(int r, int B) {
   BatchNormPass bn;
   bn.running = replicas_[r]->running.f();
-  if (cfg_.sync_bn) {
+  // On one device in the whole job the batch's statistics are the replica's own: no all-reduce (nor
+  // the host wait before it, which a step graph cannot hold).
+  if (cfg_.sync_bn && world_ > 1) {
     bn.global_n = B;
     // With buckets the gradient all-reduces of backward are queued on the communication thread; the
     // statistics' all-reduce joins that queue (every rank queues in the same order) and waits for it.

@@ -49,8 +49,8 @@ bool Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
   if (g.captured) {
     recorder_.reopen(0, g.phases);
   } else {
-    dev.begin_capture();
     try {
+      dev.begin_capture();  // inside: a capture that cannot begin falls back as one that fails
       StepContext context(*this, 0, b, sizes, {0, 1, b.n});
       strategy_.step(context);
       dev.end_capture(b.slot);

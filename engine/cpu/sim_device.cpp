@@ -55,7 +55,10 @@ class SimDevice final : public Device {
     if (n) ops_.run([=] { std::memcpy(dst, src, n); });
   }
   // Compute work is done when its call returns; the copy thread's may not be.
-  void synchronize() override { finish_uploads(); }
+  void synchronize() override {
+    refuse_while_capturing(ops_.recording(), "a host wait for the device");  // as CUDA's capture refuses it
+    finish_uploads();
+  }
 
   void upload_ahead(int slot, void* dst, const void* src, size_t n) override {
     check_upload_slot(slot);

@@ -294,6 +294,7 @@ void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void*
 }
 
 void CudaDevice::synchronize() {
+  refuse_while_capturing(capturing(), "a host wait for the device");  // cudaErrorStreamCaptureUnsupported
   DeviceGuard guard(id());
   wait_stream(copy_stream_.get());
   wait_stream(stream_.get());

@@ -65,9 +65,9 @@ class CudaDevice final : public Device {
   // Step graphs (cuda_graph.cpp): cudaStreamBeginCapture on the compute stream in thread-local mode
   // (the loader's and the communication thread's CUDA calls go on), instantiated per upload slot;
   // marks taken while capturing are event-record nodes (cudaEventRecordExternal, so they can be
-  // timed), and launch starts the first mark's clock at cudaGraphLaunch. prepare_graphs gives cuBLAS
-  // a workspace of kCublasWorkspaceBytes (booked), as PyTorch does for graphs.
-  void prepare_graphs() override;
+  // timed), and launch starts the first mark's clock at cudaGraphLaunch. prepare_steps gives cuBLAS
+  // a workspace of kCublasWorkspaceBytes (booked), as PyTorch gives every handle one of its own.
+  void prepare_steps() override;
   void begin_capture() override;
   void end_capture(int slot) override;
   void abandon_capture() noexcept override;
@@ -143,7 +143,7 @@ class CudaDevice final : public Device {
   // The thread capturing a step graph (none: not capturing); what it may not do then throws.
   std::atomic<std::thread::id> capture_thread_{};
   bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
-  Buffer cublas_workspace_;                        // prepare_graphs'
+  Buffer cublas_workspace_;                        // prepare_steps'
   cuda::GraphExec graphs_[Device::kUploadSlots];   // one per upload slot
   size_t graph_marks_[Device::kUploadSlots] = {};  // the marks each graph records
   cuda::Event computed_;                           // recorded on stream_ for the copy stream to wait on

@@ -10,8 +10,10 @@
 namespace dp {
 
 // cuBLAS otherwise allocates its workspace as it likes (per graph, with cudaMallocAsync, since CUDA
-// 12.2): one buffer, booked, for the eager steps and the graphs alike.
-void CudaDevice::prepare_graphs() {
+// 12.2), and picks its GEMM kernels by the workspace it has: one buffer, booked, for every engine's
+// steps, eager or graphs alike, so that the two run the same kernels (tests/test_graphs.cpp holds them
+// to the same bits). 32 MiB: cuBLAS's recommendation for Hopper.
+void CudaDevice::prepare_steps() {
   if (cublas_workspace_) return;
   cublas_workspace_ = alloc(kCublasWorkspaceBytes, Category::workspace);
   DeviceGuard guard(id());
@@ -41,13 +43,15 @@ void CudaDevice::end_capture(int slot) {
 }
 
 // The capture is ended and whatever it made dropped; an error it left (the reason it failed, most
-// likely already thrown) is cleared from the thread's last-error slot.
+// likely already thrown, or one a cuBLAS or cuDNN call left behind) is cleared from the thread's
+// last-error slot, so that the eager steps after do not report it as theirs.
 void CudaDevice::abandon_capture() noexcept {
   if (!capturing()) return;
   capture_thread_.store(std::thread::id());
   DeviceGuard guard(id());
   cudaGraph_t raw = nullptr;
-  if (cudaStreamEndCapture(stream_.get(), &raw) != cudaSuccess) (void)cudaGetLastError();
+  (void)cudaStreamEndCapture(stream_.get(), &raw);
+  (void)cudaGetLastError();
   if (raw) cuda::Graph drop(raw);
 }
 
