@@ -225,6 +225,8 @@ s_graphs() {
 # a GPU named twice (the fallback), and two ranks on it where NCCL is 2.30 or newer; what carried the
 # collectives each time (the report's config.collectives), or why it did not run. Two processes on the
 # GPU under mpirun are a case of the cuda step, run where the build found an MPI: said which here.
+# --timeout 60: two ranks on one GPU from two threads is what NCCL's guide calls unsafe; a hang gives
+# up in a minute.
 s_nccl() {
   need dp_train_failpoints || return $?
   local rc=0 name env gpus got says=()
@@ -235,7 +237,7 @@ s_nccl() {
     IFS=: read -r name env gpus <<< "$r"
     # shellcheck disable=SC2086  # env is words
     run "${dp_env[@]}" $env "$build/dp_train_failpoints" --backend $backend --gpus $gpus --allow-shared-device \
-      --sync allreduce --bucket-kb 64 --verify --steps 6 --data "$data" --limit-test 256 --report "$out/nccl-$name.json" || rc=$?
+      --sync allreduce --bucket-kb 64 --verify --steps 6 --timeout 60 --data "$data" --limit-test 256 --report "$out/nccl-$name.json" || rc=$?
     got=$(json "$out/nccl-$name.json" 'j["config"]["collectives"]')
     says+=("$name: ${got:-failed}")
   done

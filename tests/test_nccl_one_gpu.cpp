@@ -1,7 +1,7 @@
 // NCCL on a machine with one GPU (the lent machines have one; NCCL refuses one GPU twice). The test
 // build's failpoint::nccl_always gives one GPU a one-rank NCCL clique, so NCCL's start, its polled
 // waits and the buckets on the communication stream run for real; and it asks NCCL for a GPU named
-// twice, which NCCL refuses ("Duplicate GPU detected"), so the fallback to peer copies runs. NCCL 2.30
+// twice, which NCCL refuses (ncclInvalidUsage), so the fallback to peer copies runs. NCCL 2.30
 // and later can put two ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE=1, experimental): tried where the
 // library is that new, by threads of one process and by two processes under mpirun (where this build
 // has MPI). Every case is a "cuda:" case, skipped visibly without a GPU.
@@ -75,8 +75,10 @@ TEST_CASE("cuda: nccl: dp_train on one GPU says which NCCL ran: a one-rank cliqu
           doctest::skip(!dp::test::cuda_available())) {
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 256, 32);
+  // --timeout 60: two ranks on one GPU driven by two threads at once is what NCCL's guide calls unsafe
+  // (and NCCL_MULTI_RANK_GPU_ENABLE experimental); a hang gives up in a minute, not ten.
   const std::string run = std::string(DP_TRAIN_BIN) +
-                          " --backend cuda --sync allreduce --bucket-kb 64 --verify --steps 6 "
+                          " --backend cuda --sync allreduce --bucket-kb 64 --verify --steps 6 --timeout 60 "
                           "--batch 32 --data " +
                           dir.path.string();
   // What carried the collectives, as the report says (Communicator::transport).

@@ -76,6 +76,7 @@ NcclCommunicator::NcclCommunicator(std::vector<Device*> devices)
       world_(size()),
       one_rank_clique_(failpoint::nccl_always()),
       comms_(devices_.size(), nullptr),
+      api_(std::make_unique<std::mutex[]>(devices_.size())),
       events_(devices_.size()) {
   try {
     for (int r = 0; r < size(); ++r) devices_[r]->run([this, r] { events_[r].done = cuda::make_event(); }).get();
@@ -105,9 +106,9 @@ bool NcclCommunicator::use_nccl(int rank) {
 void NcclCommunicator::start_clique(int rank) {
   meet(rank, Collective::all_reduce);  // every rank, at its first all-reduce
   if (rank == 0) {
+    std::vector<int> ids;
+    for (Device* d : devices_) ids.push_back(d->id());
     try {
-      std::vector<int> ids;
-      for (Device* d : devices_) ids.push_back(d->id());
       try {
         // On rank 0's thread, whose current device is ids[0]: NCCL's save-and-restore of the current
         // device never touches another GPU.
@@ -124,7 +125,12 @@ void NcclCommunicator::start_clique(int rank) {
       clique_ = Clique::ready;
     } catch (const std::exception& e) {
       clique_ = Clique::unavailable;
-      std::fprintf(stderr, "note: NCCL could not start (%s); all-reduce uses peer copies\n", e.what());
+      // NCCL's refusal of a GPU named twice comes without a message of its own (ncclInvalidUsage).
+      const bool shared = std::set<int>(ids.begin(), ids.end()).size() < ids.size();
+      std::fprintf(stderr, "note: NCCL could not start (%s%s); all-reduce uses peer copies\n", e.what(),
+                   shared ? "; a GPU is named twice, which NCCL ranks once but with NCCL_MULTI_RANK_GPU_ENABLE=1 "
+                            "(NCCL 2.30 or later)"
+                          : "");
     }
   }
   // Every rank learns the outcome. NCCL's start can take seconds on many GPUs: the wait for it is
@@ -143,12 +149,15 @@ void NcclCommunicator::watch_clique() {
   }
 }
 
-ncclResult_t NcclCommunicator::enqueued(int rank, ncclResult_t result) {
-  if (result != ncclInProgress) return result;
-  ncclResult_t state = ncclInProgress;
+ncclResult_t NcclCommunicator::call(int rank, const std::function<ncclResult_t()>& nccl) {
+  std::unique_lock lock(api_[rank]);
+  ncclResult_t state = nccl();
+  lock.unlock();
+  if (state != ncclInProgress) return state;
   const CudaDevice& d = gpu(rank);
   poll_until(
       [&] {
+        std::lock_guard poll(api_[rank]);
         DP_NCCL_CHECK(ncclCommGetAsyncError(comms_[rank], &state));
         return state != ncclInProgress;
       },
@@ -159,6 +168,10 @@ ncclResult_t NcclCommunicator::enqueued(int rank, ncclResult_t result) {
 
 bool NcclCommunicator::failed(int rank) {
   if (barrier_.aborted()) return true;  // another rank failed: Aborted
+  // The communication thread inside NCCL on this communicator: asked again at the next poll, while
+  // the wait's timeout runs on.
+  std::unique_lock lock(api_[rank], std::try_to_lock);
+  if (!lock.owns_lock()) return false;
   ncclResult_t state = ncclSuccess;
   DP_NCCL_CHECK(ncclCommGetAsyncError(comms_[rank], &state));
   if (state == ncclSuccess || state == ncclInProgress) return false;
@@ -264,13 +277,13 @@ void NcclCommunicator::tally_all_reduce(int rank, int64_t count, DType type) {
 void NcclCommunicator::enqueue_all_reduce(int rank, void* buf, int64_t count, DType type, cudaStream_t stream) {
   const ncclDataType_t t = nccl_type(type);
   if (all_reduce_algorithm() == AllReduceAlgorithm::ring) {
-    DP_NCCL_CHECK(enqueued(rank, ncclAllReduce(buf, buf, size_t(count), t, ncclSum, comms_[rank], stream)));
+    DP_NCCL_CHECK(call(rank, [&] { return ncclAllReduce(buf, buf, size_t(count), t, ncclSum, comms_[rank], stream); }));
     return;
   }
   // In place on every rank: rank 0's buf receives the sum (the others' are only read), then every
   // rank's buf receives rank 0's. Stream order puts the broadcast after the reduce.
-  DP_NCCL_CHECK(enqueued(rank, ncclReduce(buf, buf, size_t(count), t, ncclSum, 0, comms_[rank], stream)));
-  DP_NCCL_CHECK(enqueued(rank, ncclBroadcast(buf, buf, size_t(count), t, 0, comms_[rank], stream)));
+  DP_NCCL_CHECK(call(rank, [&] { return ncclReduce(buf, buf, size_t(count), t, ncclSum, 0, comms_[rank], stream); }));
+  DP_NCCL_CHECK(call(rank, [&] { return ncclBroadcast(buf, buf, size_t(count), t, 0, comms_[rank], stream); }));
 }
 
 void NcclCommunicator::reduce_scatter(int rank, void* buf, int64_t chunk, DType type) {
@@ -299,8 +312,9 @@ void NcclCommunicator::enqueue_reduce_scatter(int rank, const void* buf, int64_t
   const int64_t bytes = (world_ - 1) * chunk * dtype_size(type);
   tally_ring(rank, Collective::reduce_scatter, {bytes, bytes});
   meet(rank, Collective::reduce_scatter);
-  DP_NCCL_CHECK(
-      enqueued(rank, ncclReduceScatter(buf, out, size_t(chunk), nccl_type(type), ncclSum, comms_[rank], stream)));
+  DP_NCCL_CHECK(call(rank, [&] {
+    return ncclReduceScatter(buf, out, size_t(chunk), nccl_type(type), ncclSum, comms_[rank], stream);
+  }));
 }
 
 void NcclCommunicator::enqueue_all_gather(int rank, float* buf, int64_t chunk, cudaStream_t stream) {
@@ -308,7 +322,7 @@ void NcclCommunicator::enqueue_all_gather(int rank, float* buf, int64_t chunk, c
   tally_ring(rank, Collective::all_gather, {bytes, bytes});
   meet(rank, Collective::all_gather);
   const float* mine = buf + int64_t(shard(rank)) * chunk;  // in place: sendbuff = recvbuff + rank·sendcount
-  DP_NCCL_CHECK(enqueued(rank, ncclAllGather(mine, buf, size_t(chunk), ncclFloat, comms_[rank], stream)));
+  DP_NCCL_CHECK(call(rank, [&] { return ncclAllGather(mine, buf, size_t(chunk), ncclFloat, comms_[rank], stream); }));
 }
 
 // The timing is the host's view: from the communication thread reaching the barrier to the NCCL call

@@ -7,6 +7,7 @@
 #include <nccl.h>
 
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -71,10 +72,12 @@ class NcclCommunicator : public Communicator {
   virtual void start_clique(int rank);
   // Once comms_ are made: every GPU's host waits poll the communicators (CudaDevice::Watch).
   void watch_clique();
-  // A call's result on a nonblocking communicator (the job's form: its init has a deadline) may be
-  // ncclInProgress: this polls ncclCommGetAsyncError until the call is through, up to the timeout, and
-  // returns the final result for DP_NCCL_CHECK. Blocking communicators never return ncclInProgress.
-  ncclResult_t enqueued(int rank, ncclResult_t result);
+  // One NCCL call on rank's communicator (a collective), made under api_[rank]. Its result on a
+  // nonblocking communicator (the job's form: its init has a deadline) may be ncclInProgress: then
+  // ncclCommGetAsyncError is polled, each poll under the lock, until the call is through, up to the
+  // timeout; the final result is returned for DP_NCCL_CHECK. Blocking communicators never answer
+  // ncclInProgress.
+  ncclResult_t call(int rank, const std::function<ncclResult_t()>& nccl);
   // The watch's questions (CudaDevice::Watch), asked on the rank's thread while it waits.
   bool failed(int rank);
   std::string outstanding(int rank);
@@ -105,6 +108,12 @@ class NcclCommunicator : public Communicator {
   // A collective of `count` elements that moves nothing: empty, or one rank (but in a one-rank clique).
   bool nothing_to_do(int64_t count) const { return count == 0 || (world_ == 1 && !one_rank_clique_); }
   std::vector<ncclComm_t> comms_;
+  // NCCL's API is not thread-safe on one communicator (its guide's "Thread Safety"; a nonblocking one
+  // completes its queued work inside ncclCommGetAsyncError, unlocked), and two threads use each rank's:
+  // the communication thread enqueues the buckets while the compute thread's host waits ask the
+  // watch, failed(). So every call on comms_[r] holds api_[r] (failed() only tries it), as PyTorch's
+  // NCCLComm locks around getAsyncError; but the end's, made when no rank thread uses it.
+  std::unique_ptr<std::mutex[]> api_;
   // Written by rank 0 between the two meetings of start_clique, read by every rank after the second
   // (or before its first, when none is there yet); reset by recover() with every rank idle.
   Clique clique_ = Clique::none;

@@ -116,18 +116,28 @@ void NcclProcessCommunicator::start_clique(int rank) {
   if (!failure_.empty()) throw DeviceError(dev.id(), failure_);
 
   init_errors_[size_t(rank)] = init_rank(rank, Deadline::after(start));
-  meet(rank, what, Deadline::after(start));
-  if (rank == 0) {
-    std::string mine;
-    for (int r = 0; r < size(); ++r)
-      if (!init_errors_[size_t(r)].empty()) mine += (mine.empty() ? "" : "; ") + init_errors_[size_t(r)];
-    failure_ = agree(mine, Deadline::after(start));
-    if (failure_.empty()) {
-      watch_clique();
-      clique_ = Clique::ready;
+  // A rank whose init failed at once meets one still polling its own, for up to `start`: the meetings
+  // after the inits wait twice that, so that the slow rank's answer arrives before the fast one gives up.
+  // Whatever ends this rank's start from here (a meeting that expired or was aborted, MPI's failure in
+  // agree) aborts the communicator its init made, half made or not, before it goes on.
+  try {
+    meet(rank, what, Deadline::after(2 * start));
+    if (rank == 0) {
+      std::string mine;
+      for (int r = 0; r < size(); ++r)
+        if (!init_errors_[size_t(r)].empty()) mine += (mine.empty() ? "" : "; ") + init_errors_[size_t(r)];
+      failure_ = agree(mine, Deadline::after(start));
+      if (failure_.empty()) {
+        watch_clique();
+        clique_ = Clique::ready;
+      }
     }
+    meet(rank, what, Deadline::after(2 * start));
+  } catch (...) {
+    end_comm(std::exchange(comms_[rank], nullptr), /*abort=*/true);
+    DP_CUDA_CHECK_PRINT(cudaSetDevice(dev.id()));
+    throw;
   }
-  meet(rank, what, Deadline::after(start));
   if (failure_.empty()) return;
   // Every local rank at once, each its own (ncclCommAbort is an intra-node collective call).
   end_comm(std::exchange(comms_[rank], nullptr), /*abort=*/true);
@@ -173,8 +183,9 @@ std::string NcclProcessCommunicator::exchange_id(const Deadline& deadline) {
       const std::string key = group_.hosts()[size_t(p)] + " " + bus;
       const auto [it, fresh] = owner.emplace(key, p);
       // The test build asks NCCL anyway (failpoint::nccl_always, the same in every process of a job):
-      // it refuses ("Duplicate GPU detected"), or from NCCL 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1
-      // ranks two processes on one GPU, the only NCCL across processes a machine of one GPU can run.
+      // it refuses (2.28: "Duplicate GPU detected"; 2.30: "Multiple Ranks are using the same GPU"), or
+      // from 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 ranks two processes on one GPU, the only NCCL
+      // across processes a machine of one GPU can run.
       if (!fresh && !failpoint::nccl_always())
         add(group_.who(it->second) + " and " + group_.who(p) + " both use the GPU at PCI " + bus +
             " (NCCL ranks each GPU once: give each process its own GPUs, e.g. CUDA_VISIBLE_DEVICES per local rank)");
@@ -240,7 +251,8 @@ void NcclProcessCommunicator::broadcast(int rank, float* buf, int64_t count, int
   const int me = first_ + rank;
   tally_ring(rank, Collective::broadcast, Traffic{me < world_ - 1 ? bytes : 0, me > 0 ? bytes : 0});
   meet(rank, Collective::broadcast);
-  DP_NCCL_CHECK(enqueued(rank, ncclBroadcast(buf, buf, size_t(count), ncclFloat, 0, comms_[rank], gpu(rank).stream())));
+  DP_NCCL_CHECK(call(
+      rank, [&] { return ncclBroadcast(buf, buf, size_t(count), ncclFloat, 0, comms_[rank], gpu(rank).stream()); }));
 }
 
 }  // namespace
