@@ -250,9 +250,18 @@ void Engine::load(int r, const StagedBatch& b) {
     devices_[r]->await_upload(b.slot);
 }
 
+// Every upload that may read the staged batches' host memory is done first: the copy stream's, and a
+// failed step's on the compute stream (without prefetch, or a later micro-batch), whose page-locked
+// source the loader may unregister and free next. A device whose stream failed reads nothing more.
 void Engine::drop_staged() noexcept {
   staged_.clear();
-  for (Device* d : devices_) d->finish_uploads();
+  for (Device* d : devices_) {
+    try {
+      d->synchronize();
+    } catch (...) {
+      d->finish_uploads();
+    }
+  }
 }
 
 void Engine::stage(const float* x, const int32_t* y, int n) {

@@ -83,7 +83,8 @@ class Engine {
   void stage(const float* x, const int32_t* y, int n);
   StepResult step();
   int staged() const { return int(staged_.size()); }
-  // Forgets every staged batch after waiting for their uploads: before the host memory they read goes.
+  // Forgets every staged batch after waiting for every upload (each device's streams): before the host
+  // memory they read goes.
   void drop_staged() noexcept;
   // The rows of a global batch of n that this process's devices train on: with --accumulate all n
   // (its devices' rows of every micro-batch are spread over the step's).

@@ -37,8 +37,17 @@ void check_grad_dtype(const Strategy& s, DType t) {
 }
 
 WireGradients::WireGradients(StepContext& s, int64_t count)
-    : dev_(s.device()), type_(wire_dtype(s.config(), s.comm().world())) {
+    : s_(s), dev_(s.device()), type_(wire_dtype(s.config(), s.comm().world())) {
   if (type_ != DType::fp32 && count > 0) wire_ = dev_.alloc(size_t(count * dtype_size(type_)), Category::comm);
+}
+
+WireGradients::~WireGradients() {
+  if (!wire_ || std::uncaught_exceptions() <= unwinding_) return;
+  s_.comm().abort();
+  try {
+    s_.comm().wait(s_.rank());
+  } catch (...) {  // the step's own failure is the one reported
+  }
 }
 
 void* WireGradients::at(int64_t offset) const {

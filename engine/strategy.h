@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -252,6 +253,11 @@ void check_grad_dtype(const Strategy& s, DType t);
 class WireGradients {
  public:
   WireGradients(StepContext& s, int64_t count);  // count 0: nothing allocated (a step that sends none)
+  // A step that fails with buckets of this buffer still queued on the communication thread must not
+  // free it under them: the communicator is aborted and waited for first, as BucketReducer's end does.
+  ~WireGradients();
+  WireGradients(const WireGradients&) = delete;
+  WireGradients& operator=(const WireGradients&) = delete;
   DType type() const { return type_; }
   // Floats [offset, offset + n) of `grads` as the collective sends them: narrowed into this buffer at
   // offset, or (fp32) grads + offset itself.
@@ -262,9 +268,11 @@ class WireGradients {
   void* at(int64_t offset) const;
 
  private:
+  StepContext& s_;
   Device& dev_;
   DType type_;
   Buffer wire_;
+  int unwinding_ = std::uncaught_exceptions();  // at construction: more at the end means a failure
 };
 
 // The gradient buckets a strategy's engine uses for --bucket-kb (0: none), in backward order: layers

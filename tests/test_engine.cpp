@@ -252,10 +252,10 @@ TEST_CASE("bytes per step match the theory to the byte") {
 TEST_CASE("a fault on one device ends the step on all devices and names the device") {
   ModelSpec spec = make_model("lenet5");
   Batches data = make_batches(2, 12, 9);
-  for_each_strategy([&](const std::string& sync, int64_t bucket_kb) {
+  auto fault = [&](const std::string& sync, int64_t bucket_kb, DType wire) {
     auto devs = dp::test::make_test_devices("cpu", 3);
     EngineConfig c;
-    c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb;
+    c.batch = 12, c.sync = sync, c.bucket_kb = bucket_kb, c.grad_dtype = wire;
     Engine e(raw(devs), spec, c);
     dp::failpoint::inject_fault(*devs[1], "simulated kernel failure");
     try {
@@ -268,7 +268,15 @@ TEST_CASE("a fault on one device ends the step on all devices and names the devi
     // the engine recovers: the next step runs on every device
     auto r = e.step(data.x[1].data(), data.y[1].data(), 12);
     CHECK(r.n == 12);
-  });
+  };
+  for_each_strategy([&](const std::string& sync, int64_t bucket_kb) { fault(sync, bucket_kb, DType::fp32); });
+  // A 16-bit wire (--grad-dtype): the failed step's buffer of narrowed buckets outlives the
+  // collectives queued on it (WireGradients' end).
+  for (DType wire : {DType::bf16, DType::fp16}) {
+    CAPTURE(dtype_name(wire));
+    fault("allreduce", 1, wire);
+    fault("zero2", 1, wire);
+  }
 }
 
 TEST_CASE("a step says whether its gradient was finite, and only then is a layer looked for") {

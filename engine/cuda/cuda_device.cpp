@@ -263,20 +263,22 @@ void CudaDevice::wait_for(const CudaDevice& other) {
 void CudaDevice::enable_peer_access(const CudaDevice& peer) {
   std::lock_guard lock(peer_mu_);
   if (std::find(peers_seen_.begin(), peers_seen_.end(), &peer) != peers_seen_.end()) return;
-  peers_seen_.push_back(&peer);
   int can = 0;
   DP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, id(), peer.id()));
-  if (!can) return;  // cudaMemcpyPeerAsync still works, staged through the host
-  if (cudaError_t err = cudaDeviceEnablePeerAccess(peer.id(), 0); err == cudaErrorPeerAccessAlreadyEnabled)
-    (void)cudaGetLastError();  // by another CudaDevice on this GPU, or by NCCL
-  else
-    DP_CUDA_CHECK_NAMED(err, "cudaDeviceEnablePeerAccess(peer.id(), 0)");
-  if (!peer.pool_) return;
-  cudaMemAccessDesc access{};
-  access.location.type = cudaMemLocationTypeDevice;
-  access.location.id = id();
-  access.flags = cudaMemAccessFlagsProtReadWrite;
-  DP_CUDA_CHECK(cudaMemPoolSetAccess(peer.pool_.get(), &access, 1));
+  if (can) {  // otherwise cudaMemcpyPeerAsync still works, staged through the host
+    if (cudaError_t err = cudaDeviceEnablePeerAccess(peer.id(), 0); err == cudaErrorPeerAccessAlreadyEnabled)
+      (void)cudaGetLastError();  // by another CudaDevice on this GPU, or by NCCL
+    else
+      DP_CUDA_CHECK_NAMED(err, "cudaDeviceEnablePeerAccess(peer.id(), 0)");
+    if (peer.pool_) {
+      cudaMemAccessDesc access{};
+      access.location.type = cudaMemLocationTypeDevice;
+      access.location.id = id();
+      access.flags = cudaMemAccessFlagsProtReadWrite;
+      DP_CUDA_CHECK(cudaMemPoolSetAccess(peer.pool_.get(), &access, 1));
+    }
+  }
+  peers_seen_.push_back(&peer);  // once all of it succeeded: a failure is met again at the next copy
 }
 
 void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void* src, size_t bytes) {

@@ -394,12 +394,27 @@ void NcclCommunicator::wait(int rank) {
     events_[rank].in_flight = events_[rank].used;
     events_[rank].used = 0;
   }
-  Communicator::wait(rank);  // every bucket enqueued on the comm stream (or the first failure rethrown)
-  if (!any) return;
-  CudaDevice& dev = gpu(rank);
-  cudaEvent_t done = events_[rank].done.get();
-  DP_CUDA_CHECK(cudaEventRecord(done, dev.comm_stream()));
-  DP_CUDA_CHECK(cudaStreamWaitEvent(dev.stream(), done, 0));  // the optimizer waits on the GPU, not here
+  // The compute stream after whatever reached the comm stream (the optimizer waits on the GPU, not
+  // here), a failure's too: the buckets a failed step's owner frees on the compute stream as it
+  // unwinds must not go to a new allocation while a collective queued before the failure still reads
+  // them (cudaFreeAsync's rule, what PyTorch's record_stream keeps).
+  auto order = [&] {
+    if (!any) return;
+    CudaDevice& dev = gpu(rank);
+    cudaEvent_t done = events_[rank].done.get();
+    DP_CUDA_CHECK(cudaEventRecord(done, dev.comm_stream()));
+    DP_CUDA_CHECK(cudaStreamWaitEvent(dev.stream(), done, 0));
+  };
+  try {
+    Communicator::wait(rank);  // every bucket enqueued on the comm stream (or the first failure rethrown)
+  } catch (...) {
+    try {
+      order();
+    } catch (...) {  // the collective's failure is the one reported
+    }
+    throw;
+  }
+  order();
 }
 
 std::unique_ptr<Communicator> make_communicator(std::vector<Device*> devices) {
