@@ -36,18 +36,20 @@ void check_grad_dtype(const Strategy& s, DType t) {
                    "or drop --grad-dtype");
 }
 
-WireGradients::WireGradients(StepContext& s, int64_t count)
-    : s_(s), dev_(s.device()), type_(wire_dtype(s.config(), s.comm().world())) {
-  if (type_ != DType::fp32 && count > 0) wire_ = dev_.alloc(size_t(count * dtype_size(type_)), Category::comm);
+void end_queued_collectives(StepContext& s) noexcept {
+  s.comm().abort();
+  try {
+    s.comm().wait(s.rank());
+  } catch (...) {  // the step's own failure is the one reported
+  }
+}
+
+WireGradients::WireGradients(StepContext& s, int64_t count) : s_(s), type_(wire_dtype(s.config(), s.comm().world())) {
+  if (type_ != DType::fp32 && count > 0) wire_ = s.device().alloc(size_t(count * dtype_size(type_)), Category::comm);
 }
 
 WireGradients::~WireGradients() {
-  if (!wire_ || std::uncaught_exceptions() <= unwinding_) return;
-  s_.comm().abort();
-  try {
-    s_.comm().wait(s_.rank());
-  } catch (...) {  // the step's own failure is the one reported
-  }
+  if (wire_ && std::uncaught_exceptions() > unwinding_) end_queued_collectives(s_);
 }
 
 void* WireGradients::at(int64_t offset) const {
@@ -56,12 +58,12 @@ void* WireGradients::at(int64_t offset) const {
 
 void* WireGradients::narrow(float* grads, int64_t offset, int64_t n) {
   if (type_ == DType::fp32) return grads + offset;
-  dev_.ops().narrow(type_, n, grads + offset, at(offset));
+  s_.device().ops().narrow(type_, n, grads + offset, at(offset));
   return at(offset);
 }
 
 void WireGradients::widen(int64_t offset, int64_t n, float* out) {
-  if (type_ != DType::fp32) dev_.ops().widen(type_, n, at(offset), out);
+  if (type_ != DType::fp32) s_.device().ops().widen(type_, n, at(offset), out);
 }
 
 const std::vector<const Strategy*>& strategies() {

@@ -243,6 +243,11 @@ DType wire_dtype(const EngineConfig& c, int devices);
 // that does not take it (Strategy::takes_grad_dtype: scatter).
 void check_grad_dtype(const Strategy& s, DType t);
 
+// A step that fails with collectives still queued on its communication thread ends them before their
+// buffers go: the communicator is aborted (every rank's step fails) and the rank waits for them; their
+// failure is not reported (the step's own is). For the destructors of what such collectives read.
+void end_queued_collectives(StepContext& s) noexcept;
+
 // The gradients as their collective carries them (wire_dtype): in fp32 the float
 // gradient buffer itself; in bf16 or fp16 a buffer of `count` elements of the type (Category::comm),
 // filled from the floats before the collective and widened back into floats after it, as DDP's
@@ -253,8 +258,8 @@ void check_grad_dtype(const Strategy& s, DType t);
 class WireGradients {
  public:
   WireGradients(StepContext& s, int64_t count);  // count 0: nothing allocated (a step that sends none)
-  // A step that fails with buckets of this buffer still queued on the communication thread must not
-  // free it under them: the communicator is aborted and waited for first, as BucketReducer's end does.
+  // A step that fails with buckets of this buffer still queued must not free it under them
+  // (end_queued_collectives).
   ~WireGradients();
   WireGradients(const WireGradients&) = delete;
   WireGradients& operator=(const WireGradients&) = delete;
@@ -269,7 +274,6 @@ class WireGradients {
 
  private:
   StepContext& s_;
-  Device& dev_;
   DType type_;
   Buffer wire_;
   int unwinding_ = std::uncaught_exceptions();  // at construction: more at the end means a failure

@@ -118,8 +118,9 @@ void NcclProcessCommunicator::start_clique(int rank) {
   init_errors_[size_t(rank)] = init_rank(rank, Deadline::after(start));
   // A rank whose init failed at once meets one still polling its own, for up to `start`: the meetings
   // after the inits wait twice that, so that the slow rank's answer arrives before the fast one gives up.
-  // Whatever ends this rank's start from here (a meeting that expired or was aborted, MPI's failure in
-  // agree) aborts the communicator its init made, half made or not, before it goes on.
+  // Whatever ends this rank's start from here (the agreed failure, every local rank at once; a meeting
+  // that expired or was aborted; MPI's failure in agree) aborts the communicator its init made, half
+  // made or not (ncclCommAbort is an intra-node collective call), before it goes on.
   try {
     meet(rank, what, Deadline::after(2 * start));
     if (rank == 0) {
@@ -133,16 +134,12 @@ void NcclProcessCommunicator::start_clique(int rank) {
       }
     }
     meet(rank, what, Deadline::after(2 * start));
+    if (!failure_.empty()) throw DeviceError(dev.id(), failure_);
   } catch (...) {
     end_comm(std::exchange(comms_[rank], nullptr), /*abort=*/true);
     DP_CUDA_CHECK_PRINT(cudaSetDevice(dev.id()));
     throw;
   }
-  if (failure_.empty()) return;
-  // Every local rank at once, each its own (ncclCommAbort is an intra-node collective call).
-  end_comm(std::exchange(comms_[rank], nullptr), /*abort=*/true);
-  DP_CUDA_CHECK_PRINT(cudaSetDevice(dev.id()));
-  throw DeviceError(dev.id(), failure_);
 }
 
 std::string NcclProcessCommunicator::exchange_id(const Deadline& deadline) {

@@ -142,15 +142,9 @@ void BucketReducer::finish() {
   in_flight_ = -1;
 }
 
-// Left with a reduce-scatter in flight only when the step failed: the communicator is aborted (every
-// rank's step fails) and the collective ended before its buffer goes.
+// Left with a reduce-scatter in flight only when the step failed.
 BucketReducer::~BucketReducer() {
-  if (in_flight_ < 0) return;
-  s_.comm().abort();
-  try {
-    s_.comm().wait(s_.rank());
-  } catch (...) {  // the step's own failure is the one reported
-  }
+  if (in_flight_ >= 0) end_queued_collectives(s_);
 }
 
 LayerGatherer::LayerGatherer(StepContext& s, BucketReducer* reduce)

@@ -73,8 +73,8 @@ std::vector<AtHook> parse_at(const std::string& spec) {
       hook.action = action == "SIGINT" ? SIGINT : action == "SIGTERM" ? SIGTERM : SIGHUP;
     else if (action == "fail")
       hook.action = kFail;
-    else if (action.starts_with("sleep") && small_number(action.substr(5)) >= 0)
-      hook.action = kSleep, hook.sleep_ms = small_number(action.substr(5));
+    else if (const int ms = action.starts_with("sleep") ? small_number(action.substr(5)) : -1; ms >= 0)
+      hook.action = kSleep, hook.sleep_ms = ms;
     else if (action != "hang")
       throw UsageError("DP_TEST_AT=" + spec + ": " + item + " is not point:SIGINT|SIGTERM|SIGHUP|hang|fail|sleepN");
     hooks.push_back(hook);
