@@ -355,4 +355,14 @@ void record_backend(nlohmann::json& into, const std::string& requested, DeviceKi
   into["device_names"] = names;
 }
 
+std::vector<std::string> replica_names(const std::vector<Device*>& devices) {
+  std::vector<std::string> names;
+  for (Device* d : devices) {
+    int same = 0;
+    for (Device* e : devices) same += e->name() == d->name();
+    names.push_back(same > 1 ? d->name() + "#" + std::to_string(d->rank()) : d->name());
+  }
+  return names;
+}
+
 }  // namespace dp::bench

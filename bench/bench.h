@@ -181,5 +181,8 @@ double median(std::vector<double> v);
 // "device_names". Plots put the kind in their titles from it.
 void record_backend(nlohmann::json& into, const std::string& requested, DeviceKind kind,
                     const std::vector<std::string>& names);
+// The devices' names, as every bench table and record shows them: several replicas on one device
+// (--allow-shared-device) share its name, so each gets its rank added ("cuda:0#1").
+std::vector<std::string> replica_names(const std::vector<Device*>& devices);
 
 }  // namespace dp::bench

@@ -155,8 +155,8 @@ int run_comm(const CommOptions& o) {
   std::printf("%s\n", set.notice.c_str());
   check_memory(sw, n, set.devices[0]->kind() != DeviceKind::cuda);
   std::vector<Device*> devices;
-  std::vector<std::string> names;
-  for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
+  for (auto& d : set.devices) devices.push_back(d.get());
+  const std::vector<std::string> names = replica_names(devices);
 
   const std::vector<CommPoint> points = run_comm_sweep(devices, sw);
   const AlphaBeta ab = fit_repeated(devices, sw, o.repeats, points);

@@ -125,17 +125,6 @@ std::vector<std::vector<int>> device_id_sets(const CompareOptions& o) {
   return id_sets;
 }
 
-// Several replicas on one device (--allow-shared-device) share its name: add the rank.
-std::vector<std::string> replica_names(const std::vector<Device*>& devices) {
-  std::vector<std::string> names;
-  for (Device* d : devices) {
-    int same = 0;
-    for (Device* e : devices) same += e->name() == d->name();
-    names.push_back(same > 1 ? d->name() + "#" + std::to_string(d->rank()) : d->name());
-  }
-  return names;
-}
-
 // A quick all-reduce sweep around the model's size, for the alpha-beta fit; `dp_bench comm` does
 // the full range and every collective.
 CommSweep quick_sweep() {

@@ -382,8 +382,8 @@ int run_skew(const SkewOptions& o) {
     throw UsageError("--gpus: skew compares device 0 with the others; give at least two devices, e.g. --gpus 0,1,2,3");
   std::printf("%s\n", set.notice.c_str());
   std::vector<Device*> devices;
-  std::vector<std::string> names;
-  for (auto& d : set.devices) devices.push_back(d.get()), names.push_back(d->name());
+  for (auto& d : set.devices) devices.push_back(d.get());
+  const std::vector<std::string> names = replica_names(devices);
   check_memory(devices, spec, o);
   const SyntheticData data = make_synthetic(spec, o.batch, o.steps, o.seed);
   std::vector<float> init(size_t(spec.param_count));

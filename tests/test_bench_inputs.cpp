@@ -201,7 +201,7 @@ TEST_CASE("bench: records say the resolved backend and devices and a command tha
   std::string devices = "--backend auto --gpus 0,1";
   if (dp::probe_cuda().count == 1) {  // one GPU: two replicas share it
     devices = "--backend auto --gpus 0,0 --allow-shared-device";
-    names = {"cuda:0", "cuda:0"};
+    names = {"cuda:0#0", "cuda:0#1"};  // a shared GPU's replicas are told apart
   }
   struct Case {
     std::string args;
