@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/kernels.h"
@@ -110,10 +111,13 @@ DP_OPS_TEST("gemm: k = 0 is an empty sum: C = beta C, and 0 when beta = 0 even o
 }
 
 DP_OPS_TEST("linear: forward and backward against the reference, with n = 0 and without dx") {
-  const int in = 37, out = 11;
+  // 11 outputs: CUDA's kernels for layers of few outputs (kernels/cuda/linear.cu); 40: its cuBLAS path.
+  const int in = 37;
   uint32_t seed = 200;
-  for (int n : {13, 1, 0}) {
+  const std::pair<int, int> sizes[] = {{13, 11}, {1, 11}, {0, 11}, {13, 40}, {1, 40}, {0, 40}};  // (n, out)
+  for (auto [n, out] : sizes) {
     CAPTURE(n);
+    CAPTURE(out);
     const Vec x = random_floats(size_t(n) * in, seed++, -1, 1);    // (N, IN)
     const Vec w = random_floats(size_t(out) * in, seed++, -1, 1);  // (OUT, IN)
     const Vec b = random_floats(size_t(out), seed++, -1, 1);       // (OUT)

@@ -1,7 +1,9 @@
 // Convolution (NCHW float, cross-correlation as PyTorch's Conv2d, stride 1, symmetric padding): the
 // forward pass on cuDNN; the backward pass dp's own, im2col and cuBLAS GEMMs (conv_backward says
 // why); the bias and its gradient small kernels here (conv_act_pool.cu folds the bias, the activation
-// and the pooling into one kernel each way for the fused op). Twin of kernels/cpu/conv2d.cpp.
+// and the pooling into one kernel each way for the fused op). Shapes of few taps (C KH KW, LeNet's
+// first layer) run forward and their dw and db on conv_direct.cu's kernels instead. Twin of
+// kernels/cpu/conv2d.cpp.
 //
 // cuDNN 9 still ships the legacy convolution API (cudnn_cnn.h: cudnnConvolutionForward, the *_v7
 // heuristics), marked deprecated but only warned about under CUDNN_WARN_DEPRECATED; it is the short
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/divider.h"
 #include "kernels/cuda/launch.h"
 
 namespace dp {
@@ -75,12 +78,15 @@ __global__ void im2col_rows_kernel(int rows, ConvShape s, const float* x, float*
 
 // dx(nb, C, H, W)[n, c, y, x] = the sum, over the taps (u, v) in order whose output pixel (y + pad - u,
 // x + pad - v) exists, of cols(C KH KW, R)[(c KH + u) KW + v, n P + that pixel]: col2im as a gather,
-// every input pixel one thread, a fixed order, no atomics.
-__global__ void col2im_rows_kernel(int64_t total, ConvShape s, int r, const float* cols, float* dx) {
+// every input pixel one thread, a fixed order, no atomics. Its coordinates come from Dividers.
+__global__ void col2im_rows_kernel(int total, ConvShape s, int r, cuda::Divider width, cuda::Divider height,
+                                   cuda::Divider channels, const float* cols, float* dx) {
   const int oh = s.h + 2 * s.pad - s.kh + 1, ow = s.w + 2 * s.pad - s.kw + 1;
   DP_GRID_STRIDE(i64, total) {
-    const int i = int(i64), xx = i % s.w, y = (i / s.w) % s.h, ch = (i / (s.w * s.h)) % s.c,
-              img = i / (s.w * s.h * s.c);
+    int rest = 0, xx = 0, y = 0, img = 0, ch = 0;
+    width.divmod(int(i64), rest, xx);
+    height.divmod(rest, rest, y);
+    channels.divmod(rest, img, ch);
     const int base = img * oh * ow;
     float sum = 0.0f;
     for (int u = 0; u < s.kh; ++u) {
@@ -91,7 +97,7 @@ __global__ void col2im_rows_kernel(int64_t total, ConvShape s, int r, const floa
         if (qx >= 0 && qx < ow) sum += cols[int64_t((ch * s.kh + u) * s.kw + v) * r + base + qy * ow + qx];
       }
     }
-    dx[i] = sum;
+    dx[i64] = sum;
   }
 }
 
@@ -277,15 +283,26 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
     p->choices[i].pass = passes[i];
   }
 
-  DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(cudnn_, &max_count));
-  std::vector<cudnnConvolutionFwdAlgoPerf_t> fwd(size_t(std::max(max_count, 1)));
-  DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), max_count, &got,
-                                                        fwd.data()));
-  auto fwd_bytes = [&](cudnnConvolutionFwdAlgo_t a, size_t& b) {
-    return cudnnGetConvolutionForwardWorkspaceSize(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), a, &b) ==
-           CUDNN_STATUS_SUCCESS;
-  };
-  if (!choose(fwd, got, limit, fwd_bytes, p->fwd, p->fwd_bytes, p->choices[0])) throw fail("cuDNN forward algorithm");
+  p->direct = direct(s);
+  if (p->direct) {  // conv_direct.cu: forward and backward-filter, without cuDNN
+    p->bias_floats = direct_partial_floats(s);
+    for (size_t i : {size_t(0), size_t(2)}) {
+      p->choices[i].algo = "DP_DIRECT";
+      p->choices[i].math = "FMA";
+      p->choices[i].workspace_bytes = i == 2 ? p->bias_floats * sizeof(float) : 0;
+      p->choices[i].deterministic = p->choices[i].strict = true;
+    }
+  } else {
+    DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(cudnn_, &max_count));
+    std::vector<cudnnConvolutionFwdAlgoPerf_t> fwd(size_t(std::max(max_count, 1)));
+    DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), max_count,
+                                                          &got, fwd.data()));
+    auto fwd_bytes = [&](cudnnConvolutionFwdAlgo_t a, size_t& b) {
+      return cudnnGetConvolutionForwardWorkspaceSize(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), a, &b) ==
+             CUDNN_STATUS_SUCCESS;
+    };
+    if (!choose(fwd, got, limit, fwd_bytes, p->fwd, p->fwd_bytes, p->choices[0])) throw fail("cuDNN forward algorithm");
+  }
 
   // The backward pass is dp's own (see conv2d_backward), over as many images at a time as the limit
   // holds and 32-bit indices reach: per image, dy's rows and the im2col (or its transpose, for dx).
@@ -296,6 +313,7 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
   p->backward_images = int(std::min({size_t(s.n), limit / (image_floats * sizeof(float)), index_cap}));
   p->bwd_data_bytes = p->bwd_filter_bytes = image_floats * sizeof(float) * size_t(p->backward_images);
   for (size_t i : {size_t(1), size_t(2)}) {
+    if (p->direct && i == 2) continue;
     p->choices[i].algo = "DP_IM2COL_GEMM";
     p->choices[i].math = "FMA";  // cuBLAS's default math: FP32, never TF32 (cuda_device.cpp)
     p->choices[i].workspace_bytes = p->bwd_filter_bytes;
@@ -336,6 +354,7 @@ size_t CudaOps::conv2d_workspace_floats(const ConvShape& s) {
 
 void CudaOps::convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace) {
   ConvPlan& p = plan(s);
+  if (p.direct) return direct_forward(s, x, w, y);
   const float one = 1.0f, zero = 0.0f;
   DP_CUDNN_CHECK(cudnnConvolutionForward(cudnn_, &one, p.x.get(), x, p.w.get(), w, p.conv.get(), p.fwd, workspace,
                                          p.fwd_bytes, &zero, p.y.get(), y));
@@ -369,13 +388,18 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
   // db (K), through (K, kBiasSlices) partials at the start of the workspace, which the rest
   // overwrites only after, in stream order
   const dim3 slices(unsigned(s.k), kBiasSlices);
-  if (rows)
-    bias_grad_partial_kernel<true><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
-  else
-    bias_grad_partial_kernel<false><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
-  DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
-  bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream_>>>(s.k, workspace, db);
-  DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
+  if (p.direct) {  // dw and db at once (conv_direct.cu), then only dx, if asked for, below
+    direct_filter_grad(s, x, dy, rows, dw, db, workspace);
+    if (!dx) return;
+  } else {
+    if (rows)
+      bias_grad_partial_kernel<true><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
+    else
+      bias_grad_partial_kernel<false><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
+    DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
+    bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream_>>>(s.k, workspace, db);
+    DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
+  }
   // Per chunk of images (all of them, where the workspace holds them): dy's rows side by side,
   // dyt (K, R), R = chunk P (in the workspace, or already so in dy with `rows`), then the chunk's
   // im2col in the workspace, col (R, C KH KW). Then
@@ -396,14 +420,16 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
       DP_CUDA_LAUNCH_CHECK("dy_rows_kernel");
       dyt = workspace, ld = r;
     }
-    im2col_rows_kernel<<<unsigned((r + kColRows - 1) / kColRows), kColThreads, 0, stream_>>>(int(r), s, x + n0 * image,
-                                                                                             col);
-    DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
-    gemm_ld(false, false, s.k, int(crs), int(r), 1.0f, dyt, int(ld), col, int(crs), n0 == 0 ? 0.0f : 1.0f, dw);
+    if (!p.direct) {
+      im2col_rows_kernel<<<unsigned((r + kColRows - 1) / kColRows), kColThreads, 0, stream_>>>(int(r), s,
+                                                                                               x + n0 * image, col);
+      DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
+      gemm_ld(false, false, s.k, int(crs), int(r), 1.0f, dyt, int(ld), col, int(crs), n0 == 0 ? 0.0f : 1.0f, dw);
+    }
     if (!dx) continue;
     gemm_ld(true, false, int(crs), int(r), s.k, 1.0f, w, int(crs), dyt, int(ld), 0.0f, col);
-    col2im_rows_kernel<<<cuda::blocks_for(nb * image), cuda::kThreads, 0, stream_>>>(nb * image, s, int(r), col,
-                                                                                     dx + n0 * image);
+    col2im_rows_kernel<<<cuda::blocks_for(nb * image), cuda::kThreads, 0, stream_>>>(
+        int(nb * image), s, int(r), cuda::Divider(s.w), cuda::Divider(s.h), cuda::Divider(s.c), col, dx + n0 * image);
     DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
   }
 }

@@ -44,7 +44,8 @@ struct ConvPlan {
   cudnnConvolutionFwdAlgo_t fwd{};
   int backward_images = 0;  // images per chunk of dp's own backward pass (conv2d.cu), within the workspace
   size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
-  size_t bias_floats = 0;             // the bias gradient's partial sums (conv2d.cu), before the algorithms run
+  size_t bias_floats = 0;             // the bias gradient's (and a direct plan's dw's) partial sums, first
+  bool direct = false;                // forward and dw, db by conv_direct.cu (CudaOps::direct)
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
 };
@@ -124,7 +125,19 @@ class CudaOps final : public Ops {
   // conv2d_workspace_floats has handed out for s's geometry (see conv2d.cu).
   ConvPlan& plan(const ConvShape& s);
   ConvPlan& make_plan(const ConvShape& s, size_t limit_bytes);
-  // y = x * w on cuDNN, without the bias (conv2d.cu).
+  // Shapes with at most kDirectTaps taps per output (C KH KW) and kDirectWeights weights (the forward
+  // pass keeps them in shared memory; their partials, below, stay within 35 MB) run their forward pass
+  // and their dw and db on conv_direct.cu's kernels, dw and db through kDirectSlices partials per channel.
+ public:
+  static constexpr int kDirectTaps = 32, kDirectWeights = 4096, kDirectSlices = 64;
+
+ private:
+  static bool direct(const ConvShape& s);
+  static size_t direct_partial_floats(const ConvShape& s);
+  void direct_forward(const ConvShape& s, const float* x, const float* w, float* y);
+  void direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
+                          float* workspace);
+  // y = x * w without the bias, on cuDNN or directly (conv2d.cu).
   void convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace);
   // conv2d_backward from dy (N, K, OH, OW), or with `rows` from dy's rows dyt (K, N OH OW), as the
   // fused op writes them (conv2d.cu).
