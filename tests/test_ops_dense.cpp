@@ -115,7 +115,8 @@ DP_OPS_TEST("linear: forward and backward against the reference, with n = 0 and 
   const int in = 37;
   uint32_t seed = 200;
   const std::pair<int, int> sizes[] = {{13, 11}, {1, 11}, {0, 11}, {13, 40}, {1, 40}, {0, 40}};  // (n, out)
-  for (auto [n, out] : sizes) {
+  for (const auto& size : sizes) {
+    const int n = size.first, out = size.second;  // plain variables: the lambdas below capture them
     CAPTURE(n);
     CAPTURE(out);
     const Vec x = random_floats(size_t(n) * in, seed++, -1, 1);    // (N, IN)
