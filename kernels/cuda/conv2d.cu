@@ -385,13 +385,13 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
   }
   const ConvPlan& p = plan(s);
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
-  // db (K), through (K, kBiasSlices) partials at the start of the workspace, which the rest
+  // db (and with a direct plan dw) through partials at the start of the workspace, which the rest
   // overwrites only after, in stream order
-  const dim3 slices(unsigned(s.k), kBiasSlices);
   if (p.direct) {  // dw and db at once (conv_direct.cu), then only dx, if asked for, below
     direct_filter_grad(s, x, dy, rows, dw, db, workspace);
     if (!dx) return;
-  } else {
+  } else {  // db through (K, kBiasSlices) partials
+    const dim3 slices(unsigned(s.k), kBiasSlices);
     if (rows)
       bias_grad_partial_kernel<true><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
     else

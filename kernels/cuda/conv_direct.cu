@@ -14,8 +14,6 @@
 // (the bias is added after, as on cuDNN's path); dw and db are fixed trees (per thread in row order,
 // then the warp's shuffles, the block's warps in order, the slices by a warp's shuffles): the same
 // bits every run, within the tests' bounds for any tree (tests/test_ops_conv.cpp).
-#include <algorithm>
-
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/divider.h"
 #include "kernels/cuda/launch.h"
