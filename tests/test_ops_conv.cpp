@@ -192,6 +192,10 @@ DP_OPS_TEST("conv2d: against the reference on LeNet's layers, odd, padded and ra
   check_conv(be, {.n = 5, .c = 1, .h = 16, .w = 13, .k = 13, .kh = 4, .kw = 4, .pad = 3}, 131);
   check_conv(be, {.n = 33, .c = 1, .h = 9, .w = 16, .k = 11, .kh = 1, .kw = 1}, 141);
   check_conv(be, {.n = 2, .c = 3, .h = 12, .w = 26, .k = 5, .kh = 3, .kw = 3}, 151);
+  // LeNet's and LeNet-5's first layers at --width 22 and 27: CUDA's direct kernels with all but the
+  // most weights they take (4,096).
+  check_conv(be, {.n = 3, .c = 1, .h = 28, .w = 28, .k = 440, .kh = 3, .kw = 3}, 161);
+  check_conv(be, {.n = 2, .c = 1, .h = 28, .w = 28, .k = 162, .kh = 5, .kw = 5, .pad = 2}, 171);
   std::mt19937_64 gen(99);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
   for (uint32_t trial = 0; trial < 24; ++trial) {
@@ -290,6 +294,11 @@ DP_OPS_TEST("conv2d_act_pool: the fused op gives the bits of conv2d, the activat
                               {.n = 37, .c = 6, .h = 14, .w = 14, .k = 16, .kh = 5, .kw = 5},
                               {.n = 5, .c = 3, .h = 9, .w = 8, .k = 7, .kh = 3, .kw = 2, .pad = 1},
                               {.n = 19, .c = 1, .h = 17, .w = 20, .k = 9, .kh = 3, .kw = 3, .pad = 1},
+                              // 16 and 32 taps per output (CUDA's direct kernels' larger bounds)
+                              {.n = 7, .c = 1, .h = 11, .w = 12, .k = 5, .kh = 4, .kw = 4},
+                              {.n = 7, .c = 2, .h = 10, .w = 9, .k = 3, .kh = 4, .kw = 4, .pad = 1},
+                              // an output of one row: the window is larger than the plane, nothing pooled
+                              {.n = 3, .c = 2, .h = 3, .w = 6, .k = 5, .kh = 3, .kw = 3},
                               // a plane larger than CUDA's tile of shared memory (it runs the three ops forward)
                               {.n = 2, .c = 1, .h = 112, .w = 112, .k = 2, .kh = 3, .kw = 3, .pad = 1}};
   for (const ConvShape& s : shapes)

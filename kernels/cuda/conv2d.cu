@@ -283,7 +283,7 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
     p->choices[i].pass = passes[i];
   }
 
-  p->direct = direct(s);
+  p->direct = direct(s) && direct_partial_floats(s) * sizeof(float) <= limit;  // its partials fit
   if (p->direct) {  // conv_direct.cu: forward and backward-filter, without cuDNN
     p->bias_floats = direct_partial_floats(s);
     for (size_t i : {size_t(0), size_t(2)}) {

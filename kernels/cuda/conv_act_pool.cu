@@ -96,7 +96,8 @@ void CudaOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, c
   const int oh = s.out_h(), ow = s.out_w(), pixels = oh * ow;
   const int per_block = std::max(1, kPoolTilePixels / pixels), pooled = (oh / k) * (ow / k);
   const size_t tile_bytes = sizeof(float) * size_t(per_block) * size_t(pixels);
-  if (tile_bytes > kMaxPoolTileBytes || !indexable(s))  // a plane larger than a tile: the three ops
+  // a plane larger than a tile, or a window larger than the plane (nothing pooled): the three ops
+  if (tile_bytes > kMaxPoolTileBytes || pooled == 0 || !indexable(s))
     return Ops::conv2d_act_pool_forward(s, a, k, x, w, b, y_act, y_pool, workspace);
   const int planes = s.n * s.k;
   convolve(s, x, w, y_act, workspace);
