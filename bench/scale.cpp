@@ -21,8 +21,9 @@ namespace dp::bench {
 namespace {
 
 // The LeNet step the GPU presets take where --compute-us is not given: dp on one H200 at batch 256
-// (docs/gpu.md, 2026-11-26: 318,391 images/s, so 804 us a step, 533 us of it kernels).
-constexpr double kGpuLenetStepUs = 804;
+// (docs/gpu.md, 2026-11-27: dp_train at 465,811 images/s, so 550 us a step, 410 us of it kernels;
+// eager steps: the several devices this models cannot take --graphs).
+constexpr double kGpuLenetStepUs = 550;
 
 int cores() {
   cpu_set_t set;
@@ -134,7 +135,7 @@ ComputeTime compute_time(const ScaleOptions& o, const ModelSpec& spec, Topology&
     compute.source = "given: --compute-us";
   } else if (t.nccl) {
     compute.seconds = kGpuLenetStepUs * 1e-6;
-    compute.source = "dp's lenet step at batch 256 on one H200 (docs/gpu.md), 804 us";
+    compute.source = "dp's lenet step at batch 256 on one H200 (docs/gpu.md), 550 us";
   }
   return compute;
 }

@@ -4,6 +4,7 @@
 // device. Printed from each device's ledger at the moment its total peaked; with --device-memory,
 // the largest batch each strategy fits, and device 0 running out first under scatter.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -36,24 +37,22 @@ EngineConfig engine_config(const Strategy* s, int batch, const SkewOptions& o) {
   return ec;
 }
 
-// One line per category: the bytes the formula gives, what they are, and whether the ledger booked
-// the same.
-std::string explain(const char* category, int64_t expected, int64_t booked, const std::string& text) {
-  std::string check = expected == booked ? "" : " [the ledger has " + commas(booked) + " B]";
-  return pad(category, 11, false) + pad(commas(expected) + " B", 13) + "  " + text + check;
-}
-
-// What the strategy's memory model says device 0 holds, beside what its ledger booked.
+// What the strategy's memory model says device 0 holds, one line a holding: the bytes its formula
+// gives and what they are; a category's last line also says whether the ledger booked the sum of its
+// lines, where it did not.
 void explain(StrategySkew& s, const ModelSpec& spec, const EngineConfig& ec, int n) {
   std::string heading;
   const std::vector<Holding> held = s.strategy->holdings(spec, ec, n, heading);
   s.explanation.push_back(heading);
+  std::array<int64_t, kCategories> sum{}, left{};
+  for (const Holding& h : held)
+    if (h.checked) sum[size_t(h.category)] += h.bytes, ++left[size_t(h.category)];
   for (const Holding& h : held) {
-    const char* category = category_name(h.category);
-    if (h.checked)
-      s.explanation.push_back(explain(category, h.bytes, s.ledgers[0].at_peak[int(h.category)], h.what));
-    else
-      s.explanation.push_back(pad(category, 11, false) + pad(commas(h.bytes) + " B", 13) + "  " + h.what);
+    const size_t c = size_t(h.category);
+    std::string line = pad(category_name(h.category), 11, false) + pad(commas(h.bytes) + " B", 13) + "  " + h.what;
+    const int64_t booked = s.ledgers[0].at_peak[c];
+    if (h.checked && --left[c] == 0 && sum[c] != booked) line += " [the ledger has " + commas(booked) + " B]";
+    s.explanation.push_back(line);
   }
 }
 

@@ -148,8 +148,8 @@ void Engine::allocate_replicas() {
     strategy_.allocate(dev, *rep, spec_, cfg_, r, b);
     // zero2's and zero3's reduce-scatters run on the communication thread: the ring's scratch sized
     // for the largest unit now, not grown there mid-step, where the ledger's peak would depend on
-    // which thread allocated first.
-    if (stage >= 2) {
+    // which thread allocated first. A job of one device has no ring.
+    if (stage >= 2 && world_ > 1) {
       int64_t largest = 0;
       for (const ShardUnit& u : units_) largest = std::max(largest, u.chunk);
       comm_->reserve_scratch(r, largest);

@@ -9,9 +9,11 @@
 
 namespace dp {
 
+// zero3's whole model, for an evaluation or a checkpoint: booked as gathered, as its layers are in a
+// step, so that parameters stays the device's chunk.
 Buffer Engine::gather_parameters(int rank) {
   Device& dev = *devices_[rank];
-  Buffer whole = dev.alloc_floats(spec_.param_count, Category::parameters);
+  Buffer whole = dev.alloc_floats(spec_.param_count, Category::gathered);
   for (const ShardUnit& u : units_) {
     Buffer unit = dev.alloc_floats(u.chunk * world_, Category::comm);
     gather_unit(*comm_, rank, u, replicas_[rank]->params.f(), unit.f());

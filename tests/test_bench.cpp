@@ -242,6 +242,17 @@ TEST_CASE(
       for (auto& [cat, bytes] : d["at_peak"].items()) sum += bytes.get<int64_t>();
       CHECK(sum == d["peak_bytes"].get<int64_t>());
     }
+    // The memory model explains every category device 0 booked at its peak, in the heading or on a
+    // line of its own, and each line's category the bytes its ledger booked.
+    const std::vector<std::string> lines = s["explanation"];
+    REQUIRE(!lines.empty());
+    for (auto& [cat, bytes] : s["devices"][0]["at_peak"].items()) {
+      CAPTURE(cat);
+      bool named = bytes.get<int64_t>() == 0 || lines[0].find(cat) != std::string::npos;
+      for (const std::string& line : lines) named = named || line.rfind(cat + " ", 0) == 0;
+      CHECK(named);
+    }
+    for (const std::string& line : lines) CHECK(line.find("[the ledger has") == std::string::npos);
   }
   // Under scatter only device 0 keeps the reduce buffer and the optimizer state.
   const json& sc = j["strategies"][0];

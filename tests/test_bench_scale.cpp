@@ -5,6 +5,7 @@
 // say (it prints the errors), not a timed assertion here.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 
@@ -70,12 +71,18 @@ TEST_CASE("bench: scale models every strategy on 1 to 1024 GPUs by NCCL's tuning
     CHECK(p["zero2"][n]["bytes"].get<double>() / ring == doctest::Approx(1.0).epsilon(0.02));
     CHECK(p["zero3"][n]["bytes"].get<double>() / ring == doctest::Approx(1.5).epsilon(0.02));
   }
-  // What each stage saves per device, and that sharding saves nothing on one device.
+  // What each stage saves per device: zero1 the optimizer state, zero3 the parameters too. zero2's
+  // chunks of the gradient save nothing on LeNet: while fc1's bucket (four fifths of the model, one
+  // layer, so no --bucket-kb splits it) is reduce-scattered, backward writes the convolutions' whole,
+  // about as much as zero1's whole gradient (dp_bench skew measures the same on 64 devices).
   const int64_t m_all = p["allreduce"][64]["memory_bytes"], m1 = p["zero1"][64]["memory_bytes"],
                 m2 = p["zero2"][64]["memory_bytes"], m3 = p["zero3"][64]["memory_bytes"];
   CHECK(m1 < m_all);
-  CHECK(m2 < m1);
-  CHECK(m3 < m2);
+  CHECK(std::abs(double(m2 - m1)) < 0.01 * double(m1));
+  CHECK(m3 < m1);
+  // One device has no ring: allreduce and zero1 hold the same, no chunk of the gradient for it.
+  CHECK(p["allreduce"][1]["memory_bytes"] == p["zero1"][1]["memory_bytes"]);
+  CHECK(p["allreduce"][1]["memory_bytes"].get<int64_t>() < p["allreduce"][8]["memory_bytes"].get<int64_t>());
   // The exposed share grows with the devices under every strategy but allreduce's latency-bound tree.
   CHECK(p["zero3"][1024]["comm_share"].get<double>() > p["zero3"][8]["comm_share"].get<double>());
 }

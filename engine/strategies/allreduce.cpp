@@ -100,8 +100,9 @@ class AllReduce final : public OwnBatch {
               std::to_string(b) + " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
     const DType t = wire_dtype(c, n);
-    h.push_back({Category::comm, even_chunks(P, n)[0] * dtype_size(t),
-                 "one ring chunk, ceil(P / " + std::to_string(n) + ") elements of " + dtype_name(t)});
+    if (n > 1)  // one device has no ring
+      h.push_back({Category::comm, even_chunks(P, n)[0] * dtype_size(t),
+                   "one ring chunk, ceil(P / " + std::to_string(n) + ") elements of " + dtype_name(t)});
     if (t != DType::fp32)
       h.push_back({Category::comm, P * dtype_size(t),
                    std::string("--grad-dtype: the gradients in ") + dtype_name(t) + " for their all-reduce"});

@@ -63,9 +63,14 @@ std::vector<Holding> sharded_holdings(const ModelSpec& spec, const EngineConfig&
                                : ", and the buckets alive at once: the one being reduce-scattered and those "
                                  "backward writes") +
                    " (the convolutions' together), " + commas(alive) + " floats (padded)"});
+  int64_t largest_chunk = 0;
+  for (const ShardUnit& u : units) largest_chunk = std::max(largest_chunk, u.chunk);
+  if (n > 1)  // one device has no ring
+    h.push_back({Category::comm, largest_chunk * F,
+                 "one ring chunk of the largest layer, " + commas(largest_chunk) +
+                     " floats, reserved before the first step (the reduce-scatters run on the communication thread)"});
   if (const DType t = wire_dtype(c, n); t != DType::fp32) {
-    int64_t largest = 0;
-    for (const ShardUnit& u : units) largest = std::max(largest, u.chunk * n);
+    const int64_t largest = largest_chunk * n;
     h.push_back({Category::comm, largest * dtype_size(t),
                  std::string("--grad-dtype: the bucket being reduce-scattered, in ") + dtype_name(t) +
                      ": the largest, " + commas(largest) + " elements (padded)"});

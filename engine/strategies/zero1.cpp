@@ -81,8 +81,9 @@ class Zero1 final : public OwnBatch {
               std::to_string(b) + " images, and";
     std::vector<Holding> h = batch_holdings(spec, c, n);
     const DType t = wire_dtype(c, n);
-    h.push_back(
-        {Category::comm, chunk * dtype_size(t), "one ring chunk, ceil(P / " + sn + ") elements of " + dtype_name(t)});
+    if (n > 1)  // one device has no ring
+      h.push_back(
+          {Category::comm, chunk * dtype_size(t), "one ring chunk, ceil(P / " + sn + ") elements of " + dtype_name(t)});
     if (t != DType::fp32)
       h.push_back(
           {Category::comm, chunk * n * dtype_size(t),
