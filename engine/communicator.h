@@ -2,7 +2,7 @@
 // torch.distributed: every rank calls the same collectives in the same order from its own device
 // thread. Each rank counts the bytes it sends and receives, per collective.
 //
-// PeerCommunicator implements them over Device::copy_from_peer and the device's add kernel, with a
+// The base class implements them over Device::copy_from_peer and the device's add kernel, with a
 // barrier between phases: on simulated devices that is memcpy between host buffers; on CUDA it is
 // cudaMemcpyPeerAsync (the path for several replicas on one GPU). NCCL overrides all_reduce.
 //

@@ -90,7 +90,8 @@ void ProcessCommunicator::reduce(int, void*, int64_t, int, DType) { refuse("redu
 
 void ProcessCommunicator::refuse(const char* what) const {
   // The trainer refuses these options up front (exit 2); reaching here is a bug in a caller.
-  throw std::logic_error(std::string(what) + " across processes: not supported (--sync allreduce with the ring is)");
+  throw std::logic_error(std::string(what) +
+                         " across processes: not supported (--sync allreduce and the ZeRO stages are)");
 }
 
 }  // namespace dp

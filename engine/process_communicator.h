@@ -1,5 +1,5 @@
 // The communicator of one process's devices inside a job of several processes (process_group.h), for
-// --sync allreduce on simulated devices. All-reduce is hierarchical, as Horovod's: a ring
+// --sync allreduce and the ZeRO stages on simulated devices. All-reduce is hierarchical, as Horovod's: a ring
 // reduce-scatter among the process's K devices, then each device all-reduces the chunk it holds
 // across the processes (MPI_Allreduce on its own channel, the K devices at once), then a ring
 // all-gather among the K devices. Every replica of every process ends with the same bits: each chunk
@@ -40,7 +40,8 @@ class ProcessCommunicator : public Communicator {
   // processes on device 0's channel (MPI_Bcast; counted as process 0 sending the buffer to each other
   // process), then within each process.
   void broadcast(int rank, float* buf, int64_t count, int root) override;
-  // Only the all-reduce strategy runs across processes: nn.DataParallel is one process by design.
+  // scatter's collectives, refused: nn.DataParallel is one process by design (the trainer refuses
+  // --sync scatter across processes before any step).
   void scatter(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) override;
   void gather(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) override;
   void reduce(int rank, void* buf, int64_t count, int root, DType type = DType::fp32) override;

@@ -14,7 +14,6 @@ const Strategy& zero1_strategy();
 const Strategy& zero2_strategy();
 const Strategy& zero3_strategy();
 
-// The registry: a new strategy is one line here.
 void clip_gradients(StepContext& s, float* grads, int64_t n, bool shard) {
   const float max_norm = s.config().clip_grad_norm;
   if (max_norm <= 0) return;
@@ -66,6 +65,7 @@ void WireGradients::widen(int64_t offset, int64_t n, float* out) {
   if (type_ != DType::fp32) s_.device().ops().widen(type_, n, at(offset), out);
 }
 
+// The registry: a new strategy is one line here.
 const std::vector<const Strategy*>& strategies() {
   static const std::vector<const Strategy*> all = {&scatter_strategy(), &allreduce_strategy(), &zero1_strategy(),
                                                    &zero2_strategy(), &zero3_strategy()};

@@ -30,11 +30,11 @@ struct OptimizerScalars;  // optimizer.h
 // The floats of the chunk each of n devices owns of P under a sharded strategy: ceil(P / n).
 inline int64_t shard_chunk(int64_t P, int n) { return (P + n - 1) / n; }
 
-// Under a sharded strategy the flat parameters fall into units (zero1: the whole model; zero2: its
-// gradient buckets), each cut into n chunks of `chunk` floats, the last padded with zeros. Device r
-// owns chunk Communicator::shard(r) of every unit, parameters [offset + shard·chunk, + chunk) clipped
-// to the unit, and keeps the optimizer state (zero2: also the gradients) of its chunks alone, back to
-// back in unit order from `owned` on.
+// Under a sharded strategy the flat parameters fall into units (zero1: the whole model; zero2 and
+// zero3: their gradient buckets), each cut into n chunks of `chunk` floats, the last padded with
+// zeros. Device r owns chunk Communicator::shard(r) of every unit, parameters [offset + shard·chunk,
+// + chunk) clipped to the unit, and keeps the optimizer state (zero2: also the gradients; zero3: the
+// parameters too) of its chunks alone, back to back in unit order from `owned` on.
 struct ShardUnit {
   int64_t offset = 0, count = 0;  // the unit's parameters in the flat buffer
   int64_t chunk = 0;              // shard_chunk(count, n)
@@ -183,10 +183,11 @@ class Strategy {
   virtual bool takes_grad_dtype() const { return true; }
   virtual const char* one_process_only() const { return nullptr; }
   // What each device keeps 1/n of, as the ZeRO paper's stages count it: 0 nothing (every device holds
-  // the whole of everything it holds), 1 the optimizer state, 2 the gradients too. Stage 1 has one
-  // ShardUnit, the whole model, and its flat parameter and gradient buffers are padded to n chunks
-  // (the padding stays zero); stage 2 a unit per gradient bucket (one per parameterised layer without
-  // --bucket-kb), its gradient buffer the device's chunks alone.
+  // the whole of everything it holds), 1 the optimizer state, 2 the gradients too, 3 the parameters
+  // too. Stage 1 has one ShardUnit, the whole model, and its flat parameter and gradient buffers are
+  // padded to n chunks (the padding stays zero); stages 2 and 3 a unit per gradient bucket (one per
+  // parameterised layer without --bucket-kb), the gradient buffer the device's chunks alone (and at
+  // stage 3 the parameter buffer too).
   virtual int zero_stage() const { return 0; }
 
   // What each device holds: whether `rank` steps the optimizer (and so holds its state), then its

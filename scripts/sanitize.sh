@@ -22,9 +22,11 @@ cxx=${SANITIZE_CXX:-clang++}
 command -v "$cxx" > /dev/null || scripts/deps.sh
 
 # A sanitizer report in a dp_train started by a test exits 86, which no test expects.
-export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:abort_on_error=0:exitcode=86:detect_leaks=1:strict_string_checks=1}
+# allocator_may_return_null: an allocation that cannot be had returns null, as without a sanitizer, so
+# that the tests of what dp does then (a simulated device's failed host allocation) run here too.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:abort_on_error=0:exitcode=86:detect_leaks=1:strict_string_checks=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1:exitcode=86}
-export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:exitcode=86:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp}
+export TSAN_OPTIONS=${TSAN_OPTIONS:-halt_on_error=1:exitcode=86:second_deadlock_stack=1:allocator_may_return_null=1:suppressions=$PWD/tests/tsan.supp}
 
 build() {  # build dir, sanitizer list, more cmake arguments
   # -O1: the sanitizers' own recommendation, and half the compile time of -O2 with their instrumentation.

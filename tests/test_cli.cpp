@@ -51,7 +51,7 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
       {"--devices 0", "--devices"},
       {"--backend tpu", "auto, cpu or cuda"},
       {"--device-memory 12X", "--device-memory"},
-      {"--bucket-kb 64", "--bucket-kb: buckets are a feature of --sync allreduce and zero2"},
+      {"--bucket-kb 64", "--bucket-kb: buckets are a feature of --sync allreduce, zero2 and zero3"},
       {"--save-every 5", "--save"},
       {"--load /nonexistent/ck.safetensors", "/nonexistent/ck.safetensors"},
       {"--report /nonexistent/dir/r.json", "/nonexistent/dir"},

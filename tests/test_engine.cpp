@@ -356,6 +356,18 @@ TEST_CASE("an allocation past --device-memory names the device, the category and
   }
 }
 
+TEST_CASE("a host allocation that fails names the simulated device by its id, not its rank") {
+  auto dev = make_simulated_device(/*rank=*/0, /*id=*/5, /*memory_cap=*/0);
+  try {
+    Buffer b = dev->alloc(size_t(1) << 62, Category::activations);  // 4 EiB: no host has them
+    FAIL("a 4 EiB allocation succeeded");
+  } catch (const DeviceError& err) {
+    CHECK(err.device == 5);
+    CHECK(std::string(err.what()).rfind("device 5: host allocation of ", 0) == 0);
+  }
+  CHECK(dev->ledger().snapshot().current[int(Category::activations)] == 0);  // nothing left booked
+}
+
 TEST_CASE("batch smaller than the device count") {
   ModelSpec spec = make_model("lenet5");
   std::vector<float> init(size_t(spec.param_count));

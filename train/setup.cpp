@@ -41,7 +41,7 @@ void check_options(const TrainOptions& o, bool lead) {
                      "which one thread assembles well within a step; give 0 or 1");
   if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");
   if (o.bucket_kb > 0 && !find_strategy(o.sync).takes_buckets())
-    throw UsageError("--bucket-kb: buckets are a feature of --sync allreduce and zero2; add one");
+    throw UsageError("--bucket-kb: buckets are a feature of --sync allreduce, zero2 and zero3; add one");
   check_grad_dtype(find_strategy(o.sync), o.grad_dtype);
   if (o.save_every < 0) throw UsageError("--save-every: must be >= 0");
   if (o.save_every > 0 && o.save.empty()) throw UsageError("--save-every: needs --save FILE to say where");

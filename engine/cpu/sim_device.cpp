@@ -122,7 +122,7 @@ class SimDevice final : public Device {
   void* raw_alloc(size_t bytes) override {
     refuse_while_capturing(ops_.recording(), "an allocation");
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!p) throw DeviceError(rank(), "host allocation of " + format_bytes(int64_t(bytes)) + " failed");
+    if (!p) throw DeviceError(id(), "host allocation of " + format_bytes(int64_t(bytes)) + " failed");
     return p;
   }
   void raw_free(void* p) noexcept override { std::free(p); }
