@@ -34,6 +34,8 @@ TEST_CASE("bench: every output path of every subcommand is checked before the ru
     cases.push_back({sub + " --json '" + missing + "/r.json'", "the directory " + missing + " does not exist"});
     cases.push_back({sub + " --json '" + dir.path.string() + "'", "is a directory; give a file name"});
     cases.push_back({sub + " --json '" + file + "/r.json'", file + " is not a directory"});
+    cases.push_back(
+        {sub + " --json --plot '" + dir.path.string() + "'", "--json: needs a value, and got the option --plot"});
   }
   cases.push_back({"compare --trace '" + missing + "/t.json'", "does not exist"});
   cases.push_back({"compare --trace '" + dir.path.string() + "'", "is a directory"});

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -61,6 +62,9 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
       {"--timeout -5", "--timeout: '-5' is not a timeout"},
       {"--timeout inf", "--timeout: 'inf' is not a decimal number"},
       {"--timeout soon", "--timeout: 'soon' is not a number"},
+      // an option that needs a value, followed by another option: not a file named --verify
+      {"--steps 1 --save --verify", "--save: needs a value, and got the option --verify"},
+      {"--steps 1 --log --report r.json", "--log: needs a value, and got the option --report"},
   };
   for (auto& c : cases) {
     CAPTURE(c.args);
@@ -72,6 +76,7 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
     CHECK(r.exit_code == 2);
     CHECK(r.output.find(c.words) != std::string::npos);
   }
+  CHECK_FALSE(std::filesystem::exists("--verify"));  // nothing written
   CommandResult r = run_command(kTrain + " --backend cpu --data " + dir / "nowhere" + " --quiet");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("nowhere") != std::string::npos);

@@ -1,7 +1,14 @@
 // The IDX reader on good and malformed synthetic files, and the per-epoch order.
 #include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <filesystem>
+#include <future>
 #include <set>
+#include <thread>
 
 #include "engine/error.h"
 #include "tests/util.h"
@@ -94,6 +101,30 @@ TEST_CASE("IDX: a data directory without the expected files is named in the erro
     CHECK(std::string(e.what()).find("train-images-idx3-ubyte") != std::string::npos);
   }
   CHECK_THROWS_AS(load_idx(dir / "nope", "train"), UsageError);
+}
+
+TEST_CASE("IDX: a data file that is a FIFO is refused at once, not read until a writer comes") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 8, 8);
+  const std::string images = dir / "train-images-idx3-ubyte.gz";
+  std::filesystem::remove(images);
+  REQUIRE(::mkfifo(images.c_str(), 0644) == 0);
+  // A reader that opened the FIFO would wait there for a writer: after 5 s this one comes and goes at
+  // once, so that such a reader fails (on an empty file) instead of hanging the suite.
+  std::promise<void> returned;
+  std::thread writer([&, done = returned.get_future()] {
+    if (done.wait_for(std::chrono::seconds(5)) == std::future_status::ready) return;
+    if (int fd = ::open(images.c_str(), O_WRONLY | O_NONBLOCK); fd >= 0) ::close(fd);
+  });
+  std::string error;
+  try {
+    load_idx(dir.path.string(), "train");
+  } catch (const UsageError& e) {
+    error = e.what();
+  }
+  returned.set_value();
+  writer.join();
+  CHECK(error == images + ": is not a regular file (a FIFO, socket or device); expected an IDX file");
 }
 
 TEST_CASE("epoch order: a permutation fixed by (seed, epoch), file order without shuffle") {

@@ -73,6 +73,13 @@ TEST_CASE("eval: --eval without --load, or with the options of a training run, e
       {"--eval --load " + ck + " --log " + dir / "l.jsonl", "--log"},
       {"--eval --load " + ck + " --steps 3 --log " + dir / "l.jsonl", "--steps, --log only make sense"},
       {"--eval --load " + ck + " --no-prefetch", "--eval: --no-prefetch only makes sense for training"},
+      // the optimizer, its schedule and the training set's order and size: nothing --eval uses
+      {"--eval --load " + ck + " --lr 0.5 --optimizer adam", "--eval: --optimizer, --lr only make sense for training"},
+      {"--eval --load " + ck + " --accumulate 2", "--accumulate"},
+      {"--eval --load " + ck + " --lr-schedule cosine --warmup 2", "--lr-schedule, --warmup"},
+      {"--eval --load " + ck + " --clip-grad-norm 1", "--clip-grad-norm"},
+      {"--eval --load " + ck + " --seed 3 --no-shuffle --limit-train 8", "--seed, --no-shuffle, --limit-train"},
+      {"--eval --load " + ck + " --devices 2 --sync allreduce --bucket-kb 64", "--bucket-kb only makes sense"},
       {"--eval --load " + dir / "missing.st", "missing.st"},
       {"--eval --load " + ck + " --model lenet5", "lenet5"},
   };

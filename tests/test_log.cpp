@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -254,4 +255,24 @@ TEST_CASE("log: --resume with the same --log keeps the records up to the checkpo
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   CHECK(records() == whole);
+}
+
+TEST_CASE("log: --resume with a --log that is not a dp_train log is refused and the file left as it was") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 128, 32);
+  const std::string saved = dir / "c.st", log = dir / "notes.txt";
+  const std::string run = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --quiet";
+  REQUIRE(run_command(run + " --steps 3 --save " + saved).exit_code == 0);
+  // A text file, and a log whose first line was spoilt: every line of either would have been cut.
+  for (const std::string text :
+       {std::string("my notes\nmore notes\n"),
+        std::string("{\"kind\":\"step\",\"step\":2}garbage\n{\"kind\":\"step\",\"step\":2}\n")}) {
+    CAPTURE(text);
+    std::ofstream(log) << text;
+    CommandResult r = run_command(run + " --steps 5 --log " + log + " --resume " + saved);
+    INFO(r.output);
+    CHECK(r.exit_code == 2);
+    CHECK(r.output.find(log + ": line 1 is not a dp_train --log record") != std::string::npos);
+    CHECK(slurp(log) == text);
+  }
 }

@@ -96,6 +96,8 @@ TEST_CASE("lr schedule: a scheduled run trains each step at its rate, logs it, a
                      {"--steps 4 --lr-schedule linear", "--lr-schedule: 'linear' is not a schedule"},
                      {"--steps 4 --lr-step-size 2", "--lr-step-size: only --lr-schedule step"},
                      {"--steps 4 --lr-schedule step --lr-step-size -2", "--lr-step-size: -2 steps"},
+                     {"--steps 4 --lr-schedule step --lr-step-size 0", "--lr-step-size: 0 steps; give at least 1"},
+                     {"--steps 4 --lr-gamma 0.5", "--lr-gamma: only --lr-schedule step decays by a factor"},
                      {"--steps 4 --lr-schedule step --lr-gamma 1.5", "--lr-gamma: must be in (0, 1]"},
                      {"--steps 4 --lr-schedule step --lr-gamma nan", "--lr-gamma"},
                  },

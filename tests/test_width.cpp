@@ -2,6 +2,9 @@
 // unchanged; a checkpoint says its width and is refused at another.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <string>
+
 #include "engine/error.h"
 #include "models/model.h"
 #include "tests/util.h"
@@ -47,4 +50,26 @@ TEST_CASE("--width: a checkpoint keeps its width, trains on at it, and is refuse
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("this checkpoint is lenet at --width 2, you asked for --width 1 (use --width 2)") !=
         std::string::npos);
+}
+
+// The check before any device starts counts less than a device holds (tests/test_cli.cpp has its
+// refusal): a run whose devices peaked at P bytes runs again under --device-memory P.
+TEST_CASE("--device-memory: a run is not refused by the check before it under the cap its own peak fits") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 256, 32);
+  // 128 images a device: the activations outweigh the parameters, where a count of them shows
+  const std::string train = std::string(DP_TRAIN_BIN) + " --backend cpu --quiet --data " + dir.path.string() +
+                            " --steps 1 --batch 256 --devices 2";
+  for (const std::string sync : {"scatter", "zero3"}) {
+    CAPTURE(sync);
+    CommandResult r = run_command(train + " --sync " + sync + " --report " + dir / "r.json");
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    const nlohmann::json report = read_json(dir / "r.json");
+    int64_t peak = 0;
+    for (const auto& d : report["devices"]) peak = std::max(peak, d["peak_bytes"].get<int64_t>());
+    r = run_command(train + " --sync " + sync + " --device-memory " + std::to_string(peak));
+    INFO(r.output);
+    CHECK(r.exit_code == 0);
+  }
 }

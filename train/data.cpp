@@ -61,7 +61,10 @@ class FileSource final : public Source {
     std::error_code ec;
     if (!fs::exists(path, ec)) throw UsageError(path + ": no such file (expected an IDX file, optionally .gz)");
     if (fs::is_directory(path, ec)) throw UsageError(path + ": is a directory, expected an IDX file");
-    if (fs::is_regular_file(path, ec)) file_size_ = fs::file_size(path, ec);
+    // A FIFO or a device would block the read, or never end it: refused before it is opened.
+    if (!fs::is_regular_file(path, ec))
+      throw UsageError(path + ": is not a regular file (a FIFO, socket or device); expected an IDX file");
+    file_size_ = fs::file_size(path, ec);
     f_.reset(gzopen(path.c_str(), "rb"));
     if (!f_) throw UsageError(path + ": cannot open: " + std::strerror(errno));
   }

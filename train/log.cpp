@@ -55,7 +55,9 @@ TrainLog::TrainLog(const std::string& path, int64_t every, const Strategy& strat
   if (resumed > 0) keep_records_through(resumed);
 }
 
-// The whole lines at the file's start that are records of steps up to `step`: kept, the rest cut.
+// The whole lines at the file's start that are records of steps up to `step`: kept, the rest cut (a
+// last line without its newline is what a killed run left). A whole line that is not a record says the
+// file is not a log dp_train wrote: refused before anything is cut.
 void TrainLog::keep_records_through(int64_t step) {
   std::string text;
   char buf[1 << 16];
@@ -64,11 +66,22 @@ void TrainLog::keep_records_through(int64_t step) {
     if (got < 0) throw IoError(path_ + ": cannot read the log to resume it: " + std::strerror(errno));
     text.append(buf, size_t(got));
   }
+  auto record = [&](size_t begin, size_t end) {
+    nlohmann::json j = nlohmann::json::parse(text.begin() + off_t(begin), text.begin() + off_t(end), nullptr, false);
+    const bool is = j.is_object() && j.contains("kind") && j["kind"].is_string() && j.contains("step") &&
+                    j["step"].is_number_integer();
+    return is ? j : nlohmann::json();
+  };
+  int64_t line = 1;
+  for (size_t begin = 0, end; (end = text.find('\n', begin)) != std::string::npos; begin = end + 1, ++line)
+    if (record(begin, end).is_null())
+      throw UsageError(path_ + ": line " + std::to_string(line) + " is not a dp_train --log record, so the file " +
+                       "is not this run's log; --resume goes on with the log the run wrote: give that file, or a " +
+                       "new one (this one is left as it is)");
   for (size_t end; (end = text.find('\n', size_t(written_))) != std::string::npos; written_ = off_t(end + 1)) {
-    const nlohmann::json j = nlohmann::json::parse(text.begin() + written_, text.begin() + off_t(end), nullptr, false);
-    if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer() || j["step"].get<int64_t>() > step)
-      break;
-    if (j.value("kind", "") == "step" && j.contains("elapsed_s") && j["elapsed_s"].is_number())
+    const nlohmann::json j = record(size_t(written_), end);
+    if (j["step"].get<int64_t>() > step) break;
+    if (j["kind"] == "step" && j.contains("elapsed_s") && j["elapsed_s"].is_number())
       elapsed_before_ = j["elapsed_s"].get<double>(), recorded_step_ = j["step"].get<int64_t>();
   }
   if (::ftruncate(fd_, written_) != 0 || ::lseek(fd_, written_, SEEK_SET) < 0)

@@ -128,20 +128,24 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
 
 namespace {
 
-// Less than what one device holds for the model: its parameters and gradients (its chunk of the
-// gradients under zero2, of both under zero3), the optimizer state it keeps (all of it, or its chunk under a sharded
-// strategy; under scatter device 0 keeps all of it), and every layer's output and its gradient for its share of the
-// batch (no workspace, no batch, no scratch). Without `state`: less the optimizer state.
+// Less than what one device holds for the model, on any backend: its parameters and gradients (its
+// chunk of the gradients under zero2, of both under zero3), the optimizer state it keeps (all of it,
+// or its chunk under a sharded strategy; under scatter device 0 keeps all of it), and for its share of
+// the batch the outputs Network keeps for backward (every layer's but a view's and a convolution's,
+// which a fused or chunked backend keeps only a chunk of) and its two gradient buffers, each at least
+// an input wide (engine/network.cpp). No workspace, no batch, no scratch. Without `state`: less the
+// optimizer state.
 int64_t model_bytes(const TrainOptions& o, const ModelSpec& spec, int job_devices, int64_t share, bool state = true) {
   EngineConfig c;
   c.optimizer = o.optimizer, c.momentum = o.momentum;
   const int64_t P = spec.param_count, states = int64_t(optimizer_state_names(c).size());
   const int stage = find_strategy(o.sync).zero_stage();
   const int64_t kept = stage > 0 ? shard_chunk(P, job_devices) : P;
-  int64_t per_sample = 0;
-  for (const Layer& l : spec.layers) per_sample += l.out_size();
+  int64_t per_sample = 2 * spec.input_size();
+  for (const Layer& l : spec.layers)
+    if (l.kind != LayerKind::flatten && l.kind != LayerKind::conv) per_sample += l.out_size();
   const int64_t params = stage >= 3 ? kept : P, grads = stage >= 2 ? kept : P;
-  return int64_t(sizeof(float)) * (params + grads + (state ? states * kept : 0) + 2 * per_sample * share);
+  return int64_t(sizeof(float)) * (params + grads + (state ? states * kept : 0) + per_sample * share);
 }
 
 }  // namespace
@@ -176,27 +180,36 @@ void check_model_fits(const TrainOptions& o, const ModelSpec& spec, const Device
                       int64_t train_count) {
   Device& d = *devs.devices[0];
   int64_t bound = d.ledger().cap();
-  std::string against = "--device-memory " + format_bytes(bound);
-  if (bound == 0 && d.kind() == DeviceKind::simulated) {  // this process's devices share the host's memory
+  std::string against = "--device-memory " + format_bytes(bound), who = "a device holds";
+  // Without a cap, this process's simulated devices share the host's memory: all of them against it,
+  // the optimizer state on device 0 alone under scatter (as check_simulated_devices counts them).
+  const int64_t k = int64_t(devs.devices.size());
+  const bool shared_host = bound == 0 && d.kind() == DeviceKind::simulated;
+  if (shared_host) {
     const HostMemory host = host_memory();
-    bound = host.bound() / int64_t(devs.devices.size());
-    against = format_bytes(bound) + ", each of the " + std::to_string(devs.devices.size()) +
-              " simulated devices' share of " + host.describe();
+    bound = host.bound();
+    against = host.describe();
+    who = k > 1 ? "its " + std::to_string(k) + " simulated devices hold" : "its simulated device holds";
   }
   // A GPU without --device-memory: its allocator's refusal names the device and the category.
   if (bound == 0) return;
   // Each device's share of the batch a step trains (--batch, clamped to the training set).
   const int64_t batch = std::min<int64_t>(o.batch, std::max<int64_t>(train_count, 1));
   const int64_t share = (batch + job_devices - 1) / job_devices;
-  auto need = [&](int width) { return model_bytes(o, make_model(o.model, width), job_devices, share); };
+  const bool every_state = find_strategy(o.sync).steps_optimizer(1);
+  auto need = [&](int width) {
+    const ModelSpec m = make_model(o.model, width);
+    const int64_t first = model_bytes(o, m, job_devices, share);
+    return shared_host ? first + (k - 1) * model_bytes(o, m, job_devices, share, every_state) : first;
+  };
   const int64_t bytes = need(spec.width);
   if (bytes <= bound) return;
   int fits = 0;
   while (fits < spec.width && need(fits + 1) <= bound) ++fits;
   throw UsageError("--width " + std::to_string(spec.width) + ": " + spec.name + " has " + commas(spec.param_count) +
-                   " parameters there, and a device holds at least " + format_bytes(bytes) +
-                   " (parameters, gradients, the optimizer state it keeps and the activations of its " +
-                   std::to_string(share) + " images), more than " + against + "; " +
+                   " parameters there, and " + who + " at least " + format_bytes(bytes) +
+                   " (parameters, gradients, the optimizer state kept and the activations of " + std::to_string(share) +
+                   " images a device), more than " + against + "; " +
                    (fits > 0 ? "the largest width that fits is " + std::to_string(fits)
                              : "not even width 1 fits; give more memory"));
 }
