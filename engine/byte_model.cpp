@@ -3,6 +3,55 @@
 #include <algorithm>
 
 namespace dp {
+
+// The per-rank models communicator.h declares, which every communicator counts its collectives by.
+namespace {
+// Bytes of chunk c of count elements of type t split evenly over n, c taken modulo n.
+int64_t chunk_bytes(const std::vector<int64_t>& chunk, int n, int c, DType t) {
+  return chunk[size_t((c % n + n) % n)] * dtype_size(t);
+}
+}  // namespace
+
+Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count, DType type) {
+  Traffic t;
+  if (n == 1 || count == 0) return t;
+  const std::vector<int64_t> chunk = even_chunks(count, n);
+  for (int s = 0; s < n - 1; ++s) {  // step s: chunk (rank - s) out, chunk (rank - 1 - s) in
+    t.sent += chunk_bytes(chunk, n, rank - s, type);
+    t.received += chunk_bytes(chunk, n, rank - 1 - s, type);
+  }
+  return t;
+}
+
+Traffic ring_all_gather_traffic(int rank, int n, int64_t count, DType type) {
+  Traffic t;
+  if (n == 1 || count == 0) return t;
+  const std::vector<int64_t> chunk = even_chunks(count, n);
+  for (int s = 0; s < n - 1; ++s) {  // step s: chunk (rank + 1 - s) out, chunk (rank - s) in
+    t.sent += chunk_bytes(chunk, n, rank + 1 - s, type);
+    t.received += chunk_bytes(chunk, n, rank - s, type);
+  }
+  return t;
+}
+
+Traffic ring_all_reduce_traffic(int rank, int n, int64_t count, DType type) {
+  const Traffic a = ring_reduce_scatter_traffic(rank, n, count, type),
+                b = ring_all_gather_traffic(rank, n, count, type);
+  return {a.sent + b.sent, a.received + b.received};
+}
+
+Traffic naive_all_reduce_traffic(int rank, int n, int64_t count, DType type) {
+  if (n == 1 || count == 0) return {};
+  const int64_t bytes = count * dtype_size(type);
+  if (rank == 0) return {(n - 1) * bytes, (n - 1) * bytes};  // the sum to each peer; each peer's buffer
+  return {bytes, bytes};                                     // its buffer to rank 0; the sum back
+}
+
+Traffic all_reduce_traffic(AllReduceAlgorithm a, int rank, int n, int64_t count, DType type) {
+  return a == AllReduceAlgorithm::ring ? ring_all_reduce_traffic(rank, n, count, type)
+                                       : naive_all_reduce_traffic(rank, n, count, type);
+}
+
 int64_t CollectiveTraffic::busiest() const {
   int64_t b = 0;
   for (const Traffic& t : per_rank) b = std::max({b, t.sent, t.received});

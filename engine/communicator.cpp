@@ -84,56 +84,11 @@ std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& counts) {
   return at;
 }
 
-namespace {
-// Bytes of chunk c of count elements of type t split evenly over n, c taken modulo n.
-int64_t chunk_bytes(const std::vector<int64_t>& chunk, int n, int c, DType t) {
-  return chunk[size_t((c % n + n) % n)] * dtype_size(t);
-}
-}  // namespace
-
-Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count, DType type) {
-  Traffic t;
-  if (n == 1 || count == 0) return t;
-  const std::vector<int64_t> chunk = even_chunks(count, n);
-  for (int s = 0; s < n - 1; ++s) {  // step s: chunk (rank - s) out, chunk (rank - 1 - s) in
-    t.sent += chunk_bytes(chunk, n, rank - s, type);
-    t.received += chunk_bytes(chunk, n, rank - 1 - s, type);
-  }
-  return t;
-}
-
-Traffic ring_all_gather_traffic(int rank, int n, int64_t count, DType type) {
-  Traffic t;
-  if (n == 1 || count == 0) return t;
-  const std::vector<int64_t> chunk = even_chunks(count, n);
-  for (int s = 0; s < n - 1; ++s) {  // step s: chunk (rank + 1 - s) out, chunk (rank - s) in
-    t.sent += chunk_bytes(chunk, n, rank + 1 - s, type);
-    t.received += chunk_bytes(chunk, n, rank - s, type);
-  }
-  return t;
-}
-
-Traffic ring_all_reduce_traffic(int rank, int n, int64_t count, DType type) {
-  const Traffic a = ring_reduce_scatter_traffic(rank, n, count, type),
-                b = ring_all_gather_traffic(rank, n, count, type);
-  return {a.sent + b.sent, a.received + b.received};
-}
-
-Traffic naive_all_reduce_traffic(int rank, int n, int64_t count, DType type) {
-  if (n == 1 || count == 0) return {};
-  const int64_t bytes = count * dtype_size(type);
-  if (rank == 0) return {(n - 1) * bytes, (n - 1) * bytes};  // the sum to each peer; each peer's buffer
-  return {bytes, bytes};                                     // its buffer to rank 0; the sum back
-}
-
-Traffic all_reduce_traffic(AllReduceAlgorithm a, int rank, int n, int64_t count, DType type) {
-  return a == AllReduceAlgorithm::ring ? ring_all_reduce_traffic(rank, n, count, type)
-                                       : naive_all_reduce_traffic(rank, n, count, type);
-}
-
 Communicator::Communicator(std::vector<Device*> devices)
     : devices_(std::move(devices)),
       barrier_(int(devices_.size())),
+      inside_(devices_.size(), 0),
+      at_barrier_(devices_.size(), 0),
       slots_(devices_.size()),
       scratch_(devices_.size()),
       traffic_(devices_.size()),
@@ -148,10 +103,48 @@ void Communicator::meet(int rank, Collective c) {
   meet(rank, collective_text(c), Deadline::after(timeout_));
 }
 
+Communicator::Inside::Inside(Communicator& c, int rank) : c_(c), rank_(rank) {
+  std::lock_guard lock(c_.readers_mu_);
+  ++c_.inside_[size_t(rank_)];
+}
+
+Communicator::Inside::~Inside() {
+  std::lock_guard lock(c_.readers_mu_);
+  --c_.inside_[size_t(rank_)];
+  c_.readers_cv_.notify_all();
+}
+
+// A rank leaving by an exception (an abort, or its deadline) may free what it published as soon as it
+// returns (a zero2 bucket, a step's scratch), while a peer that passed the last meet with it still
+// copies from it. A peer inside a collective finishes its copies and comes to the barrier, where it
+// finds the abort and leaves too. Bounded, so that a peer stuck in a copy cannot hang this rank: by
+// the timeout, and never less than kReadersGrace (a copy slower than a short --timeout still lands).
+void Communicator::await_readers(int rank) {
+  constexpr double kReadersGrace = 10.0;  // seconds
+  std::unique_lock lock(readers_mu_);
+  readers_cv_.wait_until(lock, Deadline::after(std::max(timeout_, kReadersGrace)).at, [&] {
+    for (size_t q = 0; q < inside_.size(); ++q)
+      if (int(q) != rank && inside_[q] > 0 && !at_barrier_[q]) return false;
+    return true;
+  });
+}
+
 void Communicator::meet(int rank, const std::string& what, const Deadline& deadline) {
+  struct AtBarrier {
+    Communicator& c;
+    int rank;
+    explicit AtBarrier(Communicator& comm, int r) : c(comm), rank(r) { set(1); }
+    ~AtBarrier() { set(0); }
+    void set(char v) {
+      std::lock_guard lock(c.readers_mu_);
+      c.at_barrier_[size_t(rank)] = v;
+      c.readers_cv_.notify_all();
+    }
+  } at_barrier(*this, rank);
   try {
     barrier_.arrive_and_wait(rank, deadline);
   } catch (const Barrier::Expired& e) {
+    await_readers(rank);
     // Device names, with the rank where replicas share a device (--gpus 0,0 names both cuda:0).
     auto who = [&](int r) {
       const std::string name = devices_[r]->name();
@@ -166,6 +159,9 @@ void Communicator::meet(int rank, const std::string& what, const Deadline& deadl
                    timeout_message(what + " on " + who(rank), deadline.seconds,
                                    missing + (e.missing.size() == 1 ? " stopped answering (it never joined)"
                                                                     : " stopped answering (they never joined)")));
+  } catch (...) {  // Aborted
+    await_readers(rank);
+    throw;
   }
 }
 
@@ -213,6 +209,7 @@ void Communicator::broadcast(int rank, float* buf, int64_t count, int root) {
 void Communicator::broadcast_as(Collective as, int rank, void* buf, int64_t count, int root, DType type) {
   const int n = size();
   if (n == 1 || count == 0) return;
+  Inside inside(*this, rank);
   const int64_t bytes = count * dtype_size(type);
   slots_[rank] = buf;
   meet(rank, as);
@@ -228,6 +225,7 @@ void Communicator::broadcast_as(Collective as, int rank, void* buf, int64_t coun
 void Communicator::scatter(int rank, const float* send, float* recv, const std::vector<int64_t>& counts, int root) {
   const int n = size();
   if (n == 1) return;
+  Inside inside(*this, rank);
   slots_[rank] = send;
   meet(rank, Collective::scatter);
   const int64_t offset = chunk_offsets(counts)[size_t(rank)];
@@ -250,6 +248,7 @@ void Communicator::gather(int rank, const float* send, float* recv, const std::v
   if (rank == root && counts[rank] > 0 && send != recv + offset)
     devices_[rank]->copy(recv + offset, send, size_t(counts[rank]) * sizeof(float));
   if (n == 1) return;
+  Inside inside(*this, rank);
   slots_[rank] = send;
   meet(rank, Collective::gather);
   if (rank == root) {
@@ -275,6 +274,7 @@ void Communicator::reduce(int rank, void* buf, int64_t count, int root, DType ty
 void Communicator::reduce_as(Collective as, int rank, void* buf, int64_t count, int root, DType type) {
   const int n = size();
   if (n == 1 || count == 0) return;
+  Inside inside(*this, rank);
   const int64_t bytes = count * dtype_size(type);
   void* recv = rank == root ? scratch(rank, (n - 1) * bytes) : nullptr;  // (n-1, count)
   slots_[rank] = buf;
@@ -327,6 +327,7 @@ void Communicator::all_gather(int rank, float* buf, int64_t chunk) {
 // (ProcessCommunicator: the all-reduce across processes) it must finish and meet before all_gather.
 void Communicator::ring_reduce_scatter(int rank, void* buf, const std::vector<int64_t>& chunk, int lead, Collective as,
                                        DType type) {
+  Inside inside(*this, rank);
   const int n = size();
   const int64_t each = dtype_size(type);  // bytes an element
   const std::vector<int64_t> offset = chunk_offsets(chunk);
@@ -350,6 +351,7 @@ void Communicator::ring_reduce_scatter(int rank, void* buf, const std::vector<in
 
 void Communicator::ring_all_gather(int rank, void* buf, const std::vector<int64_t>& chunk, int lead, Collective as,
                                    bool publish, DType type) {
+  Inside inside(*this, rank);
   const int n = size();
   const int64_t each = dtype_size(type);  // bytes an element
   const std::vector<int64_t> offset = chunk_offsets(chunk);

@@ -8,7 +8,9 @@
 //
 // Every wait for peers is bounded by the collective timeout (set_timeout, dp_train --timeout; wait.h):
 // a rank that waits longer at a barrier aborts the collective on every rank and throws TimedOut,
-// naming the collective and the ranks that never came.
+// naming the collective and the ranks that never came. A rank leaving a collective so (or by Aborted)
+// first waits for any peer still copying from the buffer it published, which it may free once it
+// returns (await_readers).
 //
 // The gradient collectives (reduce, all_reduce, reduce_scatter and their asynchronous forms) take the
 // buffer's element type (kernels/dtype.h; --grad-dtype): float32, or bf16 or fp16 as 16-bit bits. In a
@@ -95,7 +97,8 @@ std::vector<int64_t> chunk_offsets(const std::vector<int64_t>& counts);
 // (floats unless given; kernels/dtype.h): reduce-scatter,
 // then all-gather, over even_chunks(count, n), so 2 (n-1) chunks each way. Every communicator counts
 // its ring all-reduces by this one model (NCCL may pick another algorithm; the count stays the ring's,
-// as nccl-tests' bus bandwidth does), and dp_bench's byte model predicts with it.
+// as nccl-tests' bus bandwidth does), and dp_bench's byte model predicts with it. These models are
+// defined beside the step's byte model, in byte_model.cpp.
 Traffic ring_all_reduce_traffic(int rank, int n, int64_t count, DType t = DType::fp32);
 // Its two halves: reduce-scatter's (n-1) chunks each way, then all-gather's (they sum to the above).
 Traffic ring_reduce_scatter_traffic(int rank, int n, int64_t count, DType t = DType::fp32);
@@ -226,6 +229,8 @@ class Communicator {
   // build's stall, engine/failpoint.h). Past the deadline it throws TimedOut, naming the collective, this rank's device
   // and the ranks that never came. The second form names what it waits in (`what`, e.g. "the start of NCCL") and takes
   // its own deadline.
+  // A rank that leaves by an exception first waits (await_readers) until no peer may still be
+  // reading the buffers it published, so that it can free them.
   void meet(int rank, Collective c);
   void meet(int rank, const std::string& what, const Deadline& deadline);
   void sync_and_wait(int rank, Collective c);  // finish the rank's queued copies, then meet
@@ -247,8 +252,30 @@ class Communicator {
   void ring_all_gather(int rank, void* buf, const std::vector<int64_t>& chunks, int lead, Collective as, bool publish,
                        DType type);
 
+  // A collective that reads its peers' published buffers (the ring's halves, broadcast, reduce,
+  // scatter, gather), from its start to its return: while a rank is inside one and not at the
+  // barrier it may be copying from a peer (its copies have landed once it meets: sync_and_wait
+  // synchronizes first).
+  class Inside {
+   public:
+    Inside(Communicator& c, int rank);
+    ~Inside();
+    Inside(const Inside&) = delete;
+    Inside& operator=(const Inside&) = delete;
+
+   private:
+    Communicator& c_;
+    int rank_;
+  };
+  // Until every peer is at the barrier or outside those collectives (bounded by the timeout).
+  void await_readers(int rank);
+
   std::vector<Device*> devices_;
   Barrier barrier_;
+  std::mutex readers_mu_;
+  std::condition_variable readers_cv_;
+  std::vector<int> inside_;         // per rank: the collectives above it is in (nested: all-reduce's halves)
+  std::vector<char> at_barrier_;    // per rank: in meet
   std::vector<const void*> slots_;  // each rank publishes a pointer for the others to read
   std::vector<Buffer> scratch_;
   std::vector<std::array<Traffic, kCollectives>> traffic_;

@@ -38,6 +38,8 @@ void device_call(const Device& dev, const char* where);
 // How long a device's upload ahead waits before it copies (a slow copy engine): a simulated device's
 // copy thread sleeps, a CUDA device's copy stream runs a host function that sleeps.
 std::chrono::milliseconds upload_delay(const Device& dev);
+// How long a simulated device's copy from a peer waits before it reads the peer's buffer (a slow link).
+std::chrono::milliseconds peer_copy_delay(const Device& dev);
 // A communicator was built (throws UsageError for a malformed DP_TEST_STALL), and one of its ranks
 // enters collective c: where a stall is armed there the rank stops answering until a peer's timeout
 // aborts the collective (aborted() turns true) and throws Aborted, or past twice `timeout` TimedOut.

@@ -279,6 +279,36 @@ TEST_CASE("an aborted collective releases every waiting rank") {
       raw(devs), [&](int r) { comm->all_reduce(r, bufs[r].f(), 8); }, comm.get());
 }
 
+// A peer may still copy from a rank's buffer when that rank's deadline passes: the rank leaves the
+// collective (and may free or reuse the buffer) only once the peer's copy has landed.
+TEST_CASE("a rank whose deadline passes leaves only after a peer's copy from its buffer has landed") {
+  auto devs = dp::test::make_test_devices("cpu", 2);
+  auto comm = make_communicator(raw(devs));
+  comm->set_timeout(0.05);
+  const int64_t count = 4096;
+  std::vector<Buffer> bufs(2);
+  for (int r = 0; r < 2; ++r) bufs[r] = devs[r]->alloc_floats(count, Category::gradients);
+  devs[0]->ops().fill(count, 1.0f, bufs[0].f());
+  devs[1]->ops().fill(count, 0.0f, bufs[1].f());
+  // The root (rank 0) copies nothing and waits at the broadcast's last meeting; rank 1 reads the root's
+  // buffer 300 ms on, past the 50 ms deadline. The root then overwrites it, as a freed buffer's reuse.
+  dp::failpoint::SlowPeerCopies slow({devs[1].get()}, std::chrono::milliseconds(300));
+  auto root = devs[0]->run([&] {
+    try {
+      comm->broadcast(0, bufs[0].f(), count, 0);
+    } catch (const TimedOut&) {
+      devs[0]->ops().fill(count, -7.0f, bufs[0].f());
+      throw;
+    }
+  });
+  auto peer = devs[1]->run([&] { comm->broadcast(1, bufs[1].f(), count, 0); });
+  CHECK_THROWS_AS(root.get(), TimedOut);
+  CHECK_THROWS_AS(peer.get(), Aborted);
+  std::vector<float> got(static_cast<size_t>(count));
+  devs[1]->download(got.data(), bufs[1].f(), got.size() * sizeof(float));
+  CHECK(std::count(got.begin(), got.end(), 1.0f) == count);  // the root's values, none of -7
+}
+
 TEST_CASE(
     "a rank that stops answering: the all-reduce is aborted on every rank within the timeout, named, then it "
     "recovers") {

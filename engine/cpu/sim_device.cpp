@@ -52,7 +52,11 @@ class SimDevice final : public Device {
     if (n) ops_.run([=] { std::memmove(dst, src, n); });
   }
   void copy_from_peer(void* dst, const Device&, const void* src, size_t n) override {
-    if (n) ops_.run([=] { std::memcpy(dst, src, n); });
+    if (n)
+      ops_.run([=, delay = failpoint::peer_copy_delay(*this)] {
+        if (delay.count() > 0) std::this_thread::sleep_for(delay);
+        std::memcpy(dst, src, n);
+      });
   }
   // Compute work is done when its call returns; the copy thread's may not be.
   void synchronize() override {

@@ -25,11 +25,12 @@ namespace dp::failpoint {
 namespace {
 
 // Everything armed, by the object it is armed on. Objects die and their addresses come back, so
-// every entry is one-shot (consumed when it fires) or scoped (SlowUploads).
+// every entry is one-shot (consumed when it fires) or scoped (SlowUploads, SlowPeerCopies).
 struct Armed {
   std::mutex m;
   std::map<const Device*, std::string> faults;
   std::map<const Device*, std::chrono::milliseconds> delays;
+  std::map<const Device*, std::chrono::milliseconds> peer_delays;
   std::map<std::pair<const Communicator*, int>, Collective> stalls;
   std::set<const Communicator*> stalled_processes;  // DP_TEST_STALL_RANK fires once per communicator
   std::atomic<bool> nccl_always{false};
@@ -137,6 +138,23 @@ SlowUploads::SlowUploads(const std::vector<Device*>& devices, std::chrono::milli
 SlowUploads::~SlowUploads() {
   std::lock_guard<std::mutex> lock(armed().m);
   for (const Device* d : devices_) armed().delays.erase(d);
+}
+
+SlowPeerCopies::SlowPeerCopies(const std::vector<Device*>& devices, std::chrono::milliseconds delay)
+    : devices_(devices.begin(), devices.end()) {
+  std::lock_guard<std::mutex> lock(armed().m);
+  for (const Device* d : devices_) armed().peer_delays[d] = delay;
+}
+
+SlowPeerCopies::~SlowPeerCopies() {
+  std::lock_guard<std::mutex> lock(armed().m);
+  for (const Device* d : devices_) armed().peer_delays.erase(d);
+}
+
+std::chrono::milliseconds peer_copy_delay(const Device& dev) {
+  std::lock_guard<std::mutex> lock(armed().m);
+  auto it = armed().peer_delays.find(&dev);
+  return it == armed().peer_delays.end() ? std::chrono::milliseconds(0) : it->second;
 }
 
 std::chrono::milliseconds upload_delay(const Device& dev) {

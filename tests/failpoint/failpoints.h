@@ -34,6 +34,19 @@ class SlowUploads {
   std::vector<const Device*> devices_;
 };
 
+// While alive, every copy these simulated devices make from a peer first waits `delay` (a slow link):
+// a peer still copies from a rank's buffer well after that rank could have left the collective.
+class SlowPeerCopies {
+ public:
+  SlowPeerCopies(const std::vector<Device*>& devices, std::chrono::milliseconds delay);
+  ~SlowPeerCopies();
+  SlowPeerCopies(const SlowPeerCopies&) = delete;
+  SlowPeerCopies& operator=(const SlowPeerCopies&) = delete;
+
+ private:
+  std::vector<const Device*> devices_;
+};
+
 // While alive, the communicators made for CUDA devices are NCCL's wherever they can be
 // (failpoint::nccl_always): one GPU, or one GPU named twice.
 class NcclAlways {
