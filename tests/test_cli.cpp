@@ -65,6 +65,7 @@ TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
       // an option that needs a value, followed by another option: not a file named --verify
       {"--steps 1 --save --verify", "--save: needs a value, and got the option --verify"},
       {"--steps 1 --log --report r.json", "--log: needs a value, and got the option --report"},
+      {"--epochs 1 --epochs 2", "--epochs: given 2 times; give it once"},
   };
   for (auto& c : cases) {
     CAPTURE(c.args);

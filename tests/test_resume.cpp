@@ -162,6 +162,21 @@ TEST_CASE("resume on another strategy or device count runs, with a one-line warn
   CHECK(r.output.find("warning") == std::string::npos);
 }
 
+TEST_CASE("resume from the run's last step or past it trains nothing and says which") {
+  TempDir dir;
+  write_synthetic_dataset(dir.path.string(), 120, 32);
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --devices 1";
+  REQUIRE(run_command(base + " --quiet --steps 3 --save " + dir / "ck").exit_code == 0);
+  CommandResult r = run_command(base + " --steps 3 --resume " + dir / "ck");
+  CHECK(r.exit_code == 0);
+  CHECK(r.output.find("at step 3 (epoch 1, step 3 of 4); that is already the last step, nothing to train") !=
+        std::string::npos);
+  r = run_command(base + " --steps 2 --resume " + dir / "ck");
+  CHECK(r.exit_code == 0);
+  CHECK(r.output.find("at step 3 (epoch 1, step 3 of 4); past the run's 2 steps, nothing to train") !=
+        std::string::npos);
+}
+
 TEST_CASE("resume refuses a checkpoint from a different run: exit 2 naming what differs") {
   TempDir dir, other;
   write_synthetic_dataset(dir.path.string(), 120, 32);

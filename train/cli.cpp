@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -151,7 +152,12 @@ bool run_parser(CLI::App& app, int argc, const char* const* argv) {
     throw UsageError(unexpected(app, app.remaining(true)) + " (see --help)");
   } catch (const CLI::ParseError& e) {
     refuse_options_as_values(app);
-    throw UsageError(std::string(e.what()) + " (see --help)");
+    const std::string what = e.what();
+    // An option given twice: CLI11 says "--epochs: At Most 1 required but received 2".
+    constexpr std::string_view kRepeated = ": At Most 1 required but received ";
+    if (const size_t at = what.find(kRepeated); at != std::string::npos)
+      throw UsageError(what.substr(0, at) + ": given " + what.substr(at + kRepeated.size()) + " times; give it once");
+    throw UsageError(what + " (see --help)");
   }
   refuse_options_as_values(app);
   return true;

@@ -250,12 +250,12 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
     std::string given;
     int n = 0;
     for (const char* f :
-         {"--save",       "--save-every",  "--resume",      "--verify",       "--steps",        "--epochs",
-          "--log",        "--log-every",   "--trace",       "--workers",      "--no-prefetch",  "--graphs",
-          "--accumulate", "--optimizer",   "--lr",          "--momentum",     "--weight-decay", "--betas",
-          "--eps",        "--lr-schedule", "--warmup",      "--lr-step-size", "--lr-gamma",     "--clip-grad-norm",
-          "--seed",       "--no-shuffle",  "--limit-train", "--split",        "--sync-bn",      "--bucket-kb",
-          "--grad-dtype", "--allreduce"})
+         {"--save",       "--save-every",  "--resume", "--verify",       "--steps",        "--epochs",
+          "--log",        "--log-every",   "--trace",  "--workers",      "--no-prefetch",  "--graphs",
+          "--accumulate", "--optimizer",   "--lr",     "--momentum",     "--weight-decay", "--betas",
+          "--eps",        "--lr-schedule", "--warmup", "--lr-step-size", "--lr-gamma",     "--clip-grad-norm",
+          "--seed",       "--no-shuffle",  "--split",  "--sync-bn",      "--bucket-kb",    "--grad-dtype",
+          "--allreduce"})
       if (app.count(f)) given += std::string(n++ ? ", " : "") + f;
     if (n > 0)
       throw UsageError("--eval: " + given + (n > 1 ? " only make" : " only makes") +

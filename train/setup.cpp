@@ -342,10 +342,13 @@ void place(Engine& engine, const Checkpoint& state) {
 }
 
 void print_resuming(const TrainOptions& o, const Schedule& s, int64_t global_step) {
+  const std::string done = global_step == s.total_steps ? "; that is already the last step, nothing to train"
+                           : global_step > s.total_steps
+                               ? "; past the run's " + std::to_string(s.total_steps) + " steps, nothing to train"
+                               : "";
   std::printf("resuming from %s at step %lld (epoch %lld, step %lld of %lld)%s\n", o.resume.c_str(),
               (long long)global_step, (long long)(global_step / s.per_epoch) + 1,
-              (long long)(global_step % s.per_epoch), (long long)s.per_epoch,
-              global_step >= s.total_steps ? "; that is already the last step, nothing to train" : "");
+              (long long)(global_step % s.per_epoch), (long long)s.per_epoch, done.c_str());
 }
 
 }  // namespace dp
