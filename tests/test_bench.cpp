@@ -246,9 +246,10 @@ TEST_CASE(
     // line of its own, and each line's category the bytes its ledger booked.
     const std::vector<std::string> lines = s["explanation"];
     REQUIRE(!lines.empty());
-    for (auto& [cat, bytes] : s["devices"][0]["at_peak"].items()) {
+    for (const auto& item : s["devices"][0]["at_peak"].items()) {
+      const std::string cat = item.key();  // a plain variable: clang 14's lambdas (CAPTURE) cannot take a binding
       CAPTURE(cat);
-      bool named = bytes.get<int64_t>() == 0 || lines[0].find(cat) != std::string::npos;
+      bool named = item.value().get<int64_t>() == 0 || lines[0].find(cat) != std::string::npos;
       for (const std::string& line : lines) named = named || line.rfind(cat + " ", 0) == 0;
       CHECK(named);
     }
