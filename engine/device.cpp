@@ -56,6 +56,15 @@ void Device::check_upload_slot(int slot) const {
                       "upload slot " + std::to_string(slot) + ": the slots are 0.." + std::to_string(kUploadSlots - 1));
 }
 
+void Device::check_download(int slot, size_t bytes) const {
+  if (slot < 0 || slot >= kDownloadSlots)
+    throw DeviceError(
+        id_, "download slot " + std::to_string(slot) + ": the slots are 0.." + std::to_string(kDownloadSlots - 1));
+  if (bytes > kDownloadBytes)
+    throw DeviceError(id_, "download_async of " + std::to_string(bytes) + " bytes: a slot holds " +
+                               std::to_string(kDownloadBytes) + "; use download() for more");
+}
+
 void Device::refuse_while_capturing(bool capturing, const char* what) const {
   if (capturing)
     throw DeviceError(id_, std::string(what) +

@@ -100,6 +100,17 @@ class Device {
   // on a simulated device, whose copies are memcpy. p and bytes should be whole pages (a range that
   // shares a page with one already locked is refused): the loader's PageAllocator.
   virtual std::shared_ptr<void> pin_host(void* /*p*/, size_t /*bytes*/) { return nullptr; }
+  // A step's end without a host wait (Engine::start_step, --run-ahead): download_async(slot, src,
+  // bytes) queues a copy of `bytes` (at most kDownloadBytes; 0: none, only the point reached) of
+  // device memory into this device's own page-locked slot, behind everything enqueued on the compute
+  // stream so far, and returns at once; download_wait(slot, dst, bytes) waits for that point (as
+  // synchronize() waits: bounded by a watch's deadline and abort on CUDA) and copies the bytes to dst.
+  // A slot's next download_async must come after its download_wait. Compute thread; not while
+  // capturing.
+  static constexpr int kDownloadSlots = 2;
+  static constexpr size_t kDownloadBytes = 64;
+  virtual void download_async(int slot, const void* src, size_t bytes) = 0;
+  virtual void download_wait(int slot, void* dst_host, size_t bytes) = 0;
   // The most this device's allocator held at once, what is allocated and what it keeps for reuse
   // (a CUDA device's memory pool: PyTorch's max_memory_reserved, beside the ledger's peak, its
   // max_memory_allocated); -1 where every allocation is handed back as it is freed (simulated devices).
@@ -144,6 +155,8 @@ class Device {
   void stop_workers();
   // Throws DeviceError unless 0 <= slot < kUploadSlots (upload_ahead, await_upload).
   void check_upload_slot(int slot) const;
+  // Throws DeviceError unless 0 <= slot < kDownloadSlots and bytes <= kDownloadBytes.
+  void check_download(int slot, size_t bytes) const;
   // The step graphs' errors, alike on every backend: `what` (an upload, a download, an allocation)
   // while this thread captures, which a replay would get wrong; a launch of a slot with no graph.
   void refuse_while_capturing(bool capturing, const char* what) const;

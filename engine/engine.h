@@ -52,7 +52,10 @@ class Engine {
   std::vector<std::vector<float>> optimizer_state();
   void set_optimizer_state(const std::vector<std::vector<float>>& host);
   int64_t optimizer_steps() const { return optimizer_steps_; }
-  void set_optimizer_steps(int64_t n) { optimizer_steps_ = n; }
+  void set_optimizer_steps(int64_t n) {
+    require_no_step_in_flight("set_optimizer_steps");
+    optimizer_steps_ = n;
+  }
   // BatchNorm's running statistics (ModelSpec::buffers; empty without BatchNorm): device 0's, which
   // a checkpoint keeps; setting them places them on every replica. batches_tracked is PyTorch's
   // num_batches_tracked: training steps taken, counted on from what set_batches_tracked gave (and
@@ -60,7 +63,10 @@ class Engine {
   std::vector<float> running_stats(int rank = 0);
   void set_running_stats(const std::vector<float>& host);
   int64_t batches_tracked() const { return batches_tracked_; }
-  void set_batches_tracked(int64_t n) { batches_tracked_ = n; }
+  void set_batches_tracked(int64_t n) {
+    require_no_step_in_flight("set_batches_tracked");
+    batches_tracked_ = n;
+  }
   // The learning rate of the next step() (a schedule's: train/lr_schedule.h). Between steps only.
   void set_lr(float lr) { cfg_.lr = lr; }
 
@@ -72,19 +78,35 @@ class Engine {
   // over the devices as a batch of its own, and one optimizer step ends the last.
   // stage(x, y, n) then step().
   StepResult step(const float* x, const int32_t* y, int n);
+  // step() in two halves, so that the host can enqueue the next step before it reads this one's
+  // result (dp_train --run-ahead; PyTorch's host runs ahead of the GPU until something reads a result,
+  // as loss.item() does): start_step() trains on the oldest staged batch, enqueues the step on every
+  // device and returns; on CUDA without waiting for it, its result queued into page-locked memory
+  // behind its work (Device::download_async), unless the phases are timed (Recorder::timing: their
+  // marks are read at once, a wait for the device). finish_step() waits for the oldest started step
+  // and returns its result. Steps start and finish in order, at most kStepsInFlight started and not
+  // finished; a step's batch must stay untouched until its finish_step() returns. What reads or sets
+  // the model between steps (params(), evaluate(), the optimizer state, the running statistics, their
+  // counts) wants none in flight: std::logic_error otherwise. steps(), optimizer_steps() and
+  // batches_tracked() count the started steps.
+  static constexpr int kStepsInFlight = Device::kDownloadSlots;
+  void start_step();
+  StepResult finish_step();
+  int in_flight() const { return int(started_.size()); }
   // The same in two halves, so that a batch uploads while the step before it trains (prefetch):
   // stage() queues the batch of a later step(); with EngineConfig::prefetch its upload (its first
   // micro-batch's) starts at once on every device's copy stream (Device::upload_ahead), without it
   // the step uploads it. Either
   // way x and y must stay untouched until the step() that trains on it returns. step() trains on the
-  // oldest staged batch. At most two staged with prefetch (the next step's and the one after it),
+  // oldest staged batch, and returns once the devices have done its work (the next batch's upload may
+  // still be under way). At most two staged with prefetch (the next step's and the one after it),
   // one without: more, or a step() with none staged, is a std::logic_error. A failed step drops
-  // every staged batch, after waiting for their uploads.
+  // every staged batch and every started step, after waiting for their uploads.
   void stage(const float* x, const int32_t* y, int n);
   StepResult step();
   int staged() const { return int(staged_.size()); }
-  // Forgets every staged batch after waiting for every upload (each device's streams): before the host
-  // memory they read goes.
+  // Forgets every staged batch and every started step after waiting for every upload (each device's
+  // streams): before the host memory they read goes.
   void drop_staged() noexcept;
   // The rows of a global batch of n that this process's devices train on: with --accumulate all n
   // (its devices' rows of every micro-batch are spread over the step's).
@@ -112,7 +134,7 @@ class Engine {
   // Time per phase, trace spans, bytes per step.
   Recorder& recorder() { return recorder_; }
   const Recorder& recorder() const { return recorder_; }
-  int64_t steps() const { return step_; }
+  int64_t steps() const { return step_; }  // started: all of them finished where none is in flight
   // --graphs: the step graphs captured and the steps that ran as one (a launch), so far.
   int64_t graph_captures() const { return graph_captures_; }
   int64_t graph_launches() const { return graph_launches_; }
@@ -172,7 +194,18 @@ class Engine {
   bool warm_ = false;  // a full step ran eagerly: cuDNN's plans made, every workspace at its size
   int64_t graph_captures_ = 0, graph_launches_ = 0;
   std::deque<StagedBatch> staged_;  // oldest first
-  int next_slot_ = 0;               // where the next batch staged with prefetch uploads
+  // A started step, for its finish_step: its images, micro-batches and download slot (its index modulo
+  // kStepsInFlight, also that of the host copy of its optimizer scalars, which its upload reads).
+  struct Started {
+    int n = 0, micros = 1, slot = 0;
+  };
+  std::deque<Started> started_;  // oldest first
+  std::array<OptimizerScalars, kStepsInFlight> scalars_{};
+  void require_no_step_in_flight(const char* what) const;  // std::logic_error naming `what` unless none is
+  // A started step of n images in `micros` micro-batches counted: the steps, the optimizer's, BatchNorm's
+  // batches, and whether a full step ran (warm_).
+  void count_started(int n, int micros);
+  int next_slot_ = 0;  // where the next batch staged with prefetch uploads
 };
 
 }  // namespace dp

@@ -24,6 +24,7 @@ Buffer Engine::gather_parameters(int rank) {
 }
 
 std::vector<float> Engine::params(int rank) {
+  require_no_step_in_flight("params");
   std::vector<float> host(size_t(spec_.param_count));
   if (strategy_.zero_stage() == 3) {  // a collective: every device gathers, `rank` reads
     run_all([&](int r) {
@@ -39,6 +40,7 @@ std::vector<float> Engine::params(int rank) {
 }
 
 void Engine::set_params(const std::vector<float>& host) {
+  require_no_step_in_flight("set_params");
   if (int64_t(host.size()) != spec_.param_count)
     throw std::invalid_argument("set_params: " + std::to_string(host.size()) + " values for a model of " +
                                 std::to_string(spec_.param_count));
@@ -52,6 +54,7 @@ void Engine::set_params(const std::vector<float>& host) {
 }
 
 std::vector<std::vector<float>> Engine::optimizer_state() {
+  require_no_step_in_flight("optimizer_state");
   const size_t states = replicas_[0]->state.size();
   std::vector<std::vector<float>> host(states, std::vector<float>(size_t(spec_.param_count)));
   if (units_.empty()) {
@@ -81,6 +84,7 @@ std::vector<std::vector<float>> Engine::optimizer_state() {
 }
 
 void Engine::set_optimizer_state(const std::vector<std::vector<float>>& host) {
+  require_no_step_in_flight("set_optimizer_state");
   if (host.size() != replicas_[0]->state.size())
     throw std::invalid_argument("set_optimizer_state: " + std::to_string(host.size()) +
                                 " buffers for an optimizer of " + std::to_string(replicas_[0]->state.size()));
@@ -109,6 +113,7 @@ void Engine::upload_chunks(int rank, float* chunks, const std::vector<float>& ho
 }
 
 std::vector<float> Engine::running_stats(int rank) {
+  require_no_step_in_flight("running_stats");
   std::vector<float> host(size_t(spec_.buffer_count));
   if (host.empty()) return host;
   devices_[rank]
@@ -118,6 +123,7 @@ std::vector<float> Engine::running_stats(int rank) {
 }
 
 void Engine::set_running_stats(const std::vector<float>& host) {
+  require_no_step_in_flight("set_running_stats");
   if (int64_t(host.size()) != spec_.buffer_count)
     throw std::invalid_argument("set_running_stats: " + std::to_string(host.size()) + " values for a model of " +
                                 std::to_string(spec_.buffer_count));
@@ -134,6 +140,7 @@ float* Engine::owned_gradient(int rank, const ShardUnit& u) const {
 }
 
 std::string Engine::first_nonfinite_gradient() {
+  require_no_step_in_flight("first_nonfinite_gradient");
   // Device 0's whole gradient, or under a sharded strategy each device's own chunks of it: the
   // tensors of each range that are not finite.
   std::vector<std::vector<bool>> bad(size_t(size()), std::vector<bool>(spec_.params.size()));

@@ -70,6 +70,7 @@ class Recorder {
     return std::chrono::duration<double, std::micro>(t - t0_).count();
   }
   bool tracing() const { return trace_; }
+  bool timing() const { return timing_; }  // the phases are marked on the devices (tracing implies it)
 
   // A phase is two marks on the device (Device::mark): on CUDA two events, so the host goes on
   // enqueueing the next phase instead of waiting for this one. Compute thread of `rank` only.

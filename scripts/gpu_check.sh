@@ -34,6 +34,9 @@
 #             steps), the graph launches the report counts (none fails the step), test accuracy of
 #             each; then 16 steps of AdamW under a cosine schedule with --verify (2 captures, the
 #             eager reference's weights)
+#   run-ahead dp_train --gpus 0 --steps 2000 with --run-ahead and --no-run-ahead, with --graphs and eager,
+#             3 alternated rounds each, no --log: images/s (paired medians) and test accuracy, which
+#             must be the same
 #   nccl      NCCL on the one GPU (the test build's dp_train, DP_TEST_NCCL=always): a one-rank clique,
 #             NCCL asked for a GPU named twice (the fallback), two ranks on it (NCCL_MULTI_RANK_GPU_ENABLE=1,
 #             2.30 and later); what carried the collectives each time; fails if the one-rank run was not NCCL;
@@ -56,8 +59,8 @@
 # and tarball are written all the same. On a machine lent for calls of at most 10 minutes and 15 minutes
 # in all, its start included: one call with `--deadline 280 --only env,configure,build,cuda,train,
 # graphs,nccl,profile,torch`, then at once, on the machine still warm (its build kept), `--deadline 240
-# --only configure,build,compare,skew,sanitize`; ctest and readme (the CPU cases, the README's two-GPU
-# commands) belong to a longer loan.
+# --only configure,build,compare,skew,run-ahead,sanitize`; ctest and readme (the CPU cases, the README's
+# two-GPU commands) belong to a longer loan.
 #
 # --cpu-dry-run runs the same steps on a machine without a GPU (CPU-only build, --backend cpu, small
 # sizes, the GPU entry expected Skipped), so the script's own logic can be tested anywhere.
@@ -96,7 +99,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 fatal() { echo "gpu_check.sh: $*" >&2; exit 2; }
-steps="env configure build cuda train profile torch verify-scatter verify-allreduce compare skew comm prefetch graphs nccl ctest readme sanitize"
+steps="env configure build cuda train profile torch verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl ctest readme sanitize"
 [[ "$deadline" =~ ^[0-9]+$ ]] || fatal "--deadline: '$deadline' is not a whole number of seconds"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && [ -z "$tarball" ]; then tarball=$OUT/gpu-check.tar.gz; fi
 for s in ${only//,/ } ${skip//,/ }; do
@@ -196,7 +199,7 @@ fi
 # --- steps --------------------------------------------------------------------------------------------
 names=() codes=() statuses=() seconds=() keys=()
 n=0 failed=0 skipped=0
-warn_steps=" train profile verify-scatter verify-allreduce compare skew comm prefetch graphs nccl "  # dp's own runs
+warn_steps=" train profile verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl "  # dp's own runs
 selected() {
   [ -n "$only" ] && [[ ",$only," != *",$1,"* ]] && return 1
   [ -n "$skip" ] && [[ ",$skip," == *",$1,"* ]] && return 1
@@ -267,6 +270,7 @@ step skew 300 s_skew
 step comm 600 s_comm
 step prefetch 600 s_prefetch
 step graphs 600 s_graphs
+step run-ahead 600 s_run_ahead
 step nccl 300 s_nccl
 step ctest 1800 s_ctest
 step readme 900 s_readme

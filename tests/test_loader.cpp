@@ -1,6 +1,7 @@
 // The input pipeline (train/loader.h): the loader thread hands out exactly the batches the
 // synchronous path assembles, in the same order, across epoch boundaries, the last partial batch,
-// a start mid-epoch and an end mid-epoch, with one batch held or two (prefetch); so dp_train's
+// a start mid-epoch and an end mid-epoch, with one batch held, two (prefetch) or three (prefetch and
+// --run-ahead); so dp_train's
 // weights and losses are bit-identical between --workers 0 --no-prefetch and the defaults (--workers 1,
 // prefetch) for both strategies and with --resume. Bad --workers values exit 2; a signal or an
 // exception while the loader runs ends the run with its usual code, the thread joined.
@@ -51,10 +52,11 @@ void check_batch(const HostBatch& b, const Dataset& d, const LoaderPlan& p, int6
 TEST_CASE("loader: both worker counts hand out the plan's batches, mid-epoch start and end, partial last batch") {
   // 10 samples in batches of 4: 3 steps an epoch, the last of 2; steps 2..7 start and end mid-epoch.
   // With two batches held (prefetch: this step's and the next, staged), the older is still intact
-  // after the next next(), while the loader thread fills the one after.
+  // after the next next(), while the loader thread fills the one after; with three (--run-ahead: the
+  // step in flight's too) the oldest of them as well.
   const Dataset d = numbered(10);
   for (bool shuffle : {true, false}) {
-    for (int held : {1, 2}) {
+    for (int held : {1, 2, 3}) {
       LoaderPlan plan{4, 3, 2, 8, 5, shuffle, {}, {}};
       plan.held = held;
       for (int workers : {0, 1}) {
@@ -79,9 +81,9 @@ TEST_CASE("loader: both worker counts hand out the plan's batches, mid-epoch sta
       }
     }
   }
-  LoaderPlan three{4, 3, 0, 3, 5, true, {}, {}};
-  three.held = 3;
-  CHECK_THROWS_AS(BatchLoader(d, three, 1), std::invalid_argument);
+  LoaderPlan four{4, 3, 0, 3, 5, true, {}, {}};
+  four.held = 4;
+  CHECK_THROWS_AS(BatchLoader(d, four, 1), std::invalid_argument);
 }
 
 TEST_CASE("loader: each staging buffer is page-locked whole (LoaderPlan::pin), and unlocked with the loader") {
@@ -98,7 +100,7 @@ TEST_CASE("loader: each staging buffer is page-locked whole (LoaderPlan::pin), a
     locked.push_back({uintptr_t(p), bytes});
     return std::shared_ptr<void>(p, [&](void*) { ++unlocked; });
   };
-  for (auto [workers_, held_] : {std::pair{0, 1}, {1, 1}, {1, 2}}) {
+  for (auto [workers_, held_] : {std::pair{0, 1}, {1, 1}, {1, 2}, {1, 3}}) {
     const auto workers = workers_;  // a copy: clang 14 cannot capture a structured binding (CAPTURE)
     const auto held = held_;
     CAPTURE(workers);

@@ -264,7 +264,7 @@ TEST_CASE("log: --resume with a --log that is not a dp_train log is refused and 
   const std::string run = kTrain + " --backend cpu --data " + dir.path.string() + " --batch 32 --quiet";
   REQUIRE(run_command(run + " --steps 3 --save " + saved).exit_code == 0);
   // A text file, and a log whose first line was spoilt: every line of either would have been cut.
-  for (const std::string text :
+  for (const std::string& text :
        {std::string("my notes\nmore notes\n"),
         std::string("{\"kind\":\"step\",\"step\":2}garbage\n{\"kind\":\"step\",\"step\":2}\n")}) {
     CAPTURE(text);

@@ -33,6 +33,10 @@ void check_job_options(const TrainOptions& o, int processes) {
     throw UsageError(
         "--sync " + o.sync + across + ": " + why +
         "; across processes use --sync allreduce (as DDP and Horovod do) or a ZeRO stage (zero1, zero2, zero3)");
+  if (o.run_ahead.value_or(false))
+    throw UsageError("--run-ahead" + across +
+                     ": the processes agree on every step's loss and on any signal before the next step; drop "
+                     "--run-ahead");
   if (o.all_reduce != AllReduceAlgorithm::ring)
     throw UsageError("--allreduce naive" + across +
                      ": not supported; the ring is (NCCL's over every GPU of every process on GPUs, the hierarchical "

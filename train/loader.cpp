@@ -10,8 +10,8 @@ BatchLoader::BatchLoader(const Dataset& data, const LoaderPlan& plan, int worker
     : data_(data), plan_(plan), workers_(workers) {
   if (workers < 0 || workers > kMaxWorkers)  // check_options refuses them with the reason first
     throw std::invalid_argument("BatchLoader: " + std::to_string(workers) + " workers");
-  if (plan.held < 1 || plan.held > 2)
-    throw std::invalid_argument("BatchLoader: " + std::to_string(plan.held) + " batches held; 1 or 2");
+  if (plan.held < 1 || plan.held > 3)
+    throw std::invalid_argument("BatchLoader: " + std::to_string(plan.held) + " batches held; 1 to 3");
   slots_.resize(size_t(plan.held) + 1);
   const size_t capacity = size_t(std::min<int64_t>(plan.batch, data.count));
   for (HostBatch& b : slots_) {

@@ -62,8 +62,9 @@ struct LoaderPlan {
   // Page-locks a staging buffer for the devices' uploads (Engine::pin_host), the lock held as long
   // as the handle. Unset, or a null handle (simulated devices): the buffers stay pageable.
   std::function<std::shared_ptr<void>(void* p, size_t bytes)> pin;
-  // How many of the batches next() returned the trainer holds at once: 1, or 2 when it stages the
-  // next step's batch before this step trains (Engine::stage, prefetch).
+  // How many of the batches next() returned the trainer holds at once: 1, one more when it stages the
+  // next step's batch before this step trains (Engine::stage, prefetch), and one more when a step stays
+  // in flight while the next one trains (--run-ahead: its batch is held until it is finished).
   int held = 1;
 };
 
@@ -75,7 +76,8 @@ inline constexpr int kMaxWorkers = 1;
 // the last `held` batches next() returned, the loader thread (one worker) fills the one after; next()
 // hands the oldest held batch back and takes the new one. With held 1: the trainer trains on step
 // k's batch while step k+1's is filled. With held 2 (prefetch): step k trains while step k+1's batch,
-// also held, uploads on the copy stream and step k+2's is filled. Nothing is allocated per step (an
+// also held, uploads on the copy stream and step k+2's is filled. With held 3 (prefetch and
+// --run-ahead) step k-1's batch is held too, until that step is finished. Nothing is allocated per step (an
 // epoch's order is drawn once per epoch).
 // On CUDA the staging buffers are page-locked (LoaderPlan::pin), so an upload from them is one DMA
 // the host does not wait for. A buffer goes back to the loader at a later next(), after the step that

@@ -160,6 +160,12 @@ void add_data(CLI::App& app, TrainOptions& o) {
   app.add_flag("--graphs", o.graphs,
                "Capture the step once per batch buffer and replay it, one launch a step (CUDA graphs; simulated "
                "devices replay their recorded calls): one device, prefetch, scatter/allreduce/zero1");
+  app.add_flag_callback(
+      "--run-ahead", [&o] { o.run_ahead = true; },
+      "Enqueue each step before the loss of the one before is read, so a GPU does not idle while the host reads it "
+      "(default on CUDA devices; not across processes, nor with --log or --trace)");
+  app.add_flag_callback(
+      "--no-run-ahead", [&o] { o.run_ahead = false; }, "Read each step's loss before the next step is enqueued");
 }
 
 // --optimizer and its settings: lr and weight decay default to the optimizer's PyTorch defaults where
@@ -250,12 +256,12 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
     std::string given;
     int n = 0;
     for (const char* f :
-         {"--save",       "--save-every",  "--resume", "--verify",       "--steps",        "--epochs",
-          "--log",        "--log-every",   "--trace",  "--workers",      "--no-prefetch",  "--graphs",
-          "--accumulate", "--optimizer",   "--lr",     "--momentum",     "--weight-decay", "--betas",
-          "--eps",        "--lr-schedule", "--warmup", "--lr-step-size", "--lr-gamma",     "--clip-grad-norm",
-          "--seed",       "--no-shuffle",  "--split",  "--sync-bn",      "--bucket-kb",    "--grad-dtype",
-          "--allreduce"})
+         {"--save",       "--save-every",  "--resume",      "--verify",       "--steps",        "--epochs",
+          "--log",        "--log-every",   "--trace",       "--workers",      "--no-prefetch",  "--graphs",
+          "--accumulate", "--optimizer",   "--lr",          "--momentum",     "--weight-decay", "--betas",
+          "--eps",        "--lr-schedule", "--warmup",      "--lr-step-size", "--lr-gamma",     "--clip-grad-norm",
+          "--seed",       "--no-shuffle",  "--split",       "--sync-bn",      "--bucket-kb",    "--grad-dtype",
+          "--allreduce",  "--run-ahead",   "--no-run-ahead"})
       if (app.count(f)) given += std::string(n++ ? ", " : "") + f;
     if (n > 0)
       throw UsageError("--eval: " + given + (n > 1 ? " only make" : " only makes") +
@@ -263,6 +269,12 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
                        (n > 1 ? "them" : "it"));
   }
   if (app.count("--log-every") && o.log.empty()) throw UsageError("--log-every: needs --log FILE to say where");
+  if (app.count("--run-ahead") && app.count("--no-run-ahead"))
+    throw UsageError("--run-ahead and --no-run-ahead: give one of them");
+  if (app.count("--run-ahead") && (!o.log.empty() || !o.trace.empty()))
+    throw UsageError(std::string("--run-ahead with ") + (o.log.empty() ? "--trace" : "--log") +
+                     ": it times every step's phases on the devices, which waits for each step, so no step could run "
+                     "ahead; drop one or the other");
   // Given, 0 is not the default it stands for, and a factor without the schedule that uses it is ignored.
   if (app.count("--lr-step-size") && o.lr_step_size <= 0)
     throw UsageError("--lr-step-size: " + std::to_string(o.lr_step_size) + " steps; give at least 1");

@@ -122,6 +122,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
   config["backend"] = kind_name(engine.device(0).kind());
   config["device_names"] = names;
   config["collectives"] = engine.comm().transport();
+  config["run_ahead"] = runs_ahead(o, engine.device(0).kind(), engine.world_size() > engine.size());  // as resolved
   nlohmann::json epochs_json = nlohmann::json::array();
   for (auto& e : result.epochs)
     epochs_json.push_back({{"epoch", e.epoch},

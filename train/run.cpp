@@ -30,13 +30,18 @@ void print_epoch(const EpochRecord& rec, int epochs, int64_t per_epoch) {
 }
 
 // What went wrong in a step whose loss or gradients are not finite; "" for a good step. The check
-// came back with the step's loss (StepResult::finite_gradients); only a bad step looks for the layer.
+// came back with the step's loss (StepResult::finite_gradients); only a bad step looks for the layer,
+// in the gradients on the devices, which are the next step's where it had started (--run-ahead).
 std::string nonfinite_step(const StepResult& r, Engine& engine, int64_t global_step, int64_t epoch) {
   if (std::isfinite(r.loss) && r.finite_gradients) return "";
+  std::string what = "step " + std::to_string(global_step) + " (epoch " + std::to_string(epoch + 1) + "): non-finite " +
+                     (std::isfinite(r.loss) ? std::string("gradients") : "loss (" + std::to_string(r.loss) + ")");
+  if (engine.in_flight() > 0)
+    return what + "; step " + std::to_string(global_step + 1) +
+           " had started before this one's loss was read (--run-ahead), so the layer is not named (--no-run-ahead "
+           "names it)";
   std::string layer = engine.first_nonfinite_gradient();
-  return "step " + std::to_string(global_step) + " (epoch " + std::to_string(epoch + 1) + "): non-finite " +
-         (std::isfinite(r.loss) ? std::string("gradients") : "loss (" + std::to_string(r.loss) + ")") +
-         (layer.empty() ? std::string() : "; the first layer with a non-finite gradient is " + layer);
+  return what + (layer.empty() ? std::string() : "; the first layer with a non-finite gradient is " + layer);
 }
 
 }  // namespace
@@ -124,6 +129,7 @@ Run::Run(const TrainOptions& o, const Schedule& plan, Engine& engine, Checkpoint
       log_(log),
       first_step_(step),
       step_(step),
+      run_ahead_(runs_ahead(o, engine.device(0).kind(), group != nullptr)),
       group_(group) {
   signals_.kept(kept());
 }
@@ -242,7 +248,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   if (group_ && !verify) lp.rows = [this](int n) { return engine_.slice(n); };
   lp.pin = [this](void* p, size_t bytes) { return engine_.pin_host(p, bytes); };
   const int ahead = o_.prefetch ? 1 : 0;
-  lp.held = 1 + ahead;
+  lp.held = 1 + ahead + (run_ahead_ ? 1 : 0);  // a step in flight keeps its batch (--verify reads it at its finish)
   Staging staging(engine_, data.train, lp, o_.workers, ahead, step_);
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);
@@ -258,33 +264,51 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
 }
 
 void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier* verify, int64_t epoch, int64_t s) {
+  // A signal stops the run after the step in flight: none starts past it.
+  if (!started_.empty() && signals_.pending()) finish_step(meter, progress, verify);
   signals_.doing(Activity::step);
-  failpoint::at("step", step_ + 1);
-  for (; staging.next <= step_ + staging.ahead && staging.next < plan_.total_steps; ++staging.next) {
+  const int64_t index = step_ + int64_t(started_.size());  // the global step this starts, 0-based
+  failpoint::at("step", index + 1);
+  for (; staging.next <= index + staging.ahead && staging.next < plan_.total_steps; ++staging.next) {
     const HostBatch& b = next_batch(staging.loader, staging.next);
     engine_.stage(b.x.data(), b.y.data(), b.n);
     staging.staged.push_back(&b);
   }
   const HostBatch& batch = *staging.staged.front();
   staging.staged.pop_front();
-  if (group_) group_->flight().set_step(step_ + 1);
-  const float lr = float(plan_.lr.at(step_));  // --lr-schedule's, of this global step
+  if (group_) group_->flight().set_step(index + 1);
+  const float lr = float(plan_.lr.at(index));  // --lr-schedule's, of this global step
   engine_.set_lr(lr);
-  if (verify) verify->set_lr(lr);
-  StepResult r = engine_.step();
+  engine_.start_step();
+  started_.push_back({&batch, lr, epoch, s});
+  while (started_.size() > (stays_in_flight(s, index + 1) ? 1u : 0u)) finish_step(meter, progress, verify);
+}
+
+bool Run::stays_in_flight(int64_t s, int64_t g) const {
+  return run_ahead_ && s + 1 < plan_.per_epoch && g < plan_.total_steps &&
+         !(o_.save_every > 0 && g % o_.save_every == 0) && !signals_.pending();
+}
+
+void Run::finish_step(EpochMeter& meter, Progress& progress, Verifier* verify) {
+  const Started st = started_.front();
+  started_.pop_front();
+  StepResult r = engine_.finish_step();
   if (group_) agreed_signal_ = reduce_step(*group_, r, signals_.pending(), o_.timeout);
-  if (verify) verify->step(batch.x.data(), batch.y.data(), batch.n);
+  if (verify) {
+    verify->set_lr(st.lr);
+    verify->step(st.batch->x.data(), st.batch->y.data(), st.batch->n);
+  }
   ++step_;
   // Checked before anything is saved: a bad step never reaches a checkpoint.
-  if (std::string bad = nonfinite_step(r, engine_, step_, epoch); !bad.empty()) {
+  if (std::string bad = nonfinite_step(r, engine_, step_, st.epoch); !bad.empty()) {
     std::string kept = o_.save.empty() ? "" : ", " + saver_.kept();
     throw NumericalError(bad + "; training stopped" + kept + divergence_hint(o_));
   }
   meter.add(r);
-  progress.update(s + 1, r.n, meter.loss());
-  log([&](TrainLog& l) { l.step(step_, meter.epoch(), r, lr, engine_.recorder(), step_ >= plan_.total_steps); });
+  progress.update(st.s + 1, r.n, meter.loss());
+  log([&](TrainLog& l) { l.step(step_, meter.epoch(), r, st.lr, engine_.recorder(), step_ >= plan_.total_steps); });
   if (o_.save_every > 0 && step_ % o_.save_every == 0) save();
-  stop_if_signalled();
+  if (started_.empty()) stop_if_signalled();  // else after the step in flight (Run::step)
 }
 
 void Run::end_epoch(EpochMeter& meter, double start_us, const DataSets& data, Progress& progress, TrainResult& result) {

@@ -1,11 +1,13 @@
 // One training run between its setup and its return (trainer.cpp builds it): the epochs a step at a
 // time, the evaluation after each, the checkpoints, and the outputs written after the last step, with
-// a safe point for signals between any two of them. A signal stops the run at the next safe point: the
-// weights of a finished step are saved (--save), the outputs not yet written are skipped, and
-// Interrupted says what was and was not written.
+// a safe point for signals between any two of them. With --run-ahead a step is started before the one
+// before it is finished (its loss read): the two halves of Engine::step, the safe point after both. A signal stops the
+// run at the next safe point: the weights of a finished step are saved (--save), the outputs not yet written are
+// skipped, and Interrupted says what was and was not written.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 
@@ -58,8 +60,16 @@ class Run {
  private:
   class Staging;
   class EpochMeter;
-  // Step s of the epoch (0-based), which is global step step_ + 1.
+  // Starts step s of the epoch (0-based), global step step_ + in flight + 1, on the engine; finishes it
+  // too, unless it may stay in flight while the next one starts (stays_in_flight).
   void step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier* verify, int64_t epoch, int64_t s);
+  // --run-ahead: whether the step just started, step s of its epoch and global step g, may stay in
+  // flight: not where what follows it needs its weights or its end (the epoch's evaluation, the run's
+  // end, a --save-every checkpoint, a signal's stop).
+  bool stays_in_flight(int64_t s, int64_t g) const;
+  // Finishes the oldest step in flight: its loss, checks, records and checkpoint, then a safe point
+  // where no other step is in flight.
+  void finish_step(EpochMeter& meter, Progress& progress, Verifier* verify);
   // After an epoch's last step: its evaluation, log record and line.
   void end_epoch(EpochMeter& meter, double start_us, const DataSets& data, Progress& progress, TrainResult& result);
   // An I/O error while a signal is pending names both; the exit stays 1, a failed write's.
@@ -79,7 +89,15 @@ class Run {
   SignalGuard& signals_;
   TrainLog* log_;  // null without --log, and once a write to it failed
   std::string log_failure_;
-  int64_t first_step_, step_;
+  int64_t first_step_, step_;  // step_: the global steps finished
+  bool run_ahead_;             // runs_ahead (setup.h)
+  // A step started on the engine and not finished yet: what finishing it needs.
+  struct Started {
+    const HostBatch* batch;
+    float lr;
+    int64_t epoch, s;
+  };
+  std::deque<Started> started_;  // oldest first; at most two with run-ahead, else one between the halves
   bool report_written_ = false, trace_written_ = false;
   double load_wait_us_ = 0;
   ProcessGroup* group_;    // null in one process

@@ -126,6 +126,11 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
   return ec;
 }
 
+bool runs_ahead(const TrainOptions& o, DeviceKind kind, bool in_job) {
+  if (in_job || !o.log.empty() || !o.trace.empty()) return false;
+  return o.run_ahead.value_or(kind == DeviceKind::cuda);
+}
+
 namespace {
 
 // Less than what one device holds for the model, on any backend: its parameters and gradients (its

@@ -41,6 +41,12 @@ Dataset load_set(const TrainOptions& o, const ModelSpec& spec, const char* prefi
 DataSets load_data(const TrainOptions& o, const ModelSpec& spec);
 
 EngineConfig engine_config(const TrainOptions& o, int64_t train_count);
+// Whether each step is started before the loss of the one before is read (--run-ahead): by default on
+// CUDA devices, whose host would otherwise leave the GPU idle while it reads the loss and prepares the
+// next step; off on simulated devices, which compute as the host calls them (nothing to overlap; on
+// there runs the same loop, the CUDA path's twin). Never across processes (every step's loss and any
+// signal are agreed before the next) nor where the phases are timed (--log, --trace: a wait each step).
+bool runs_ahead(const TrainOptions& o, DeviceKind kind, bool in_job);
 // A model whose state (parameters, gradients, optimizer state, activations) would not fit a device: UsageError
 // naming the estimate, the bound (--device-memory, or the host memory simulated devices share) and
 // the largest --width that fits, before any device allocates.

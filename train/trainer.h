@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,9 @@ struct TrainOptions {
   int workers = 1;       // --workers: 0 assembles each batch between steps, 1 on a loader thread (loader.h)
   bool prefetch = true;  // off with --no-prefetch: each batch uploads at its own step (EngineConfig::prefetch)
   bool graphs = false;   // --graphs: the step captured and replayed (EngineConfig::graphs)
+  // --run-ahead / --no-run-ahead: step k+1 enqueued before step k's loss is read (Engine::start_step);
+  // unset: on CUDA devices, off on simulated ones (runs_ahead, setup.h)
+  std::optional<bool> run_ahead;
   DeviceConfig devices;
   std::string sync = "scatter";  // --sync: a strategy's name (engine/strategy.h)
   Split split = Split::even;

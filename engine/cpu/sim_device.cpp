@@ -48,6 +48,17 @@ class SimDevice final : public Device {
     refuse_while_capturing(ops_.recording(), "a download to host memory");
     if (n) std::memcpy(dst, src, n);
   }
+  // Its compute is done when a call returns, so the bytes are copied at once: the step's end is
+  // reached when it is queued.
+  void download_async(int slot, const void* src, size_t n) override {
+    refuse_while_capturing(ops_.recording(), "a download to host memory");
+    check_download(slot, n);
+    if (n) std::memcpy(downloaded_[size_t(slot)].data(), src, n);
+  }
+  void download_wait(int slot, void* dst, size_t n) override {
+    check_download(slot, n);
+    if (n) std::memcpy(dst, downloaded_[size_t(slot)].data(), n);
+  }
   void copy(void* dst, const void* src, size_t n) override {
     if (n) ops_.run([=] { std::memmove(dst, src, n); });
   }
@@ -146,7 +157,8 @@ class SimDevice final : public Device {
   RecordingOps::Graph capture_;  // the capture under way
   std::array<Graph, kUploadSlots> graphs_;
   std::vector<std::chrono::steady_clock::time_point> marks_;
-  std::mutex mu_;  // guards copier_ and uploads_
+  std::array<std::array<char, kDownloadBytes>, kDownloadSlots> downloaded_{};  // download_async's slots
+  std::mutex mu_;                                                              // guards copier_ and uploads_
   std::unique_ptr<Worker> copier_;
   std::array<std::vector<std::future<void>>, kUploadSlots> uploads_;
 };

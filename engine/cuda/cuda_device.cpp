@@ -85,6 +85,10 @@ void CudaDevice::open() {
   ready_ = cuda::make_event();
   computed_ = cuda::make_event();
   for (cuda::Event& e : uploaded_) e = cuda::make_event();
+  for (cuda::Event& e : downloaded_) e = cuda::make_event();
+  void* slots = nullptr;
+  DP_CUDA_CHECK(cudaMallocHost(&slots, kDownloadSlots * kDownloadBytes));
+  downloads_ = cuda::PinnedHost(slots);
   cublasHandle_t blas = nullptr;
   DP_CUBLAS_CHECK(cublasCreate(&blas));
   cublas_ = cuda::CublasHandle(blas);
@@ -116,6 +120,8 @@ void CudaDevice::close() noexcept {
   ready_.reset();
   computed_.reset();
   for (cuda::Event& e : uploaded_) e.reset();
+  for (cuda::Event& e : downloaded_) e.reset();
+  downloads_.reset();
   marks_.clear();
   copy_stream_.reset();
   comm_stream_.reset();
@@ -243,6 +249,23 @@ void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
   }
 }
 
+void CudaDevice::download_async(int slot, const void* src, size_t bytes) {
+  refuse_while_capturing(capturing(), "a download to host memory");
+  check_download(slot, bytes);
+  DeviceGuard guard(id());
+  if (bytes)
+    DP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(downloads_.get()) + size_t(slot) * kDownloadBytes, src, bytes,
+                                  cudaMemcpyDeviceToHost, stream_.get()));
+  DP_CUDA_CHECK(cudaEventRecord(downloaded_[slot].get(), stream_.get()));
+}
+
+void CudaDevice::download_wait(int slot, void* dst_host, size_t bytes) {
+  check_download(slot, bytes);
+  DeviceGuard guard(id());
+  wait_event(downloaded_[slot].get());
+  if (bytes) std::memcpy(dst_host, static_cast<const char*>(downloads_.get()) + size_t(slot) * kDownloadBytes, bytes);
+}
+
 void CudaDevice::copy(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   DeviceGuard guard(id());
@@ -331,18 +354,22 @@ void CudaDevice::set_watch(std::shared_ptr<const Watch> watch) {
   watch_ = std::move(watch);
 }
 
-void CudaDevice::wait_stream(cudaStream_t stream) {
+void CudaDevice::wait_until(const std::function<bool()>& done, const std::function<void()>& block) {
   std::shared_ptr<const Watch> watch;
   {
     std::lock_guard lock(watch_mu_);
     watch = watch_;
   }
-  if (!watch) {
-    DP_CUDA_CHECK(cudaStreamSynchronize(stream));
-    return;
-  }
-  poll_until([stream] { return stream_idle(stream); }, watch->aborted, Deadline::after(watch->timeout), id(),
-             watch->what);
+  if (!watch) return block();
+  poll_until(done, watch->aborted, Deadline::after(watch->timeout), id(), watch->what);
+}
+
+void CudaDevice::wait_stream(cudaStream_t stream) {
+  wait_until([stream] { return stream_idle(stream); }, [stream] { DP_CUDA_CHECK(cudaStreamSynchronize(stream)); });
+}
+
+void CudaDevice::wait_event(cudaEvent_t event) {
+  wait_until([event] { return event_done(event); }, [event] { DP_CUDA_CHECK(cudaEventSynchronize(event)); });
 }
 
 bool stream_idle(cudaStream_t stream) {
@@ -352,6 +379,16 @@ bool stream_idle(cudaStream_t stream) {
     return false;
   }
   DP_CUDA_CHECK_NAMED(err, "cudaStreamQuery(stream)");
+  return true;
+}
+
+bool event_done(cudaEvent_t event) {
+  const cudaError_t err = cudaEventQuery(event);
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  DP_CUDA_CHECK_NAMED(err, "cudaEventQuery(event)");
   return true;
 }
 

@@ -46,6 +46,10 @@ class CudaDevice final : public Device {
   // past any --timeout. Into page-locked memory the copy is asynchronous and the wait polls (below).
   void download(void* dst_host, const void* src, size_t bytes) override;
   static constexpr size_t kBounceBytes = size_t(4) << 20;
+  // Into a page-locked slot of this device's, then an event on the compute stream; download_wait
+  // polls the event as synchronize() polls the stream (a watch's deadline and abort), then copies out.
+  void download_async(int slot, const void* src, size_t bytes) override;
+  void download_wait(int slot, void* dst_host, size_t bytes) override;
   std::shared_ptr<void> pin_host(void* p, size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
   // Ordered after everything already enqueued on both this device's stream and src_device's (an
@@ -130,6 +134,9 @@ class CudaDevice final : public Device {
   void* pool_alloc(size_t bytes);                                   // raw_alloc with a pool
   [[noreturn]] void out_of_memory(const char* call, size_t bytes);  // OutOfMemory, with the driver's and ledger's view
   void wait_stream(cudaStream_t stream);                            // synchronize()'s wait, for this device's stream
+  void wait_event(cudaEvent_t event);                               // the same for an event of this device's
+  // Polls done() while a watch is set (wait.h: its deadline and abort), else blocks in block().
+  void wait_until(const std::function<bool()>& done, const std::function<void()>& block);
 
   cuda::Stream stream_, comm_stream_, copy_stream_;
   cuda::CublasHandle cublas_;
@@ -143,11 +150,13 @@ class CudaDevice final : public Device {
   // The thread capturing a step graph (none: not capturing); what it may not do then throws.
   std::atomic<std::thread::id> capture_thread_{};
   bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
-  Buffer cublas_workspace_;                        // prepare_steps'
-  cuda::GraphExec graphs_[Device::kUploadSlots];   // one per upload slot
-  size_t graph_marks_[Device::kUploadSlots] = {};  // the marks each graph records
-  cuda::Event computed_;                           // recorded on stream_ for the copy stream to wait on
-  cuda::Event uploaded_[Device::kUploadSlots];     // recorded on copy_stream_ after a slot's uploads
+  Buffer cublas_workspace_;                         // prepare_steps'
+  cuda::GraphExec graphs_[Device::kUploadSlots];    // one per upload slot
+  size_t graph_marks_[Device::kUploadSlots] = {};   // the marks each graph records
+  cuda::Event computed_;                            // recorded on stream_ for the copy stream to wait on
+  cuda::Event uploaded_[Device::kUploadSlots];      // recorded on copy_stream_ after a slot's uploads
+  cuda::PinnedHost downloads_;                      // (kDownloadSlots, kDownloadBytes): download_async's slots
+  cuda::Event downloaded_[Device::kDownloadSlots];  // recorded on stream_ after a slot's download
   mutable std::mutex ready_mu_;
   std::mutex peer_mu_;
   std::vector<const CudaDevice*> peers_seen_;
@@ -165,6 +174,8 @@ class CudaDevice final : public Device {
 // not an error: it is cleared from the last-error slot, as PyTorch's event query does), true once the
 // stream is idle; throws the stream's error when its work failed. On the stream's device.
 bool stream_idle(cudaStream_t stream);
+// cudaEventQuery likewise: true once the work before the event's record is done.
+bool event_done(cudaEvent_t event);
 
 // Makes `id` the calling thread's current device for the guard's lifetime. On a thread bound to a
 // device (a CudaDevice worker) the previous device is restored afterwards; any other thread (main,

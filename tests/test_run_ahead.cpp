@@ -1,0 +1,285 @@
+// Run-ahead (Engine::start_step / finish_step; dp_train --run-ahead): a step started before the one
+// before it is finished trains bit-identical to step() under every strategy, SGD and AdamW, with and
+// without --graphs; what reads or sets the model refuses a step in flight; a failed step forgets the
+// steps in flight. dp_train with --run-ahead writes the checkpoint it writes without, stops on a signal
+// after the same step, and names the same non-finite step. On simulated devices a step is done when
+// start_step returns, so these check the engine's and the trainer's side of it; on a GPU (the cuda:
+// case) the steps overlap for real.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/error.h"
+#include "tests/backends.h"
+#include "tests/failpoint/failpoints.h"
+#include "tests/util.h"
+#include "train/checkpoint.h"
+
+using namespace dp;
+using dp::test::Batches;
+using dp::test::CommandResult;
+using dp::test::for_each_strategy;
+using dp::test::make_batches;
+using dp::test::raw;
+using dp::test::run_command;
+using dp::test::TempDir;
+namespace {
+
+struct Trained {
+  std::vector<StepResult> steps;
+  StepResult eval;
+  std::vector<float> params;
+  std::vector<std::vector<float>> state;
+  int64_t optimizer_steps = 0;
+};
+
+// Nine steps of batch 12 (a short one, 7, among them) on n devices, prefetched as dp_train stages them,
+// the learning rate changed before every step (a schedule's), then an evaluation. With `ahead`, as
+// dp_train --run-ahead: stage s+1, start s, finish s-1. A finished step's host buffer is filled with
+// NaN at once, as the loader reuses it: a step that read its batch after its finish_step shows it.
+// Adam's bias correction counts the started steps, so a step started before the one before it
+// finished that took the count of the finished ones would train otherwise.
+Trained train(const std::string& kind, int n, const std::string& sync, int64_t bucket_kb, Optimizer optimizer,
+              bool graphs, bool ahead) {
+  const ModelSpec spec = make_model("lenet5");
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 11, init.data());
+  const std::vector<int> sizes{12, 12, 12, 7, 12, 12, 12, 12, 12};
+  const int K = int(sizes.size()), B = 12;
+  const Batches data = make_batches(K, B, 31), test = make_batches(1, 16, 32);
+  EngineConfig c;
+  c.batch = B, c.sync = sync, c.bucket_kb = bucket_kb, c.prefetch = true, c.graphs = graphs, c.time_phases = false;
+  c.optimizer = optimizer;
+  if (optimizer != Optimizer::sgd) c.lr = 1e-3f, c.weight_decay = 0.01f;
+  auto devs = dp::test::make_test_devices(kind, n);
+  Engine e(raw(devs), spec, c);
+  e.set_params(init);
+  // Four host buffers: a step in flight, the step started, the batch staged, and the loader's next.
+  std::vector<std::vector<float>> x(4);
+  std::vector<std::vector<int32_t>> y(4);
+  auto stage = [&](int s) {
+    x[size_t(s % 4)] = data.x[size_t(s)], y[size_t(s % 4)] = data.y[size_t(s)];
+    e.stage(x[size_t(s % 4)].data(), y[size_t(s % 4)].data(), sizes[size_t(s)]);
+  };
+  Trained t;
+  int finished = 0;
+  auto finish = [&] {
+    t.steps.push_back(e.finish_step());
+    std::fill(x[size_t(finished % 4)].begin(), x[size_t(finished % 4)].end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(y[size_t(finished % 4)].begin(), y[size_t(finished % 4)].end(), -1);
+    ++finished;
+  };
+  stage(0);
+  for (int s = 0; s < K; ++s) {
+    if (s + 1 < K) stage(s + 1);
+    e.set_lr(c.lr * float(K - s) / float(K));
+    e.start_step();
+    CHECK(e.in_flight() == (ahead && s > 0 ? 2 : 1));
+    while (e.in_flight() > (ahead ? 1 : 0)) finish();
+  }
+  while (e.in_flight() > 0) finish();
+  t.eval = e.evaluate(test.x[0].data(), test.y[0].data(), 16);
+  t.params = e.params();
+  t.state = e.optimizer_state();
+  t.optimizer_steps = e.optimizer_steps();
+  return t;
+}
+
+void check_same(const Trained& want, const Trained& got) {
+  REQUIRE(got.steps.size() == want.steps.size());
+  for (size_t s = 0; s < want.steps.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::isfinite(got.steps[s].loss));
+    CHECK(got.steps[s].loss == want.steps[s].loss);  // bitwise: the same kernels on the same bytes
+    CHECK(got.steps[s].correct == want.steps[s].correct);
+    CHECK(got.steps[s].n == want.steps[s].n);
+    CHECK(got.steps[s].finite_gradients);
+  }
+  CHECK(got.eval.loss == want.eval.loss);
+  CHECK(got.params == want.params);
+  CHECK(got.state == want.state);
+  CHECK(got.optimizer_steps == want.optimizer_steps);
+}
+
+void check_run_ahead_trains_as_step(const std::string& kind) {
+  for (Optimizer optimizer : {Optimizer::sgd, Optimizer::adamw}) {
+    CAPTURE(optimizer_name(optimizer));
+    for (int n : {1, 2}) {
+      CAPTURE(n);
+      for_each_strategy([&](const std::string& sync, int64_t bucket_kb) {
+        check_same(train(kind, n, sync, bucket_kb, optimizer, false, false),
+                   train(kind, n, sync, bucket_kb, optimizer, false, true));
+      });
+    }
+    // Step graphs (one device): a step launched while the one before runs.
+    for (const std::string sync : {"scatter", "allreduce", "zero1"}) {
+      CAPTURE(sync);
+      check_same(train(kind, 1, sync, 0, optimizer, false, false), train(kind, 1, sync, 0, optimizer, true, true));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("run-ahead: steps started before the one before is finished train bit-identical to step()") {
+  check_run_ahead_trains_as_step("cpu");
+}
+
+TEST_CASE("cuda: run-ahead: steps enqueued while the one before runs train bit-identical to step()" *
+          doctest::skip(!dp::test::cuda_available())) {
+  check_run_ahead_trains_as_step("cuda");
+}
+
+TEST_CASE("run-ahead: nothing reads or sets the model while a step is in flight, and a failed step forgets them") {
+  const ModelSpec spec = make_model("lenet-bn");
+  const Batches data = make_batches(4, 8, 3);
+  EngineConfig c;
+  c.batch = 8, c.sync = "allreduce", c.prefetch = true;
+  auto devs = dp::test::make_test_devices("cpu", 2);
+  Engine e(raw(devs), spec, c);
+  std::vector<float> init(size_t(spec.param_count));
+  init_params(spec, 1, init.data());
+  e.set_params(init);
+  CHECK_THROWS_WITH_AS(e.finish_step(), doctest::Contains("no step started"), std::logic_error);
+  e.stage(data.x[0].data(), data.y[0].data(), 8);
+  e.stage(data.x[1].data(), data.y[1].data(), 8);
+  e.start_step();
+  const std::vector<std::pair<std::string, std::function<void()>>> reads = {
+      {"params", [&] { e.params(); }},
+      {"set_params", [&] { e.set_params(init); }},
+      {"optimizer_state", [&] { e.optimizer_state(); }},
+      {"running_stats", [&] { e.running_stats(); }},
+      {"set_running_stats", [&] { e.set_running_stats({}); }},
+      {"evaluate", [&] { e.evaluate(data.x[3].data(), data.y[3].data(), 8); }},
+      {"first_nonfinite_gradient", [&] { e.first_nonfinite_gradient(); }},
+      {"set_optimizer_steps", [&] { e.set_optimizer_steps(0); }},
+      {"set_batches_tracked", [&] { e.set_batches_tracked(0); }}};
+  for (const auto& [name, call] : reads) {
+    CAPTURE(name);
+    const std::string message = "Engine::" + name + ": 1 started step(s) not finished; finish_step() first";
+    CHECK_THROWS_WITH_AS(call(), message.c_str(), std::logic_error);
+  }
+  e.start_step();
+  CHECK(e.in_flight() == Engine::kStepsInFlight);
+  e.stage(data.x[2].data(), data.y[2].data(), 8);
+  CHECK_THROWS_WITH_AS(e.start_step(), doctest::Contains("2 steps started and not finished, the most"),
+                       std::logic_error);
+  // The counts are the started steps'.
+  CHECK(e.steps() == 2);
+  CHECK(e.optimizer_steps() == 2);
+  CHECK(e.batches_tracked() == 2);
+  for (int s = 0; s < 2; ++s) CHECK(std::isfinite(e.finish_step().loss));
+  CHECK(e.params().size() == size_t(spec.param_count));
+  // A step that fails while another is in flight: both are forgotten, with the staged batches; the
+  // engine trains on.
+  e.stage(data.x[3].data(), data.y[3].data(), 8);
+  e.start_step();
+  dp::failpoint::inject_fault(*devs[1], "simulated kernel failure");
+  CHECK_THROWS_AS(e.start_step(), DeviceError);
+  CHECK(e.in_flight() == 0);
+  CHECK(e.staged() == 0);
+  CHECK_NOTHROW(e.params());
+  const StepResult r = e.step(data.x[0].data(), data.y[0].data(), 8);
+  CHECK(std::isfinite(r.loss));
+}
+
+namespace {
+
+const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
+
+// dp_train's run-ahead loop against the one that reads every loss: the same checkpoint, bit for bit,
+// and the same epoch lines, over epoch ends, a --save-every checkpoint mid-epoch, a --steps end
+// mid-epoch, a schedule, AdamW and two devices under each strategy; --verify passes alongside.
+void check_same_run(const std::string& base, const std::string& args, const TempDir& dir) {
+  CAPTURE(args);
+  std::string lines[2];
+  for (int ahead = 0; ahead < 2; ++ahead) {
+    const std::string ck = dir / (ahead ? "ahead.st" : "each.st"), report = dir / "r.json";
+    CommandResult r = run_command(base + args + (ahead ? " --run-ahead" : " --no-run-ahead") + " --save " + ck +
+                                  " --report " + report);
+    INFO(r.output);
+    REQUIRE(r.exit_code == 0);
+    CHECK(dp::test::read_json(report)["config"]["run_ahead"] == bool(ahead));
+    for (size_t at = r.output.find("epoch "); at != std::string::npos; at = r.output.find("epoch ", at + 1))
+      lines[ahead] +=
+          r.output.substr(at, r.output.rfind("  ", r.output.find("img/s", at)) - at) + "\n";  // not the speed
+  }
+  CHECK(lines[1] == lines[0]);
+  CHECK(lines[0].find("epoch 2/") != std::string::npos);
+  dp::test::check_same_tensors(dir / "ahead.st", dir / "each.st");
+}
+
+}  // namespace
+
+TEST_CASE("dp_train --run-ahead: the checkpoint and epochs of reading every loss at once") {
+  TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 160, 40);
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 ";  // 5 steps an epoch
+  check_same_run(base, "--epochs 2 --save-every 3", dir);
+  check_same_run(base, "--steps 8 --optimizer adamw --lr-schedule cosine --warmup 3 --devices 2 --sync zero2", dir);
+  check_same_run(base, "--epochs 2 --devices 2 --sync allreduce --bucket-kb 64 --verify", dir);
+  check_same_run(base, "--epochs 2 --devices 1 --graphs --model lenet-bn", dir);
+  // Simulated devices compute as the host calls them: the default reads every loss at once there.
+  CommandResult r = run_command(base + "--steps 2 --report " + dir / "d.json");
+  REQUIRE(r.exit_code == 0);
+  CHECK(dp::test::read_json(dir / "d.json")["config"]["run_ahead"] == false);
+}
+
+TEST_CASE("dp_train --run-ahead: a signal stops after the step it came in, saved, and the bad step is the same") {
+  TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 160, 40);
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet ";
+  // SIGTERM as step 3 begins (step 2 in flight): steps 2 and 3 finish, the checkpoint is step 3's,
+  // and resuming from it ends where an uninterrupted run ends.
+  const std::string ck = dir / "ck.st";
+  CommandResult stopped = run_command("env DP_TEST_AT=step-3:SIGTERM " + base + "--epochs 2 --run-ahead --save " + ck);
+  INFO(stopped.output);
+  CHECK(stopped.exit_code == 143);
+  CHECK(stopped.output.find("after step 3; checkpoint saved") != std::string::npos);
+  CHECK(load_checkpoint(ck, make_model("lenet")).metadata.at("global_step") == "3");
+  CHECK(run_command(base + "--epochs 2 --run-ahead --resume " + ck + " --save " + dir / "resumed.st").exit_code == 0);
+  REQUIRE(run_command(base + "--epochs 2 --no-run-ahead --save " + dir / "whole.st").exit_code == 0);
+  dp::test::check_same_tensors(dir / "resumed.st", dir / "whole.st");
+
+  // A diverging run names the same step either way; reading each loss at once also names the layer
+  // (the gradients on the devices are that step's), run-ahead says why it cannot where the next step
+  // had started.
+  CommandResult each = run_command(base + "--steps 40 --lr 1e6 --no-run-ahead");
+  CommandResult ahead = run_command(base + "--steps 40 --lr 1e6 --run-ahead");
+  INFO(each.output);
+  INFO(ahead.output);
+  REQUIRE(each.exit_code == 3);
+  REQUIRE(ahead.exit_code == 3);
+  const size_t at = each.output.find("step ");
+  REQUIRE(at != std::string::npos);
+  const std::string step = each.output.substr(at, each.output.find(':', at) - at);  // "step N (epoch E)"
+  CHECK(ahead.output.find(step + ": non-finite") != std::string::npos);
+  const int64_t n = std::stoll(step.substr(5));
+  if (n % 5 != 0)  // not an epoch's last step: the next one had started
+    CHECK(ahead.output.find("step " + std::to_string(n + 1) + " had started before this one's loss was read") !=
+          std::string::npos);
+}
+
+TEST_CASE("dp_train --run-ahead: refused with --log, --trace, --eval and --no-run-ahead, saying why") {
+  TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 64, 16);
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --steps 1 ";
+  dp::test::check_refusals(
+      base,
+      {{"--run-ahead --log " + dir / "l.jsonl", "--run-ahead with --log: it times every step"},
+       {"--run-ahead --trace " + dir / "t.json", "--run-ahead with --trace"},
+       {"--run-ahead --no-run-ahead", "--run-ahead and --no-run-ahead: give one of them"},
+       {"--eval --load " + dir / "none.st" + " --run-ahead", "--run-ahead only make sense for training"}},
+      "epoch 1/");
+  // Without the flag --log simply times each step, reading its loss at once.
+  CommandResult r = run_command(base + "--log " + dir / "l.jsonl" + " --report " + dir / "r.json");
+  REQUIRE(r.exit_code == 0);
+  CHECK(dp::test::read_json(dir / "r.json")["config"]["run_ahead"] == false);
+}
