@@ -246,6 +246,11 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   r = job.mpirun(2, "--steps 2 --allreduce naive");
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("--allreduce naive across processes") != std::string::npos);
+  // The processes agree on every step's loss and on any signal before the next step starts.
+  r = job.mpirun(2, "--steps 2 --run-ahead");
+  CHECK(r.exit_code == 2);
+  CHECK(r.output.find("--run-ahead across processes (mpirun -np 2): the processes agree on every step's loss") !=
+        std::string::npos);
 
   // --eval evaluates in one process: across processes it was accepted, every rank writing the report.
   r = job.mpirun(2, "--eval --load " + job.dir / "one.st" + " --report " + job.dir / "e.json");
