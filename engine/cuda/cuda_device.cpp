@@ -22,6 +22,20 @@ namespace {
 // The GPU a CudaDevice worker thread was bound to by its init; -1 on every other thread.
 thread_local int t_bound_device = -1;
 
+// A query's answer (cudaStreamQuery, cudaEventQuery) as "done?": cudaErrorNotReady is no error, and is
+// cleared from the last-error slot; anything else but success is the work's failure, thrown.
+bool query_done(cudaError_t err, const char* call) {
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  DP_CUDA_CHECK_NAMED(err, call);
+  return true;
+}
+
+// cudaEventQuery as a "done?" for poll_until: true once the work before the event's record is done.
+bool event_done(cudaEvent_t event) { return query_done(cudaEventQuery(event), "cudaEventQuery(event)"); }
+
 // A host function on a stream (cudaLaunchHostFunc): holds the stream for `ms` milliseconds.
 void CUDART_CB sleep_ms(void* ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(reinterpret_cast<intptr_t>(ms)));
@@ -128,80 +142,9 @@ void CudaDevice::close() noexcept {
   stream_.reset();
 }
 
-void CudaDevice::open_pool() {
-  int supported = 0;
-  DP_CUDA_CHECK(cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, id()));
-  if (!supported) return;  // cudaMalloc and cudaFree
-  cudaMemPoolProps props{};
-  props.allocType = cudaMemAllocationTypePinned;
-  props.handleTypes = cudaMemHandleTypeNone;
-  props.location.type = cudaMemLocationTypeDevice;
-  props.location.id = id();
-  cudaMemPool_t pool = nullptr;
-  DP_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
-  pool_ = cuda::MemPool(pool);
-  // Kept, not handed back to the driver at each synchronisation (the default threshold, 0, would):
-  // the next step allocates the same buffers again.
-  uint64_t keep = UINT64_MAX;
-  DP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
-}
-
 Ops& CudaDevice::ops() {
   if (!ops_) throw DeviceError(id(), name() + " has no kernels: it failed to start or is shutting down");
   return *ops_;
-}
-
-void* CudaDevice::raw_alloc(size_t bytes) {
-  refuse_while_capturing(capturing(), "an allocation");
-  DeviceGuard guard(id());
-  if (pool_) return pool_alloc(bytes);
-  void* p = nullptr;
-  cudaError_t err = cudaMalloc(&p, bytes);
-  if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();
-    out_of_memory("cudaMalloc", bytes);
-  }
-  DP_CUDA_CHECK_NAMED(err, "cudaMalloc(&p, bytes)");
-  return p;
-}
-
-// On the compute stream: usable at once by the work enqueued after it there, and by other streams
-// and GPUs once they are ordered after that work (the Buffer contract). Out of memory, the pool may
-// hold enough in pieces of other sizes: freed to the driver (after the stream's frees so far
-// complete), then tried once more.
-void* CudaDevice::pool_alloc(size_t bytes) {
-  void* p = nullptr;
-  cudaError_t err = cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream_.get());
-  if (err == cudaErrorMemoryAllocation) {
-    (void)cudaGetLastError();
-    wait_stream(stream_.get());
-    DP_CUDA_CHECK(cudaMemPoolTrimTo(pool_.get(), 0));
-    err = cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream_.get());
-    if (err == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();
-      out_of_memory("cudaMallocFromPoolAsync", bytes);
-    }
-  }
-  DP_CUDA_CHECK_NAMED(err, "cudaMallocFromPoolAsync(&p, bytes, pool_.get(), stream_.get())");
-  return p;
-}
-
-void CudaDevice::out_of_memory(const char* call, size_t bytes) {
-  size_t free = 0, total = 0;
-  if (cudaMemGetInfo(&free, &total) != cudaSuccess) (void)cudaGetLastError();
-  throw OutOfMemory(id(), std::string(call) + " of " + format_bytes(int64_t(bytes)) + " on " + name() +
-                              " failed: the driver reports " + format_bytes(int64_t(free)) + " free of " +
-                              format_bytes(int64_t(total)) + " (the ledger: " + ledger().snapshot().describe() + ")");
-}
-
-// Returns at once with a pool: the memory goes back to the pool when the compute stream's work
-// enqueued so far is done, and a later allocation on that stream may take it.
-void CudaDevice::raw_free(void* p) noexcept {
-  DeviceGuard guard(id());
-  if (pool_)
-    DP_CUDA_CHECK_PRINT(cudaFreeAsync(p, stream_.get()));  // after close(), the legacy stream's order
-  else
-    DP_CUDA_CHECK_PRINT(cudaFree(p));
 }
 
 void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
@@ -372,25 +315,7 @@ void CudaDevice::wait_event(cudaEvent_t event) {
   wait_until([event] { return event_done(event); }, [event] { DP_CUDA_CHECK(cudaEventSynchronize(event)); });
 }
 
-bool stream_idle(cudaStream_t stream) {
-  const cudaError_t err = cudaStreamQuery(stream);
-  if (err == cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  DP_CUDA_CHECK_NAMED(err, "cudaStreamQuery(stream)");
-  return true;
-}
-
-bool event_done(cudaEvent_t event) {
-  const cudaError_t err = cudaEventQuery(event);
-  if (err == cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  DP_CUDA_CHECK_NAMED(err, "cudaEventQuery(event)");
-  return true;
-}
+bool stream_idle(cudaStream_t stream) { return query_done(cudaStreamQuery(stream), "cudaStreamQuery(stream)"); }
 
 int CudaDevice::mark() {
   DeviceGuard guard(id());
@@ -414,21 +339,6 @@ std::chrono::steady_clock::time_point CudaDevice::mark_time(int i) {
   DP_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[0].get(), marks_[size_t(i)].get()));
   return first_mark_ +
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double, std::milli>(ms));
-}
-
-CudaDevice::PoolMemory CudaDevice::pool_memory() {
-  PoolMemory m;
-  if (!pool_) return m;
-  DeviceGuard guard(id());
-  auto get = [this](cudaMemPoolAttr attr) {
-    uint64_t v = 0;
-    DP_CUDA_CHECK(cudaMemPoolGetAttribute(pool_.get(), attr, &v));
-    return size_t(v);
-  };
-  m.reserved = get(cudaMemPoolAttrReservedMemCurrent);
-  m.reserved_high = get(cudaMemPoolAttrReservedMemHigh);
-  m.used = get(cudaMemPoolAttrUsedMemCurrent);
-  return m;
 }
 
 bool cuda_built() { return true; }

@@ -96,9 +96,9 @@ class CudaDevice final : public Device {
   };
   void set_watch(std::shared_ptr<const Watch> watch);
 
-  // Memory. Each CudaDevice allocates from a pool of its own (cudaMemPoolCreate on its GPU) in the
-  // order of its compute stream: cudaMallocFromPoolAsync, and cudaFreeAsync, which returns at once
-  // and hands the memory back once the stream's work before it is done, where cudaFree waits for
+  // Memory (cuda_memory.cpp). Each CudaDevice allocates from a pool of its own (cudaMemPoolCreate on
+  // its GPU) in the order of its compute stream: cudaMallocFromPoolAsync, and cudaFreeAsync, which
+  // returns at once and hands the memory back once the stream's work before it is done, where cudaFree waits for
   // the whole GPU (zero2 and zero3 free a bucket or a layer's weights several times a step, one of
   // them while the next bucket's reduce-scatter runs). The pool keeps what it got from the driver
   // (no release threshold), so a step's buffers are the last step's memory again, as PyTorch's
@@ -174,8 +174,6 @@ class CudaDevice final : public Device {
 // not an error: it is cleared from the last-error slot, as PyTorch's event query does), true once the
 // stream is idle; throws the stream's error when its work failed. On the stream's device.
 bool stream_idle(cudaStream_t stream);
-// cudaEventQuery likewise: true once the work before the event's record is done.
-bool event_done(cudaEvent_t event);
 
 // Makes `id` the calling thread's current device for the guard's lifetime. On a thread bound to a
 // device (a CudaDevice worker) the previous device is restored afterwards; any other thread (main,
