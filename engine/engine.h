@@ -93,6 +93,7 @@ class Engine {
   void start_step();
   StepResult finish_step();
   int in_flight() const { return int(started_.size()); }
+  int64_t steps_started_ahead() const { return started_ahead_; }  // started while another was in flight
   // The same in two halves, so that a batch uploads while the step before it trains (prefetch):
   // stage() queues the batch of a later step(); with EngineConfig::prefetch its upload (its first
   // micro-batch's) starts at once on every device's copy stream (Device::upload_ahead), without it
@@ -200,7 +201,16 @@ class Engine {
     int n = 0, micros = 1, slot = 0;
   };
   std::deque<Started> started_;  // oldest first
-  std::array<OptimizerScalars, kStepsInFlight> scalars_{};
+  int64_t started_ahead_ = 0;    // steps started while another was in flight
+  // The host copy of each started step's optimizer scalars (kStepsInFlight of them), on a page of their
+  // own, page-locked where the devices lock host memory (CUDA): an upload from pageable memory may wait
+  // for the work queued before it, which with a step in flight is that step.
+  struct PageFree {
+    void operator()(OptimizerScalars* p) const noexcept;
+  };
+  std::unique_ptr<OptimizerScalars, PageFree> scalars_;
+  std::shared_ptr<void> scalars_locked_;  // after scalars_: unlocked before the page is freed
+  void allocate_host_scalars();
   void require_no_step_in_flight(const char* what) const;  // std::logic_error naming `what` unless none is
   // A started step of n images in `micros` micro-batches counted: the steps, the optimizer's, BatchNorm's
   // batches, and whether a full step ran (warm_).

@@ -150,7 +150,7 @@ void Engine::start_step() {
   // host copy is the step's own among kStepsInFlight: the upload may read it until the step is done,
   // and the next step may be started before that.
   const int slot = int(step_ % kStepsInFlight);
-  OptimizerScalars& scalars = scalars_[size_t(slot)];
+  OptimizerScalars& scalars = scalars_.get()[slot];
   scalars = optimizer_scalars(cfg_, optimizer_steps_ + 1);
   const bool timed = recorder_.timing();
   try {
@@ -177,6 +177,7 @@ void Engine::start_step() {
     drop_staged();
     throw;
   }
+  if (!started_.empty()) ++started_ahead_;
   started_.push_back({b.n, micros, slot});
   count_started(b.n, micros);
   recorder_.after(*comm_, traffic_before, b.n == cfg_.batch * cfg_.accumulate);

@@ -40,6 +40,10 @@ void device_call(const Device& dev, const char* where);
 std::chrono::milliseconds upload_delay(const Device& dev);
 // How long a simulated device's copy from a peer waits before it reads the peer's buffer (a slow link).
 std::chrono::milliseconds peer_copy_delay(const Device& dev);
+// How long a device holds a step before its stats are copied out (Device::download_async; a slow
+// step): a CUDA device's compute stream runs a host function that sleeps, so the host enqueues the
+// next step (--run-ahead) while this one still runs; a simulated device sleeps.
+std::chrono::milliseconds step_end_delay(const Device& dev);
 // A communicator was built (throws UsageError for a malformed DP_TEST_STALL), and one of its ranks
 // enters collective c: where a stall is armed there the rank stops answering until a peer's timeout
 // aborts the collective (aborted() turns true) and throws Aborted, or past twice `timeout` TimedOut.

@@ -35,8 +35,8 @@
 #             each; then 16 steps of AdamW under a cosine schedule with --verify (2 captures, the
 #             eager reference's weights)
 #   run-ahead dp_train --gpus 0 --steps 2000 with --run-ahead and --no-run-ahead, with --graphs and eager,
-#             3 alternated rounds each, no --log: images/s (paired medians) and test accuracy, which
-#             must be the same
+#             3 alternated rounds each, no --log: images/s (paired medians), the steps started ahead
+#             (none fails the step) and the first round's weights, which must be the same bits
 #   nccl      NCCL on the one GPU (the test build's dp_train, DP_TEST_NCCL=always): a one-rank clique,
 #             NCCL asked for a GPU named twice (the fallback), two ranks on it (NCCL_MULTI_RANK_GPU_ENABLE=1,
 #             2.30 and later); what carried the collectives each time; fails if the one-rank run was not NCCL;

@@ -53,6 +53,7 @@ class SimDevice final : public Device {
   void download_async(int slot, const void* src, size_t n) override {
     refuse_while_capturing(ops_.recording(), "a download to host memory");
     check_download(slot, n);
+    if (const auto delay = failpoint::step_end_delay(*this); delay.count() > 0) std::this_thread::sleep_for(delay);
     if (n) std::memcpy(downloaded_[size_t(slot)].data(), src, n);
   }
   void download_wait(int slot, void* dst, size_t n) override {

@@ -196,9 +196,11 @@ void CudaDevice::download_async(int slot, const void* src, size_t bytes) {
   refuse_while_capturing(capturing(), "a download to host memory");
   check_download(slot, bytes);
   DeviceGuard guard(id());
-  if (bytes)
-    DP_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(downloads_.get()) + size_t(slot) * kDownloadBytes, src, bytes,
-                                  cudaMemcpyDeviceToHost, stream_.get()));
+  if (const auto delay = failpoint::step_end_delay(*this); delay.count() > 0)  // the test build's slow step
+    DP_CUDA_CHECK(cudaLaunchHostFunc(stream_.get(), sleep_ms, reinterpret_cast<void*>(intptr_t(delay.count()))));
+  char* to = static_cast<char*>(downloads_.get()) + size_t(slot) * kDownloadBytes;
+  std::memset(to, 0xff, kDownloadBytes);  // NaN as floats until the copy lands: a read before it shows
+  if (bytes) DP_CUDA_CHECK(cudaMemcpyAsync(to, src, bytes, cudaMemcpyDeviceToHost, stream_.get()));
   DP_CUDA_CHECK(cudaEventRecord(downloaded_[slot].get(), stream_.get()));
 }
 

@@ -46,8 +46,9 @@ class CudaDevice final : public Device {
   // past any --timeout. Into page-locked memory the copy is asynchronous and the wait polls (below).
   void download(void* dst_host, const void* src, size_t bytes) override;
   static constexpr size_t kBounceBytes = size_t(4) << 20;
-  // Into a page-locked slot of this device's, then an event on the compute stream; download_wait
-  // polls the event as synchronize() polls the stream (a watch's deadline and abort), then copies out.
+  // Into a page-locked slot of this device's (filled with NaN first, so that a read before the copy
+  // lands shows), then an event on the compute stream; download_wait polls the event as synchronize()
+  // polls the stream (a watch's deadline and abort), then copies out.
   void download_async(int slot, const void* src, size_t bytes) override;
   void download_wait(int slot, void* dst_host, size_t bytes) override;
   std::shared_ptr<void> pin_host(void* p, size_t bytes) override;

@@ -7,6 +7,7 @@ void at(const char*, int64_t) {}
 void device_call(const Device&, const char*) {}
 std::chrono::milliseconds upload_delay(const Device&) { return std::chrono::milliseconds(0); }
 std::chrono::milliseconds peer_copy_delay(const Device&) { return std::chrono::milliseconds(0); }
+std::chrono::milliseconds step_end_delay(const Device&) { return std::chrono::milliseconds(0); }
 void communicator_built(const Communicator&) {}
 void collective(const Communicator&, int, Collective, const std::function<bool()>&, double) {}
 void across_processes(const Communicator&, int, int, double) {}

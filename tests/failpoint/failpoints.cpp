@@ -31,6 +31,7 @@ struct Armed {
   std::map<const Device*, std::string> faults;
   std::map<const Device*, std::chrono::milliseconds> delays;
   std::map<const Device*, std::chrono::milliseconds> peer_delays;
+  std::map<const Device*, std::chrono::milliseconds> step_delays;
   std::map<std::pair<const Communicator*, int>, Collective> stalls;
   std::set<const Communicator*> stalled_processes;  // DP_TEST_STALL_RANK fires once per communicator
   std::atomic<bool> nccl_always{false};
@@ -149,6 +150,23 @@ SlowPeerCopies::SlowPeerCopies(const std::vector<Device*>& devices, std::chrono:
 SlowPeerCopies::~SlowPeerCopies() {
   std::lock_guard<std::mutex> lock(armed().m);
   for (const Device* d : devices_) armed().peer_delays.erase(d);
+}
+
+SlowSteps::SlowSteps(const std::vector<Device*>& devices, std::chrono::milliseconds delay)
+    : devices_(devices.begin(), devices.end()) {
+  std::lock_guard<std::mutex> lock(armed().m);
+  for (const Device* d : devices_) armed().step_delays[d] = delay;
+}
+
+SlowSteps::~SlowSteps() {
+  std::lock_guard<std::mutex> lock(armed().m);
+  for (const Device* d : devices_) armed().step_delays.erase(d);
+}
+
+std::chrono::milliseconds step_end_delay(const Device& dev) {
+  std::lock_guard<std::mutex> lock(armed().m);
+  auto it = armed().step_delays.find(&dev);
+  return it == armed().step_delays.end() ? std::chrono::milliseconds(0) : it->second;
 }
 
 std::chrono::milliseconds peer_copy_delay(const Device& dev) {

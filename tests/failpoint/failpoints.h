@@ -47,6 +47,20 @@ class SlowPeerCopies {
   std::vector<const Device*> devices_;
 };
 
+// While alive, every step on these devices is held `delay` before its stats are copied out (a CUDA
+// device's compute stream sleeps in a host function, a simulated device sleeps): a slow step, which
+// the host has enqueued the next one beside (--run-ahead) long before it ends.
+class SlowSteps {
+ public:
+  SlowSteps(const std::vector<Device*>& devices, std::chrono::milliseconds delay);
+  ~SlowSteps();
+  SlowSteps(const SlowSteps&) = delete;
+  SlowSteps& operator=(const SlowSteps&) = delete;
+
+ private:
+  std::vector<const Device*> devices_;
+};
+
 // While alive, the communicators made for CUDA devices are NCCL's wherever they can be
 // (failpoint::nccl_always): one GPU, or one GPU named twice.
 class NcclAlways {
