@@ -179,10 +179,11 @@ TEST_CASE("run-ahead: nothing reads or sets the model while a step is in flight,
       {"first_nonfinite_gradient", [&] { e.first_nonfinite_gradient(); }},
       {"set_optimizer_steps", [&] { e.set_optimizer_steps(0); }},
       {"set_batches_tracked", [&] { e.set_batches_tracked(0); }}};
-  for (const auto& [name, call] : reads) {
+  for (const auto& read : reads) {
+    const std::string& name = read.first;  // a plain variable: clang 14's lambdas (CAPTURE) cannot take a binding
     CAPTURE(name);
     const std::string message = "Engine::" + name + ": 1 started step(s) not finished; finish_step() first";
-    CHECK_THROWS_WITH_AS(call(), message.c_str(), std::logic_error);
+    CHECK_THROWS_WITH_AS(read.second(), message.c_str(), std::logic_error);
   }
   e.start_step();
   CHECK(e.in_flight() == Engine::kStepsInFlight);
