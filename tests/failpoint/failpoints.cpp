@@ -25,13 +25,11 @@ namespace dp::failpoint {
 namespace {
 
 // Everything armed, by the object it is armed on. Objects die and their addresses come back, so
-// every entry is one-shot (consumed when it fires) or scoped (SlowUploads, SlowPeerCopies).
+// every entry is one-shot (consumed when it fires) or scoped (SlowDevices).
 struct Armed {
   std::mutex m;
   std::map<const Device*, std::string> faults;
-  std::map<const Device*, std::chrono::milliseconds> delays;
-  std::map<const Device*, std::chrono::milliseconds> peer_delays;
-  std::map<const Device*, std::chrono::milliseconds> step_delays;
+  std::map<std::pair<DelayPoint, const Device*>, std::chrono::milliseconds> delays;  // SlowDevices
   std::map<std::pair<const Communicator*, int>, Collective> stalls;
   std::set<const Communicator*> stalled_processes;  // DP_TEST_STALL_RANK fires once per communicator
   std::atomic<bool> nccl_always{false};
@@ -39,6 +37,13 @@ struct Armed {
 Armed& armed() {
   static Armed* a = new Armed;  // lives for the process: a hook may fire until _exit
   return *a;
+}
+
+// The delay SlowDevices armed for `dev` at `point`, else `otherwise`.
+std::chrono::milliseconds armed_delay(DelayPoint point, const Device& dev, std::chrono::milliseconds otherwise) {
+  std::lock_guard<std::mutex> lock(armed().m);
+  auto it = armed().delays.find({point, &dev});
+  return it == armed().delays.end() ? otherwise : it->second;
 }
 
 std::string env(const char* name) {
@@ -130,49 +135,23 @@ void device_call(const Device& dev, const char* where) {
   throw DeviceError(dev.id(), std::string("injected fault in ") + where + ": " + what);
 }
 
-SlowUploads::SlowUploads(const std::vector<Device*>& devices, std::chrono::milliseconds delay)
-    : devices_(devices.begin(), devices.end()) {
+SlowDevices::SlowDevices(DelayPoint point, const std::vector<Device*>& devices, std::chrono::milliseconds delay)
+    : point_(point), devices_(devices.begin(), devices.end()) {
   std::lock_guard<std::mutex> lock(armed().m);
-  for (const Device* d : devices_) armed().delays[d] = delay;
+  for (const Device* d : devices_) armed().delays[{point_, d}] = delay;
 }
 
-SlowUploads::~SlowUploads() {
+SlowDevices::~SlowDevices() {
   std::lock_guard<std::mutex> lock(armed().m);
-  for (const Device* d : devices_) armed().delays.erase(d);
-}
-
-SlowPeerCopies::SlowPeerCopies(const std::vector<Device*>& devices, std::chrono::milliseconds delay)
-    : devices_(devices.begin(), devices.end()) {
-  std::lock_guard<std::mutex> lock(armed().m);
-  for (const Device* d : devices_) armed().peer_delays[d] = delay;
-}
-
-SlowPeerCopies::~SlowPeerCopies() {
-  std::lock_guard<std::mutex> lock(armed().m);
-  for (const Device* d : devices_) armed().peer_delays.erase(d);
-}
-
-SlowSteps::SlowSteps(const std::vector<Device*>& devices, std::chrono::milliseconds delay)
-    : devices_(devices.begin(), devices.end()) {
-  std::lock_guard<std::mutex> lock(armed().m);
-  for (const Device* d : devices_) armed().step_delays[d] = delay;
-}
-
-SlowSteps::~SlowSteps() {
-  std::lock_guard<std::mutex> lock(armed().m);
-  for (const Device* d : devices_) armed().step_delays.erase(d);
+  for (const Device* d : devices_) armed().delays.erase({point_, d});
 }
 
 std::chrono::milliseconds step_end_delay(const Device& dev) {
-  std::lock_guard<std::mutex> lock(armed().m);
-  auto it = armed().step_delays.find(&dev);
-  return it == armed().step_delays.end() ? std::chrono::milliseconds(0) : it->second;
+  return armed_delay(DelayPoint::step_end, dev, std::chrono::milliseconds(0));
 }
 
 std::chrono::milliseconds peer_copy_delay(const Device& dev) {
-  std::lock_guard<std::mutex> lock(armed().m);
-  auto it = armed().peer_delays.find(&dev);
-  return it == armed().peer_delays.end() ? std::chrono::milliseconds(0) : it->second;
+  return armed_delay(DelayPoint::peer_copy, dev, std::chrono::milliseconds(0));
 }
 
 std::chrono::milliseconds upload_delay(const Device& dev) {
@@ -183,9 +162,7 @@ std::chrono::milliseconds upload_delay(const Device& dev) {
       throw UsageError("DP_TEST_SLOW_UPLOADS=" + v + ": not a number of milliseconds (0 to 999999)");
     return v.empty() ? 0 : small_number(v);
   }();
-  std::lock_guard<std::mutex> lock(armed().m);
-  auto it = armed().delays.find(&dev);
-  return it == armed().delays.end() ? std::chrono::milliseconds(every) : it->second;
+  return armed_delay(DelayPoint::upload, dev, std::chrono::milliseconds(every));
 }
 
 bool nccl_always() {

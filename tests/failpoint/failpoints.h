@@ -20,45 +20,43 @@ void inject_fault(const Device& dev, std::string what);
 // until a peer's timeout (or failure) aborts the collective, then throws Aborted.
 void stall_once(const Communicator& comm, int rank, Collective c);
 
-// While alive, every upload ahead on these devices first waits `delay` (a simulated device's copy
-// thread sleeps, a CUDA device's copy stream runs a sleeping host function before the copy): a slow
-// copy engine, so that a step reading a batch before its upload finished reads the wrong bytes.
-class SlowUploads {
+// Where a device waits, while armed, before it goes on (upload_delay, peer_copy_delay, step_end_delay).
+enum class DelayPoint { upload, peer_copy, step_end };
+
+// While alive, these devices wait `delay` at `point` (the classes below name each point).
+class SlowDevices {
  public:
-  SlowUploads(const std::vector<Device*>& devices, std::chrono::milliseconds delay);
-  ~SlowUploads();
-  SlowUploads(const SlowUploads&) = delete;
-  SlowUploads& operator=(const SlowUploads&) = delete;
+  SlowDevices(DelayPoint point, const std::vector<Device*>& devices, std::chrono::milliseconds delay);
+  ~SlowDevices();
+  SlowDevices(const SlowDevices&) = delete;
+  SlowDevices& operator=(const SlowDevices&) = delete;
 
  private:
+  DelayPoint point_;
   std::vector<const Device*> devices_;
 };
 
-// While alive, every copy these simulated devices make from a peer first waits `delay` (a slow link):
-// a peer still copies from a rank's buffer well after that rank could have left the collective.
-class SlowPeerCopies {
- public:
-  SlowPeerCopies(const std::vector<Device*>& devices, std::chrono::milliseconds delay);
-  ~SlowPeerCopies();
-  SlowPeerCopies(const SlowPeerCopies&) = delete;
-  SlowPeerCopies& operator=(const SlowPeerCopies&) = delete;
-
- private:
-  std::vector<const Device*> devices_;
+// Every upload ahead first waits (a simulated device's copy thread sleeps, a CUDA device's copy
+// stream runs a sleeping host function before the copy): a slow copy engine, so that a step reading a
+// batch before its upload finished reads the wrong bytes.
+struct SlowUploads : SlowDevices {
+  SlowUploads(const std::vector<Device*>& devices, std::chrono::milliseconds delay)
+      : SlowDevices(DelayPoint::upload, devices, delay) {}
 };
 
-// While alive, every step on these devices is held `delay` before its stats are copied out (a CUDA
-// device's compute stream sleeps in a host function, a simulated device sleeps): a slow step, which
-// the host has enqueued the next one beside (--run-ahead) long before it ends.
-class SlowSteps {
- public:
-  SlowSteps(const std::vector<Device*>& devices, std::chrono::milliseconds delay);
-  ~SlowSteps();
-  SlowSteps(const SlowSteps&) = delete;
-  SlowSteps& operator=(const SlowSteps&) = delete;
+// Every copy these simulated devices make from a peer first waits (a slow link): a peer still copies
+// from a rank's buffer well after that rank could have left the collective.
+struct SlowPeerCopies : SlowDevices {
+  SlowPeerCopies(const std::vector<Device*>& devices, std::chrono::milliseconds delay)
+      : SlowDevices(DelayPoint::peer_copy, devices, delay) {}
+};
 
- private:
-  std::vector<const Device*> devices_;
+// Every step is held before its stats are copied out (a CUDA device's compute stream sleeps in a host
+// function, a simulated device sleeps): a slow step, which the host has enqueued the next one beside
+// (--run-ahead) long before it ends.
+struct SlowSteps : SlowDevices {
+  SlowSteps(const std::vector<Device*>& devices, std::chrono::milliseconds delay)
+      : SlowDevices(DelayPoint::step_end, devices, delay) {}
 };
 
 // While alive, the communicators made for CUDA devices are NCCL's wherever they can be
