@@ -98,7 +98,7 @@ class Device {
   // away: on CUDA (cudaHostRegister, for every GPU of the process) an upload from it is then one DMA
   // the host does not wait for, instead of a copy staged through the driver's bounce buffer. Null
   // on a simulated device, whose copies are memcpy. p and bytes should be whole pages (a range that
-  // shares a page with one already locked is refused): the loader's PageAllocator.
+  // shares a page with one already locked is refused): PageAllocator's (engine/host_pages.h).
   virtual std::shared_ptr<void> pin_host(void* /*p*/, size_t /*bytes*/) { return nullptr; }
   // A step's end without a host wait (Engine::start_step, --run-ahead): download_async(slot, src,
   // bytes) queues a copy of `bytes` (at most kDownloadBytes; 0: none, only the point reached) of

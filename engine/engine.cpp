@@ -1,11 +1,8 @@
 #include "engine/engine.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <new>
 #include <numeric>
 #include <stdexcept>
@@ -82,21 +79,10 @@ Engine::Engine(std::vector<Device*> devices, const ModelSpec& spec, EngineConfig
   comm_->set_timeout(cfg_.timeout);
   check_graphs();
   allocate_replicas();
-  allocate_host_scalars();
+  scalars_.resize(kStepsInFlight);
+  // A CUDA lock serves every GPU of the process.
+  scalars_locked_ = devices_[0]->pin_host(scalars_.data(), scalars_.size() * sizeof(OptimizerScalars));
   for (auto& d : devices_) d->run([&d] { d->prepare_steps(); }).get();
-}
-
-void Engine::PageFree::operator()(OptimizerScalars* p) const noexcept {
-  ::operator delete(p, std::align_val_t(size_t(::sysconf(_SC_PAGESIZE))));
-}
-
-void Engine::allocate_host_scalars() {
-  const size_t page = size_t(::sysconf(_SC_PAGESIZE));
-  static_assert(sizeof(OptimizerScalars) * kStepsInFlight <= 4096, "the scalars take one page");
-  auto* p = static_cast<OptimizerScalars*>(::operator new(page, std::align_val_t(page)));
-  std::uninitialized_value_construct_n(p, kStepsInFlight);
-  scalars_.reset(p);
-  scalars_locked_ = devices_[0]->pin_host(p, page);  // a CUDA lock serves every GPU of the process
 }
 
 void Engine::allocate_replicas() {

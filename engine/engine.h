@@ -17,6 +17,7 @@
 #include "engine/communicator.h"
 #include "engine/config.h"
 #include "engine/device.h"
+#include "engine/host_pages.h"
 #include "engine/network.h"
 #include "engine/optimizer.h"
 #include "engine/process_group.h"
@@ -205,12 +206,8 @@ class Engine {
   // The host copy of each started step's optimizer scalars (kStepsInFlight of them), on a page of their
   // own, page-locked where the devices lock host memory (CUDA): an upload from pageable memory may wait
   // for the work queued before it, which with a step in flight is that step.
-  struct PageFree {
-    void operator()(OptimizerScalars* p) const noexcept;
-  };
-  std::unique_ptr<OptimizerScalars, PageFree> scalars_;
-  std::shared_ptr<void> scalars_locked_;  // after scalars_: unlocked before the page is freed
-  void allocate_host_scalars();
+  PageVector<OptimizerScalars> scalars_;
+  std::shared_ptr<void> scalars_locked_;                   // after scalars_: unlocked before the page is freed
   void require_no_step_in_flight(const char* what) const;  // std::logic_error naming `what` unless none is
   // A started step of n images in `micros` micro-batches counted: the steps, the optimizer's, BatchNorm's
   // batches, and whether a full step ran (warm_).

@@ -30,6 +30,12 @@ StepResult step_result(const std::vector<std::array<float, kStats>>& stats, int 
   return res;
 }
 
+// The bytes of device `rank`'s stats a step reads: all of them where it computes the loss, else none
+// (its download only marks the step's end).
+size_t stats_bytes(const Strategy& strategy, int rank) {
+  return strategy.computes_loss(rank) ? sizeof(float) * kStats : 0;
+}
+
 }  // namespace
 
 StepResult Engine::step(const float* x, const int32_t* y, int n) {
@@ -150,7 +156,7 @@ void Engine::start_step() {
   // host copy is the step's own among kStepsInFlight: the upload may read it until the step is done,
   // and the next step may be started before that.
   const int slot = int(step_ % kStepsInFlight);
-  OptimizerScalars& scalars = scalars_.get()[slot];
+  OptimizerScalars& scalars = scalars_[size_t(slot)];
   scalars = optimizer_scalars(cfg_, optimizer_steps_ + 1);
   const bool timed = recorder_.timing();
   try {
@@ -167,8 +173,7 @@ void Engine::start_step() {
       // the optimizer also saying whether the gradient it stepped was finite, queued into page-locked
       // memory behind the step's work; every device marks the step's end so. finish_step waits for it.
       // Timed phases are read now (a wait for the device: the steps then do not overlap).
-      devices_[r]->download_async(slot, replicas_[r]->stats.f(),
-                                  strategy_.computes_loss(r) ? sizeof(float) * kStats : 0);
+      devices_[r]->download_async(slot, replicas_[r]->stats.f(), stats_bytes(strategy_, r));
       const Clock::time_point enqueued = Clock::now();
       if (timed) recorder_.close_phases(*devices_[r], r, step_);
       recorder_.host_step(r, seconds(enqueued - start), seconds(Clock::now() - enqueued));
@@ -205,8 +210,7 @@ StepResult Engine::finish_step() {
   try {
     run_all([&](int r) {
       const Clock::time_point start = Clock::now();
-      devices_[r]->download_wait(s.slot, stats[size_t(r)].data(),
-                                 strategy_.computes_loss(r) ? sizeof(float) * kStats : 0);
+      devices_[r]->download_wait(s.slot, stats[size_t(r)].data(), stats_bytes(strategy_, r));
       recorder_.host_step(r, 0, seconds(Clock::now() - start));
     });
   } catch (...) {

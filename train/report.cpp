@@ -122,7 +122,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
   config["backend"] = kind_name(engine.device(0).kind());
   config["device_names"] = names;
   config["collectives"] = engine.comm().transport();
-  config["run_ahead"] = runs_ahead(o, engine.device(0).kind(), engine.world_size() > engine.size());  // as resolved
+  config["run_ahead"] = result.run_ahead;  // as resolved
   nlohmann::json epochs_json = nlohmann::json::array();
   for (auto& e : result.epochs)
     epochs_json.push_back({{"epoch", e.epoch},
@@ -151,7 +151,7 @@ nlohmann::json train_report(const TrainOptions& o, const ModelSpec& spec, int ep
                       {"notes", device_notes()}};
   if (o.accumulate > 1) j["accumulation"] = accumulation_note(o);  // what it does under this strategy
   if (o.graphs) j["graphs"] = {{"captures", engine.graph_captures()}, {"launches", engine.graph_launches()}};
-  if (config["run_ahead"]) j["run_ahead"] = {{"steps_started_ahead", engine.steps_started_ahead()}};
+  if (result.run_ahead) j["run_ahead"] = {{"steps_started_ahead", engine.steps_started_ahead()}};
   if (o.verify)
     j["verify"] = {
         {"max_abs_diff", result.verify_max_diff}, {"tolerance", result.verify_tolerance}, {"ok", result.verify_ok}};

@@ -249,6 +249,7 @@ void Run::epochs(const DataSets& data, Verifier* verify, TrainResult& result) {
   lp.pin = [this](void* p, size_t bytes) { return engine_.pin_host(p, bytes); };
   const int ahead = o_.prefetch ? 1 : 0;
   lp.held = 1 + ahead + (run_ahead_ ? 1 : 0);  // a step in flight keeps its batch (--verify reads it at its finish)
+  result.run_ahead = run_ahead_;
   Staging staging(engine_, data.train, lp, o_.workers, ahead, step_);
   for (int64_t epoch = step_ / plan_.per_epoch; epoch < plan_.epochs && step_ < plan_.total_steps; ++epoch) {
     EpochMeter meter(int(epoch) + 1);
@@ -286,7 +287,7 @@ void Run::step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier
 
 bool Run::stays_in_flight(int64_t s, int64_t g) const {
   return run_ahead_ && s + 1 < plan_.per_epoch && g < plan_.total_steps &&
-         !(o_.save_every > 0 && g % o_.save_every == 0) && !signals_.pending();
+         !(o_.save_every > 0 && g % o_.save_every == 0);
 }
 
 void Run::finish_step(EpochMeter& meter, Progress& progress, Verifier* verify) {

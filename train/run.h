@@ -65,7 +65,8 @@ class Run {
   void step(Staging& staging, EpochMeter& meter, Progress& progress, Verifier* verify, int64_t epoch, int64_t s);
   // --run-ahead: whether the step just started, step s of its epoch and global step g, may stay in
   // flight: not where what follows it needs its weights or its end (the epoch's evaluation, the run's
-  // end, a --save-every checkpoint, a signal's stop).
+  // end, a --save-every checkpoint). A signal's stop finishes it first too (Run::step), as the next
+  // step begins.
   bool stays_in_flight(int64_t s, int64_t g) const;
   // Finishes the oldest step in flight: its loss, checks, records and checkpoint, then a safe point
   // where no other step is in flight.

@@ -82,6 +82,7 @@ struct TrainResult {
   double verify_max_diff = -1, verify_tolerance = 0;                // -1: not verified
   double load_wait_seconds = 0;  // the trainer's wait for its batches (--workers 0: their assembly)
   bool verify_ok = true;
+  bool run_ahead = false;   // each step started before the one before it finished (runs_ahead, setup.h)
   std::string log_failure;  // why --log stopped early (Run::log_failure), or empty
 };
 

@@ -198,7 +198,7 @@ void CudaDevice::download_async(int slot, const void* src, size_t bytes) {
   DeviceGuard guard(id());
   if (const auto delay = failpoint::step_end_delay(*this); delay.count() > 0)  // the test build's slow step
     DP_CUDA_CHECK(cudaLaunchHostFunc(stream_.get(), sleep_ms, reinterpret_cast<void*>(intptr_t(delay.count()))));
-  char* to = static_cast<char*>(downloads_.get()) + size_t(slot) * kDownloadBytes;
+  char* to = download_slot(slot);
   std::memset(to, 0xff, kDownloadBytes);  // NaN as floats until the copy lands: a read before it shows
   if (bytes) DP_CUDA_CHECK(cudaMemcpyAsync(to, src, bytes, cudaMemcpyDeviceToHost, stream_.get()));
   DP_CUDA_CHECK(cudaEventRecord(downloaded_[slot].get(), stream_.get()));
@@ -208,7 +208,7 @@ void CudaDevice::download_wait(int slot, void* dst_host, size_t bytes) {
   check_download(slot, bytes);
   DeviceGuard guard(id());
   wait_event(downloaded_[slot].get());
-  if (bytes) std::memcpy(dst_host, static_cast<const char*>(downloads_.get()) + size_t(slot) * kDownloadBytes, bytes);
+  if (bytes) std::memcpy(dst_host, download_slot(slot), bytes);
 }
 
 void CudaDevice::copy(void* dst, const void* src, size_t bytes) {

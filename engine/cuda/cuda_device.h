@@ -99,9 +99,9 @@ class CudaDevice final : public Device {
 
   // Memory (cuda_memory.cpp). Each CudaDevice allocates from a pool of its own (cudaMemPoolCreate on
   // its GPU) in the order of its compute stream: cudaMallocFromPoolAsync, and cudaFreeAsync, which
-  // returns at once and hands the memory back once the stream's work before it is done, where cudaFree waits for
-  // the whole GPU (zero2 and zero3 free a bucket or a layer's weights several times a step, one of
-  // them while the next bucket's reduce-scatter runs). The pool keeps what it got from the driver
+  // returns at once and hands the memory back once the stream's work before it is done, where
+  // cudaFree waits for the whole GPU (zero2 and zero3 free a bucket or a layer's weights several
+  // times a step, one of them while the next bucket's reduce-scatter runs). The pool keeps what it got from the driver
   // (no release threshold), so a step's buffers are the last step's memory again, as PyTorch's
   // caching allocator and its cudaMallocAsync backend keep theirs. What makes this safe is the
   // Buffer contract (engine/device.h): every use of a buffer on another stream or GPU is ordered
@@ -151,12 +151,13 @@ class CudaDevice final : public Device {
   // The thread capturing a step graph (none: not capturing); what it may not do then throws.
   std::atomic<std::thread::id> capture_thread_{};
   bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
-  Buffer cublas_workspace_;                         // prepare_steps'
-  cuda::GraphExec graphs_[Device::kUploadSlots];    // one per upload slot
-  size_t graph_marks_[Device::kUploadSlots] = {};   // the marks each graph records
-  cuda::Event computed_;                            // recorded on stream_ for the copy stream to wait on
-  cuda::Event uploaded_[Device::kUploadSlots];      // recorded on copy_stream_ after a slot's uploads
-  cuda::PinnedHost downloads_;                      // (kDownloadSlots, kDownloadBytes): download_async's slots
+  Buffer cublas_workspace_;                        // prepare_steps'
+  cuda::GraphExec graphs_[Device::kUploadSlots];   // one per upload slot
+  size_t graph_marks_[Device::kUploadSlots] = {};  // the marks each graph records
+  cuda::Event computed_;                           // recorded on stream_ for the copy stream to wait on
+  cuda::Event uploaded_[Device::kUploadSlots];     // recorded on copy_stream_ after a slot's uploads
+  cuda::PinnedHost downloads_;                     // (kDownloadSlots, kDownloadBytes): download_async's slots
+  char* download_slot(int slot) const { return static_cast<char*>(downloads_.get()) + size_t(slot) * kDownloadBytes; }
   cuda::Event downloaded_[Device::kDownloadSlots];  // recorded on stream_ after a slot's download
   mutable std::mutex ready_mu_;
   std::mutex peer_mu_;
