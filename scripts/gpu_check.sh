@@ -21,6 +21,9 @@
 #   profile   the GPU's time per kernel in one training step: ncu (--clock-control none) times every
 #             kernel of a 10-step and a 30-step run; their difference over 20 is one step, without the
 #             start, cuDNN's planning and the evaluation
+#   implicit  DP_CUDA_CONV=implicit (dp's implicit-GEMM convolutions, not the default): the "cuda: ops:"
+#             cases and the plans' choices under it, memcheck over the convolution cases, its step's
+#             kernels under ncu, and --graphs runs against the library path, 3 alternated rounds
 #   torch     PyTorch training the same LeNet at the same batch and epochs on the same GPU: eager, then
 #             torch.compile(mode="reduce-overhead") (CUDA graphs; compile time apart)
 #   verify-scatter, verify-allreduce
@@ -58,8 +61,8 @@
 # (less 20 s for the summary and the tarball); a step with under 30 s left is skipped, and the summary
 # and tarball are written all the same. On a machine lent for calls of at most 10 minutes and 15 minutes
 # in all, its start included: one call with `--deadline 280 --only env,configure,build,cuda,train,
-# graphs,nccl,profile,torch`, then at once, on the machine still warm (its build kept), `--deadline 240
-# --only configure,build,compare,skew,run-ahead,sanitize`; ctest and readme (the CPU cases, the README's
+# profile,implicit,graphs,nccl`, then at once, on the machine still warm (its build kept), `--deadline
+# 240 --only configure,build,torch,run-ahead,compare,skew,sanitize`; ctest and readme (the CPU cases, the README's
 # two-GPU commands) belong to a longer loan.
 #
 # --cpu-dry-run runs the same steps on a machine without a GPU (CPU-only build, --backend cpu, small
@@ -99,7 +102,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 fatal() { echo "gpu_check.sh: $*" >&2; exit 2; }
-steps="env configure build cuda train profile torch verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl ctest readme sanitize"
+steps="env configure build cuda train profile implicit torch verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl ctest readme sanitize"
 [[ "$deadline" =~ ^[0-9]+$ ]] || fatal "--deadline: '$deadline' is not a whole number of seconds"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && [ -z "$tarball" ]; then tarball=$OUT/gpu-check.tar.gz; fi
 for s in ${only//,/ } ${skip//,/ }; do
@@ -199,7 +202,7 @@ fi
 # --- steps --------------------------------------------------------------------------------------------
 names=() codes=() statuses=() seconds=() keys=()
 n=0 failed=0 skipped=0
-warn_steps=" train profile verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl "  # dp's own runs
+warn_steps=" train profile implicit verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl "  # dp's own runs
 selected() {
   [ -n "$only" ] && [[ ",$only," != *",$1,"* ]] && return 1
   [ -n "$skip" ] && [[ ",$skip," == *",$1,"* ]] && return 1
@@ -255,6 +258,8 @@ need() {  # binary: present, or say the build failed
 
 # shellcheck source=scripts/gpu_steps.sh
 . "$here/scripts/gpu_steps.sh"
+# shellcheck source=scripts/gpu_speed_steps.sh
+. "$here/scripts/gpu_speed_steps.sh"
 
 step env 120 s_env
 step configure 300 s_configure
@@ -262,6 +267,7 @@ step build 1800 s_build
 step cuda 600 s_cuda
 step train 600 s_train
 step profile 300 s_profile
+step implicit 300 s_implicit
 step torch 600 s_torch
 step verify-scatter 300 s_verify_scatter
 step verify-allreduce 300 s_verify_allreduce

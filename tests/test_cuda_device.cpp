@@ -197,6 +197,7 @@ TEST_CASE("cuda: cuDNN runs every model's convolutions with deterministic GEMM-l
     for (const ConvShape& s : shapes) CHECK(ops.conv2d_workspace_floats(s) > 0);
     choices = cuda->conv_choices();
   });
+  int implicit = 0;  // passes on the implicit GEMMs (DP_CUDA_CONV=implicit: every non-direct forward and dw)
   for (const ConvShape& s : shapes) {
     INFO(describe(s));
     int passes = 0;
@@ -209,9 +210,13 @@ TEST_CASE("cuda: cuDNN runs every model's convolutions with deterministic GEMM-l
       CHECK(c.deterministic);
       CHECK(c.strict);
       CHECK(c.math.find("TENSOR_OP") == std::string::npos);  // FP32 FMA, never TF32 tensor cores
+      if (CudaOps::implicit_wanted() && c.pass != "backward-data")
+        CHECK((c.algo == "DP_DIRECT" || c.algo == "DP_IMPLICIT_GEMM"));
+      implicit += c.algo == "DP_IMPLICIT_GEMM";
     }
     CHECK(passes == 3);  // forward, backward-data, backward-filter
   }
+  CHECK((implicit > 0) == CudaOps::implicit_wanted());
 #else
   FAIL("a CUDA device is usable, but this build has no CUDA backend");
 #endif

@@ -284,10 +284,11 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
   }
 
   p->direct = direct(s) && direct_partial_floats(s) * sizeof(float) <= limit;  // its partials fit
-  if (p->direct) {  // conv_direct.cu: forward and backward-filter, without cuDNN
-    p->bias_floats = direct_partial_floats(s);
+  p->implicit = !p->direct && implicit(s) && implicit_partial_floats(s) * sizeof(float) <= limit;
+  if (p->direct || p->implicit) {  // conv_direct.cu, conv_implicit.cu: forward and backward-filter, no cuDNN
+    p->bias_floats = p->direct ? direct_partial_floats(s) : implicit_partial_floats(s);
     for (size_t i : {size_t(0), size_t(2)}) {
-      p->choices[i].algo = "DP_DIRECT";
+      p->choices[i].algo = p->direct ? "DP_DIRECT" : "DP_IMPLICIT_GEMM";
       p->choices[i].math = "FMA";
       p->choices[i].workspace_bytes = i == 2 ? p->bias_floats * sizeof(float) : 0;
       p->choices[i].deterministic = p->choices[i].strict = true;
@@ -313,7 +314,7 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
   p->backward_images = int(std::min({size_t(s.n), limit / (image_floats * sizeof(float)), index_cap}));
   p->bwd_data_bytes = p->bwd_filter_bytes = image_floats * sizeof(float) * size_t(p->backward_images);
   for (size_t i : {size_t(1), size_t(2)}) {
-    if (p->direct && i == 2) continue;
+    if ((p->direct || p->implicit) && i == 2) continue;
     p->choices[i].algo = "DP_IM2COL_GEMM";
     p->choices[i].math = "FMA";  // cuBLAS's default math: FP32, never TF32 (cuda_device.cpp)
     p->choices[i].workspace_bytes = p->bwd_filter_bytes;
@@ -355,6 +356,7 @@ size_t CudaOps::conv2d_workspace_floats(const ConvShape& s) {
 void CudaOps::convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace) {
   ConvPlan& p = plan(s);
   if (p.direct) return direct_forward(s, x, w, y);
+  if (p.implicit) return implicit_forward(s, x, w, y);
   const float one = 1.0f, zero = 0.0f;
   DP_CUDNN_CHECK(cudnnConvolutionForward(cudnn_, &one, p.x.get(), x, p.w.get(), w, p.conv.get(), p.fwd, workspace,
                                          p.fwd_bytes, &zero, p.y.get(), y));
@@ -387,8 +389,11 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
   // db (and with a direct plan dw) through partials at the start of the workspace, which the rest
   // overwrites only after, in stream order
-  if (p.direct) {  // dw and db at once (conv_direct.cu), then only dx, if asked for, below
-    direct_filter_grad(s, x, dy, rows, dw, db, workspace);
+  if (p.direct || p.implicit) {  // dw and db at once (conv_direct.cu, conv_implicit.cu), then only dx below
+    if (p.direct)
+      direct_filter_grad(s, x, dy, rows, dw, db, workspace);
+    else
+      implicit_filter_grad(s, x, dy, rows, dw, db, workspace);
     if (!dx) return;
   } else {  // db through (K, kBiasSlices) partials
     const dim3 slices(unsigned(s.k), kBiasSlices);
@@ -420,7 +425,7 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
       DP_CUDA_LAUNCH_CHECK("dy_rows_kernel");
       dyt = workspace, ld = r;
     }
-    if (!p.direct) {
+    if (!p.direct && !p.implicit) {
       im2col_rows_kernel<<<unsigned((r + kColRows - 1) / kColRows), kColThreads, 0, stream_>>>(int(r), s,
                                                                                                x + n0 * image, col);
       DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");

@@ -46,6 +46,7 @@ struct ConvPlan {
   size_t fwd_bytes = 0, bwd_data_bytes = 0, bwd_filter_bytes = 0;
   size_t bias_floats = 0;             // the bias gradient's (and a direct plan's dw's) partial sums, first
   bool direct = false;                // forward and dw, db by conv_direct.cu (CudaOps::direct)
+  bool implicit = false;              // forward and dw, db by conv_implicit.cu (CudaOps::implicit)
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
 };
@@ -137,7 +138,22 @@ class CudaOps final : public Ops {
   void direct_forward(const ConvShape& s, const float* x, const float* w, float* y);
   void direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
                           float* workspace);
-  // y = x * w without the bias, on cuDNN or directly (conv2d.cu).
+  // Other shapes, under DP_CUDA_CONV=implicit (read once; a value other than that or "library" is a
+  // UsageError, from the constructor), run their forward pass and their dw and db as implicit GEMMs
+  // (conv_implicit.cu, kernels/cuda/tile_gemm.h), dw and db through implicit_slices partials:
+  // compiled, not yet run on a GPU, so not the default until one has measured it.
+ public:
+  static constexpr int kImplicitSlices = 64;
+  static bool implicit_wanted();
+  static bool implicit(const ConvShape& s);
+  static int implicit_slices(const ConvShape& s);
+
+ private:
+  static size_t implicit_partial_floats(const ConvShape& s);
+  void implicit_forward(const ConvShape& s, const float* x, const float* w, float* y);
+  void implicit_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
+                            float* workspace);
+  // y = x * w without the bias, on cuDNN, directly or as an implicit GEMM (conv2d.cu).
   void convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace);
   // conv2d_backward from dy (N, K, OH, OW), or with `rows` from dy's rows dyt (K, N OH OW), as the
   // fused op writes them (conv2d.cu).

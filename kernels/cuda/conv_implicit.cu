@@ -1,0 +1,91 @@
+// The convolution's forward pass and its dw and db as implicit GEMMs (kernels/cuda/tile_gemm.h says
+// how): the kernels here run a tile's phases with __syncthreads between them, as the host's emulation
+// in tests/test_tile_gemm.cpp runs them one thread after another. Taken by conv2d.cu's plans under
+// DP_CUDA_CONV=implicit (CudaOps::implicit): compiled, not yet run on a GPU.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/launch.h"
+#include "kernels/cuda/tile_gemm.h"
+
+namespace dp {
+namespace {
+
+template <class Tile>
+__global__ void __launch_bounds__(cuda::tile::kThreads) tile_kernel(Tile tile) {
+  __shared__ cuda::tile::Smem s;
+  const int tid = int(threadIdx.x);
+  tile.place(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z));
+  tile.setup(tid, s);
+  cuda::tile::Acc acc{};
+  const int stages = tile.stages();
+  for (int stage = 0; stage < stages; ++stage) {
+    __syncthreads();  // the setup's coordinates written, the last stage's tiles read
+    tile.load(stage, tid, s);
+    __syncthreads();
+    cuda::tile::accumulate(s, tid, acc);
+  }
+  tile.store(tid, acc, int(blockIdx.z));
+}
+
+__global__ void filter_total_kernel(int64_t total, int k, int cols, int slices, const float* partial, float* dw,
+                                    float* db) {
+  DP_GRID_STRIDE(e, total) { cuda::tile::filter_total(e, k, cols, slices, partial, dw, db); }
+}
+
+unsigned tiles(int64_t n) { return unsigned((n + cuda::tile::kM - 1) / cuda::tile::kM); }
+
+}  // namespace
+
+// Read once per process: anything but "implicit" or "library" (the default) is refused, naming both.
+bool CudaOps::implicit_wanted() {
+  static const bool wanted = [] {
+    const char* v = std::getenv("DP_CUDA_CONV");
+    if (!v || !*v || std::strcmp(v, "library") == 0) return false;
+    if (std::strcmp(v, "implicit") == 0) return true;
+    throw UsageError(std::string("DP_CUDA_CONV: '") + v +
+                     "' is not a convolution path; use library (cuDNN's forward, im2col and cuBLAS for dw) or "
+                     "implicit (dp's implicit GEMMs), or unset it");
+  }();
+  return wanted;
+}
+
+bool CudaOps::implicit(const ConvShape& s) {
+  const int64_t rows = int64_t(s.n) * s.out_h() * s.out_w();
+  return implicit_wanted() && int64_t(s.k) * rows < INT32_MAX && int64_t(s.n) * s.c * s.h * s.w < INT32_MAX &&
+         int64_t(s.k) * (s.col_rows() + 1) < INT32_MAX && tiles(rows) < INT32_MAX && tiles(s.k) <= 65535;
+}
+
+int CudaOps::implicit_slices(const ConvShape& s) {
+  const int64_t rows = int64_t(s.n) * s.out_h() * s.out_w();  // about 512 rows (32 stages) a slice
+  return int(std::clamp<int64_t>(rows / 512, 1, kImplicitSlices));
+}
+
+size_t CudaOps::implicit_partial_floats(const ConvShape& s) {
+  return size_t(implicit_slices(s)) * size_t(s.k) * size_t(s.col_rows() + 1);
+}
+
+void CudaOps::implicit_forward(const ConvShape& s, const float* x, const float* w, float* y) {
+  const cuda::tile::Forward tile{cuda::tile::Gather::of(s, x), w, y};
+  const dim3 grid(tiles(int64_t(s.n) * s.out_h() * s.out_w()), tiles(s.k));
+  tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
+  DP_CUDA_LAUNCH_CHECK("tile_kernel<Forward>");
+}
+
+void CudaOps::implicit_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
+                                   float* workspace) {
+  const int slices = implicit_slices(s), cols = int(s.col_rows()) + 1;
+  const cuda::tile::FilterGrad tile{cuda::tile::Gather::of(s, x), dy, rows, slices, workspace};
+  const dim3 grid(tiles(cols), tiles(s.k), unsigned(slices));
+  tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
+  DP_CUDA_LAUNCH_CHECK("tile_kernel<FilterGrad>");
+  const int64_t total = int64_t(s.k) * cols;
+  filter_total_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, s.k, cols, slices, workspace, dw,
+                                                                               db);
+  DP_CUDA_LAUNCH_CHECK("filter_total_kernel");
+}
+
+}  // namespace dp

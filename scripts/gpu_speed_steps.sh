@@ -1,0 +1,193 @@
+# Sourced by scripts/gpu_check.sh beside gpu_steps.sh (which says how a step is written): the steps that
+# measure speed, paired runs of dp_train and ncu's kernel times.
+# shellcheck shell=bash
+# shellcheck disable=SC2154  # the variables are gpu_check.sh's
+
+# Three alternated rounds of dp_train --gpus 0, with flags $2 and without them (or with $3), the
+# environment's VAR=value words $4 and $5 likewise: each run's log and report as
+# $out/$1-{on,off}-{1,2,3}.{jsonl,json}.
+alternate() {
+  local name=$1 on=$2 off=${3:-} steps=2000 sizes=(--limit-test 1000) rc=0 round mode flags vars
+  [ $dry = 1 ] && steps=20 sizes=(--limit-train 4096 --limit-test 256)
+  for round in 1 2 3; do
+    for mode in on off; do
+      flags=$on vars=${4:-}
+      [ $mode = off ] && flags=$off vars=${5:-}
+      # shellcheck disable=SC2086  # flags and vars are words
+      run "${dp_env[@]}" $vars "$build/dp_train" --backend $backend --gpus 0 --data "$data" --steps $steps "${sizes[@]}" \
+        $flags --quiet --log-every $steps --log "$out/$name-$mode-$round.jsonl" --report "$out/$name-$mode-$round.json" ||
+        rc=$?
+    done
+  done
+  return $rc
+}
+# What alternate's runs $1 measured, "on" named $2 and "off" $3: images/s of the last step record (paired
+# median of the three rounds), device 0's load phase, the host's time a step (its thread enqueueing the
+# step, waiting for the GPU, and the trainer's between two steps: what a graph and a loss read a step
+# late would take), the graph launches (--graphs) and the test accuracy.
+paired() {
+  "$py" - "$out" "$@" << 'EOF'
+import json, statistics, sys
+out, name, on_name, off_name = sys.argv[1:5]
+def run(mode, r):
+    recs = [json.loads(l) for l in open(f"{out}/{name}-{mode}-{r}.jsonl")]
+    s = [x for x in recs if x["kind"] == "step"][-1]
+    report = json.load(open(f"{out}/{name}-{mode}-{r}.json"))
+    h = s["host_ms"]
+    return (s["images_per_second"], s["phase_ms"]["device0"]["load"],
+            report.get("graphs", {}).get("launches", 0), report["test_accuracy"],
+            1e3 * h["enqueue"], 1e3 * h["wait"], 1e3 * h["between"])
+try:
+    on, off = ([run(m, r) for r in (1, 2, 3)] for m in ("on", "off"))
+except (OSError, ValueError, KeyError, IndexError):
+    sys.exit()
+ratio = statistics.median(a[0] / b[0] for a, b in zip(on, off))
+med = lambda v, i: statistics.median(x[i] for x in v)
+print(f"img/s {on_name} {med(on, 0):.0f} / {off_name} {med(off, 0):.0f} (paired median {ratio:.3f}x); "
+      f"load {med(on, 1):.4f} / {med(off, 1):.4f} ms a step; host us a step: enqueue {med(on, 4):.0f} / "
+      f"{med(off, 4):.0f}, wait {med(on, 5):.0f} / {med(off, 5):.0f}, between steps {med(on, 6):.0f} / "
+      f"{med(off, 6):.0f}; {on[0][2]} graph launches; test acc {on[0][3]:.4f} / {off[0][3]:.4f}")
+EOF
+}
+
+# The copy stream's gain: prefetch (the default) against --no-prefetch
+s_prefetch() {
+  need dp_train || return $?
+  alternate prefetch "" --no-prefetch
+  local rc=$?
+  KEY=$(paired prefetch prefetch --no-prefetch)
+  [ -n "$KEY" ] || BAD="the runs' logs give no images/s and load phase"
+  return $rc
+}
+
+# --graphs against eager steps; a run that launched no graph fails the step
+s_graphs() {
+  need dp_train || return $?
+  alternate graphs --graphs
+  local rc=$?
+  KEY=$(paired graphs --graphs eager)
+  [ -n "$KEY" ] || BAD="the runs' logs and reports give no images/s and launches"
+  case "$KEY" in *"; 0 graph launches"*) BAD="--graphs launched no graph" ;; esac
+  backend_is "$out/graphs-on-1.json"
+  # AdamW under a cosine schedule: the optimizer's scalars are read from device memory at each launch,
+  # so two captures (one per upload slot) serve every step after the first, and the weights are the
+  # eager reference's (--verify)
+  run "${dp_env[@]}" "$build/dp_train" --backend $backend --gpus 0 --data "$data" --steps 16 --limit-test 256 \
+    --graphs --verify --optimizer adamw --lr-schedule cosine --report "$out/graphs-adamw.json" || rc=$?
+  local captures
+  captures=$(json "$out/graphs-adamw.json" 'j["graphs"]["captures"]')
+  [ "$captures" = 2 ] || BAD="--graphs with AdamW and a cosine schedule: ${captures:-no} captures, not 2"
+  KEY="$KEY; adamw cosine: ${captures:-?} captures"
+  return $rc
+}
+
+# A step started before the loss of the one before is read (--run-ahead, dp_train's default on CUDA)
+# against each loss read at once (--no-run-ahead), with --graphs and eager: three alternated rounds of
+# each pair without --log (which times the phases, a wait every step, and so turns run-ahead off),
+# the reports' images/s (paired medians); the first round's checkpoints must hold the same tensors,
+# bit for bit, and the run-ahead runs must have started steps ahead
+s_run_ahead() {
+  need dp_train || return $?
+  local steps=2000 sizes=(--limit-test 1000) rc=0 round mode flags
+  [ $dry = 1 ] && steps=20 sizes=(--limit-train 4096 --limit-test 256)
+  for round in 1 2 3; do
+    for mode in graphs-on graphs-off eager-on eager-off; do
+      flags="--no-run-ahead"
+      [[ $mode == *-on ]] && flags="--run-ahead"
+      [[ $mode == graphs-* ]] && flags="$flags --graphs"
+      [ $round = 1 ] && flags="$flags --save $out/run-ahead-$mode.st"
+      # shellcheck disable=SC2086  # flags are words
+      run "${dp_env[@]}" "$build/dp_train" --backend $backend --gpus 0 --data "$data" --steps $steps "${sizes[@]}" \
+        $flags --quiet --report "$out/run-ahead-$mode-$round.json" || rc=$?
+    done
+  done
+  KEY=$("$py" - "$out" << 'EOF2'
+import json, statistics, struct, sys
+out = sys.argv[1]
+def runs(mode):
+    return [json.load(open(f"{out}/run-ahead-{mode}-{r}.json")) for r in (1, 2, 3)]
+def tensors(mode):  # a safetensors file's data, after its header (whose metadata names the command)
+    b = open(f"{out}/run-ahead-{mode}.st", "rb").read()
+    return b[8 + struct.unpack("<Q", b[:8])[0]:]
+try:
+    parts = []
+    for kind in ("graphs", "eager"):
+        on, off = runs(kind + "-on"), runs(kind + "-off")
+        if not all(j["config"]["run_ahead"] for j in on) or any(j["config"]["run_ahead"] for j in off):
+            sys.exit()
+        ahead = min(j["run_ahead"]["steps_started_ahead"] for j in on)
+        ratio = statistics.median(a["images_per_second"] / b["images_per_second"] for a, b in zip(on, off))
+        med = lambda v: statistics.median(j["images_per_second"] for j in v)
+        same = "same" if tensors(kind + "-on") == tensors(kind + "-off") else "DIFFERENT"
+        parts.append(f"{kind}: img/s run-ahead {med(on):.0f} / each loss at once {med(off):.0f} "
+                     f"(paired median {ratio:.3f}x), {ahead} steps started ahead, weights {same}")
+    print("; ".join(parts))
+except (OSError, ValueError, KeyError, IndexError):
+    pass
+EOF2
+)
+  [ -n "$KEY" ] || BAD="the runs' reports give no images/s, or run_ahead is not as asked"
+  case "$KEY" in *DIFFERENT*) BAD="run-ahead changed the weights" ;; *" 0 steps started ahead"*) BAD="no step ran ahead" ;; esac
+  backend_is "$out/run-ahead-graphs-on-1.json"
+  return $rc
+}
+
+ncu_path() { command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1; }
+# ncu ($1) times every kernel of a 10-step and a 30-step run; the difference over 20 is one step, in
+# $out/kernels$2.json ($2: "" or a name's suffix; $3: the environment's VAR=value words)
+kernel_times() {
+  local steps rc=0
+  for steps in 10 30; do
+    # shellcheck disable=SC2086  # $3 is words
+    run "${dp_env[@]}" $3 "$1" --clock-control none --metrics gpu__time_duration.sum --print-units base --csv \
+      --log-file "$out/ncu$2-$steps.csv" "$build/dp_train" --backend cuda --gpus 0 --data "$data" --steps $steps \
+      --limit-test 256 --quiet || rc=$?
+  done
+  "$py" "$here/scripts/kernel_times.py" "$out/ncu$2-10.csv" "$out/ncu$2-30.csv" --steps 20 --json "$out/kernels$2.json"
+  return $rc
+}
+s_profile() {
+  need dp_train || return $?
+  local ncu rc=0
+  ncu=$(ncu_path)
+  if [ $dry = 1 ] || [ -z "$ncu" ]; then
+    SKIP="not run: $([ $dry = 1 ] && echo "cpu dry run" || echo "no ncu (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute)")"
+    echo "$SKIP"
+    return 0
+  fi
+  kernel_times "$ncu" "" "" || rc=$?
+  KEY=$(json "$out/kernels.json" '"%.1f us of kernels a step, %d launches; the longest: %s %.1f us" % (j["total_us"], j["launches"], j["kernels"][0]["name"][:40], j["kernels"][0]["us"])')
+  [ -n "$KEY" ] || BAD="no kernel times read from ncu's output"
+  return $rc
+}
+
+# dp's implicit-GEMM convolutions (DP_CUDA_CONV=implicit: lenet's conv2 forward, dw and db without
+# cuDNN, im2col or cuBLAS; compiled, not yet run on a GPU) against the library path (the default): the
+# "cuda: ops:" cases and the plans' choices under it (memcheck over the convolution cases where
+# compute-sanitizer is), the step's kernels under ncu, and --graphs runs each way, 3 alternated rounds:
+# images/s (paired median) and test accuracy. Fails where a case fails or no plan took the path.
+s_implicit() {
+  need dp_tests || return $?
+  need dp_train || return $?
+  local rc=0 cs ncu cases='cuda: ops: *,cuda: cuDNN runs every model*' want=implicit
+  [ $dry = 1 ] && cases='ops: conv2d*' want=library  # the CPU build has no such path: the script's logic alone
+  run "${dp_env[@]}" DP_CUDA_CONV=$want "$build/dp_tests" "--test-case=$cases" || rc=$?
+  KEY="cases: $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
+  cs=$(sanitizer_path) ncu=$(ncu_path)
+  if [ $dry = 0 ] && [ -n "$cs" ]; then
+    run "${dp_env[@]}" DP_CUDA_CONV=implicit "$cs" --tool memcheck --error-exitcode 99 "$build/dp_tests" \
+      "--test-case=cuda: ops: conv2d*" || rc=$?
+    KEY="$KEY; memcheck: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
+  fi
+  if [ $dry = 0 ] && [ -n "$ncu" ]; then
+    kernel_times "$ncu" -implicit DP_CUDA_CONV=implicit || rc=$?
+    KEY="$KEY; $(json "$out/kernels-implicit.json" '"%.1f us of kernels a step, %d launches" % (j["total_us"], j["launches"])')"
+  fi
+  alternate implicit --graphs --graphs "DP_CUDA_CONV=$want" DP_CUDA_CONV=library || rc=$?
+  local speed
+  speed=$(paired implicit "$want" library)
+  [ -n "$speed" ] || BAD="${BAD:+$BAD; }the runs' logs give no images/s"
+  KEY="$KEY; $speed"
+  backend_is "$out/implicit-on-1.json"
+  return $rc
+}

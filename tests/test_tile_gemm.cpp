@@ -1,0 +1,149 @@
+// The implicit-GEMM convolution's tiles (kernels/cuda/tile_gemm.h), run on the host: each block's
+// phases one thread after another (setup; per stage the loads of all 256 threads, then their
+// accumulates; the stores), as conv_implicit.cu's kernel runs them between __syncthreads, against
+// convolutions worked out in double. Shared memory starts each block as NaN, so a read of anything a
+// phase did not write shows. The header is plain C++ outside nvcc and Divider's host arithmetic is
+// the device's (tests/test_divider.cpp), so this checks the index arithmetic a GPU would run; the
+// kernels themselves are the `cuda: ops:` cases' under DP_CUDA_CONV=implicit.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/tile_gemm.h"
+#include "tests/tolerance.h"
+#include "tests/util.h"
+
+namespace dp::test {
+namespace {
+
+namespace tile = cuda::tile;
+using Vec = std::vector<float>;
+using DVec = std::vector<double>;
+
+// Every block of a (gx, gy, gz) grid, as the kernel runs it.
+template <class Tile>
+void run_grid(const Tile& tile, int gx, int gy, int gz) {
+  auto s = std::make_unique<tile::Smem>();
+  std::vector<tile::Acc> acc(tile::kThreads);
+  for (int bz = 0; bz < gz; ++bz)
+    for (int by = 0; by < gy; ++by)
+      for (int bx = 0; bx < gx; ++bx) {
+        for (auto& row : s->a) std::fill(std::begin(row), std::end(row), std::numeric_limits<float>::quiet_NaN());
+        for (auto& row : s->b) std::fill(std::begin(row), std::end(row), std::numeric_limits<float>::quiet_NaN());
+        std::fill(std::begin(s->one), std::end(s->one), std::numeric_limits<float>::quiet_NaN());
+        Tile t = tile;
+        t.place(bx, by, bz);
+        for (int tid = 0; tid < tile::kThreads; ++tid) t.setup(tid, *s);
+        for (tile::Acc& a : acc) a = tile::Acc{};
+        for (int stage = 0; stage < t.stages(); ++stage) {
+          for (int tid = 0; tid < tile::kThreads; ++tid) t.load(stage, tid, *s);
+          for (int tid = 0; tid < tile::kThreads; ++tid) tile::accumulate(*s, tid, acc[size_t(tid)]);
+        }
+        for (int tid = 0; tid < tile::kThreads; ++tid) t.store(tid, acc[size_t(tid)], bz);
+      }
+}
+
+int tiles(int64_t n) { return int((n + tile::kM - 1) / tile::kM); }
+
+std::string describe(const ConvShape& s) {
+  return "N " + std::to_string(s.n) + ", C " + std::to_string(s.c) + ", " + std::to_string(s.h) + "x" +
+         std::to_string(s.w) + ", K " + std::to_string(s.k) + ", " + std::to_string(s.kh) + "x" + std::to_string(s.kw) +
+         ", pad " + std::to_string(s.pad);
+}
+
+// y, dw, db in double, and each one's sum of |terms| (the bound's scale).
+struct Exact {
+  DVec y, y_abs, dw, dw_abs, db, db_abs;
+};
+Exact exact(const ConvShape& s, const Vec& x, const Vec& w, const Vec& dy) {
+  const int oh = s.out_h(), ow = s.out_w(), p = oh * ow, crs = int(s.col_rows());
+  Exact e;
+  e.y.assign(size_t(s.n) * s.k * p, 0.0), e.y_abs = e.y;
+  e.dw.assign(w.size(), 0.0), e.dw_abs = e.dw, e.db.assign(size_t(s.k), 0.0), e.db_abs = e.db;
+  for (int n = 0; n < s.n; ++n)
+    for (int k = 0; k < s.k; ++k)
+      for (int q = 0; q < p; ++q) {
+        const size_t out = size_t((n * s.k + k) * p + q);
+        const double d = dy[out];
+        e.db[size_t(k)] += d, e.db_abs[size_t(k)] += std::fabs(d);
+        for (int t = 0; t < crs; ++t) {
+          const int c = t / (s.kh * s.kw), u = t / s.kw % s.kh, v = t % s.kw;
+          const int yy = q / ow + u - s.pad, xx = q % ow + v - s.pad;
+          if (yy < 0 || yy >= s.h || xx < 0 || xx >= s.w) continue;
+          const double xv = x[size_t(((n * s.c + c) * s.h + yy) * s.w + xx)], wv = w[size_t(k * crs + t)];
+          e.y[out] += wv * xv, e.y_abs[out] += std::fabs(wv * xv);
+          e.dw[size_t(k * crs + t)] += d * xv, e.dw_abs[size_t(k * crs + t)] += std::fabs(d * xv);
+        }
+      }
+  return e;
+}
+
+// dy as the fused op hands it over: its rows (K, N P).
+Vec as_rows(const ConvShape& s, const Vec& dy) {
+  const int p = s.out_h() * s.out_w(), r = s.n * p;
+  Vec rows(dy.size());
+  for (int n = 0; n < s.n; ++n)
+    for (int k = 0; k < s.k; ++k)
+      for (int q = 0; q < p; ++q) rows[size_t(k * r + n * p + q)] = dy[size_t((n * s.k + k) * p + q)];
+  return rows;
+}
+
+void check_tiles(const ConvShape& s, int slices, uint32_t seed) {
+  INFO(describe(s) << ", " << slices << " slices");
+  const int p = s.out_h() * s.out_w(), rows = s.n * p, crs = int(s.col_rows());
+  const Vec x = random_floats(size_t(s.n) * s.c * s.h * s.w, seed, -1, 1);
+  const Vec w = random_floats(size_t(s.k) * crs, seed + 1, -1, 1);
+  const Vec dy = random_floats(size_t(s.k) * rows, seed + 2, -1, 1);
+  const Exact e = exact(s, x, w, dy);
+  const tile::Gather g = tile::Gather::of(s, x.data());
+
+  Vec y(e.y.size(), std::numeric_limits<float>::quiet_NaN());
+  run_grid(tile::Forward{g, w.data(), y.data()}, tiles(rows), tiles(s.k), 1);
+  check_close("y", y, e.y, gamma_bound(crs, e.y_abs));  // one FMA chain over the taps
+
+  for (bool dy_rows : {false, true}) {
+    INFO((dy_rows ? "dy as rows" : "dy as (N, K, OH, OW)"));
+    const Vec d = dy_rows ? as_rows(s, dy) : dy;
+    Vec partial(size_t(slices) * s.k * (crs + 1), std::numeric_limits<float>::quiet_NaN());
+    run_grid(tile::FilterGrad{g, d.data(), dy_rows, slices, partial.data()}, tiles(crs + 1), tiles(s.k), slices);
+    Vec dw(w.size(), std::numeric_limits<float>::quiet_NaN()), db(size_t(s.k), std::numeric_limits<float>::quiet_NaN());
+    for (int64_t i = 0; i < int64_t(s.k) * (crs + 1); ++i)
+      tile::filter_total(i, s.k, crs + 1, slices, partial.data(), dw.data(), db.data());
+    const double chain = double(rows) / slices + 1 + slices;  // a slice's FMA chain, then the slices
+    check_close("dw", dw, e.dw, gamma_bound(chain, e.dw_abs));
+    check_close("db", db, e.db, gamma_bound(chain, e.db_abs));
+  }
+}
+
+TEST_CASE("tile_gemm: the implicit-GEMM convolution's tiles on the host, against convolutions in double") {
+  // LeNet's conv2 and LeNet-5's (the shapes the implicit path is for), 1053 rows in 5 slices.
+  check_tiles({.n = 5, .c = 20, .h = 13, .w = 13, .k = 50, .kh = 5, .kw = 5}, 1, 1);
+  check_tiles({.n = 13, .c = 20, .h = 13, .w = 13, .k = 50, .kh = 5, .kw = 5}, 5, 11);
+  check_tiles({.n = 7, .c = 6, .h = 14, .w = 14, .k = 16, .kh = 5, .kw = 5}, 3, 21);
+  // Tile edges: more channels than a row tile (two of them), C KH KW + 1 = 65 (db alone in a second
+  // column tile), 64 taps and 64 rows exactly, padding, non-square kernels, a 1x1 output.
+  check_tiles({.n = 2, .c = 3, .h = 6, .w = 6, .k = 70, .kh = 3, .kw = 3, .pad = 1}, 2, 31);
+  check_tiles({.n = 3, .c = 4, .h = 7, .w = 7, .k = 9, .kh = 4, .kw = 4}, 4, 41);
+  check_tiles({.n = 4, .c = 1, .h = 4, .w = 4, .k = 64, .kh = 1, .kw = 1}, 1, 51);
+  check_tiles({.n = 3, .c = 2, .h = 9, .w = 7, .k = 5, .kh = 3, .kw = 2, .pad = 1}, 7, 61);
+  check_tiles({.n = 1, .c = 3, .h = 5, .w = 5, .k = 1, .kh = 5, .kw = 5}, 1, 71);
+  check_tiles({.n = 3, .c = 5, .h = 3, .w = 3, .k = 9, .kh = 3, .kw = 3, .pad = 3}, 2, 81);
+  std::mt19937_64 gen(5);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
+  for (uint32_t trial = 0; trial < 12; ++trial) {
+    const int kh = pick(1, 5), kw = pick(1, 5), pad = pick(0, 2);
+    const int h = std::max(kh - 2 * pad, 1) + pick(0, 9), w = std::max(kw - 2 * pad, 1) + pick(0, 9);
+    const ConvShape s{
+        .n = pick(1, 9), .c = pick(1, 9), .h = h, .w = w, .k = pick(1, 80), .kh = kh, .kw = kw, .pad = pad};
+    check_tiles(s, pick(1, std::min(9, s.n * s.out_h() * s.out_w())), 100 + 10 * trial);
+  }
+}
+
+}  // namespace
+}  // namespace dp::test
