@@ -1,10 +1,11 @@
 // The implicit-GEMM convolution's tiles (kernels/cuda/tile_gemm.h), run on the host: each block's
-// phases one thread after another (setup; per stage the loads of all 256 threads, then their
-// accumulates; the stores), as conv_implicit.cu's kernel runs them between __syncthreads, against
-// convolutions worked out in double. Shared memory starts each block as NaN, so a read of anything a
-// phase did not write shows. The header is plain C++ outside nvcc and Divider's host arithmetic is
-// the device's (tests/test_divider.cpp), so this checks the index arithmetic a GPU would run; the
-// kernels themselves are the `cuda: ops:` cases' under DP_CUDA_CONV=implicit.
+// phases one thread after another (setup; the first stage's fetches; per stage the puts of all 256
+// threads, the next stage's fetches, their accumulates; the stores), as conv_implicit.cu's kernel runs
+// them between __syncthreads, against convolutions worked out in double. Shared memory starts each
+// block as NaN, so a read of anything a phase did not write shows. The header is plain C++ outside
+// nvcc and Divider's host arithmetic is the device's (tests/test_divider.cpp), so this checks the index
+// arithmetic a GPU would run; the kernels themselves are the `cuda: ops:` cases' under
+// DP_CUDA_CONV=implicit.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@ template <class Tile>
 void run_grid(const Tile& tile, int gx, int gy, int gz) {
   auto s = std::make_unique<tile::Smem>();
   std::vector<tile::Acc> acc(tile::kThreads);
+  std::vector<tile::Staged> next(tile::kThreads);
   for (int bz = 0; bz < gz; ++bz)
     for (int by = 0; by < gy; ++by)
       for (int bx = 0; bx < gx; ++bx) {
@@ -41,8 +43,11 @@ void run_grid(const Tile& tile, int gx, int gy, int gz) {
         t.place(bx, by, bz);
         for (int tid = 0; tid < tile::kThreads; ++tid) t.setup(tid, *s);
         for (tile::Acc& a : acc) a = tile::Acc{};
+        for (int tid = 0; tid < tile::kThreads && t.stages() > 0; ++tid) t.fetch(0, tid, *s, next[size_t(tid)]);
         for (int stage = 0; stage < t.stages(); ++stage) {
-          for (int tid = 0; tid < tile::kThreads; ++tid) t.load(stage, tid, *s);
+          for (int tid = 0; tid < tile::kThreads; ++tid) tile::put(tid, next[size_t(tid)], *s);
+          for (int tid = 0; tid < tile::kThreads && stage + 1 < t.stages(); ++tid)
+            t.fetch(stage + 1, tid, *s, next[size_t(tid)]);
           for (int tid = 0; tid < tile::kThreads; ++tid) tile::accumulate(*s, tid, acc[size_t(tid)]);
         }
         for (int tid = 0; tid < tile::kThreads; ++tid) t.store(tid, acc[size_t(tid)], bz);

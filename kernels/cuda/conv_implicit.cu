@@ -21,12 +21,16 @@ __global__ void __launch_bounds__(cuda::tile::kThreads) tile_kernel(Tile tile) {
   tile.place(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z));
   tile.setup(tid, s);
   cuda::tile::Acc acc{};
+  cuda::tile::Staged next;
   const int stages = tile.stages();
+  __syncthreads();  // the setup's coordinates, which every fetch reads
+  if (stages > 0) tile.fetch(0, tid, s, next);
   for (int stage = 0; stage < stages; ++stage) {
-    __syncthreads();  // the setup's coordinates written, the last stage's tiles read
-    tile.load(stage, tid, s);
+    cuda::tile::put(tid, next, s);
     __syncthreads();
+    if (stage + 1 < stages) tile.fetch(stage + 1, tid, s, next);  // in flight during the accumulate
     cuda::tile::accumulate(s, tid, acc);
+    __syncthreads();  // every thread done reading the stage before the next put
   }
   tile.store(tid, acc, int(blockIdx.z));
 }

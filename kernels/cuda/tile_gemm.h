@@ -9,10 +9,12 @@
 // back in a split-K cuBLAS GEMM (38 + 8 us); cuDNN's forward took 60 us for the same 0.5 G
 // multiply-adds.
 //
-// Plain C++ outside nvcc: a block's work is written as phases over its threads (setup, then per
-// stage of kK reductions a load and an accumulate, then a store), which the kernel runs with
-// __syncthreads between them and tests/test_tile_gemm.cpp runs on the host thread by thread, phase
-// by phase, against the reference convolution: the host checks the index arithmetic the GPU runs.
+// Plain C++ outside nvcc: a block's work is written as phases over its threads (setup; a fetch of
+// the first stage of kK reductions into registers; per stage a put of them into shared memory, the
+// next stage's fetch, whose loads are in flight while the accumulate that follows runs; a store),
+// which the kernel runs with __syncthreads between them and tests/test_tile_gemm.cpp runs on the host
+// thread by thread, phase by phase, against convolutions in double: the host checks the index
+// arithmetic the GPU runs.
 //
 // Sums: every output is one FMA chain over the reduction in order, from 0 (the forward pass's bias is
 // added after, as on the other paths); the filter gradient's slices are then added in slice order.
@@ -40,6 +42,16 @@ struct Smem {
   int base[kN], top[kN], left[kN];
   float one[kN];
 };
+
+// A stage's values that thread tid fetched, at reduction kk = tid % kK: the left factor's at rows
+// m = tid / kK + 16 r, the right one's at columns n likewise (r < 4). `put` stores them.
+struct Staged {
+  float a[4], b[4];
+};
+DP_HD void put(int tid, const Staged& v, Smem& s) {
+  const int kk = tid % kK;
+  for (int r = 0; r < 4; ++r) s.a[kk][tid / kK + 16 * r] = v.a[r], s.b[kk][tid / kK + 16 * r] = v.b[r];
+}
 
 // Thread tid's 4 x 4 outputs: rows m0 + i, columns n0 + j.
 struct Acc {
@@ -119,15 +131,15 @@ struct Forward {
   DP_HD void setup(int tid, Smem& s) const {
     if (tid < kN) g.pixel(j0 + tid, rows(), s.base[tid], s.top[tid], s.left[tid]);
   }
-  // Thread tid loads tap t = 16 stage + tid % 16: w's for four channels, x's for four pixels.
-  DP_HD void load(int stage, int tid, Smem& s) const {
-    const int kk = tid % kK, t = stage * kK + kk, crs = taps();
-    int offset = 0, u = 0, v = 0;
-    g.tap(t, offset, u, v);
+  // Thread tid fetches tap t = 16 stage + tid % 16: w's for four channels, x's for four pixels.
+  DP_HD void fetch(int stage, int tid, const Smem& s, Staged& v) const {
+    const int t = stage * kK + tid % kK, crs = taps();
+    int offset = 0, u = 0, vv = 0;
+    g.tap(t, offset, u, vv);
     for (int r = 0; r < 4; ++r) {
       const int e = tid / kK + 16 * r, k = k0 + e;
-      s.a[kk][e] = k < g.s.k && t < crs ? w[k * crs + t] : 0.0f;
-      s.b[kk][e] = g.at(s.base[e], s.top[e], s.left[e], offset, u, v);
+      v.a[r] = k < g.s.k && t < crs ? w[k * crs + t] : 0.0f;
+      v.b[r] = g.at(s.base[e], s.top[e], s.left[e], offset, u, vv);
     }
   }
   DP_HD void store(int tid, const Acc& acc, int /*slice*/) const {
@@ -168,9 +180,9 @@ struct FilterGrad {
     g.tap(t, s.base[tid], s.top[tid], s.left[tid]);  // offset, u, v
     s.one[tid] = t == columns() - 1 ? 1.0f : 0.0f;
   }
-  // Thread tid loads row j = begin + 16 stage + tid % 16: dy's for four channels, X's for four taps.
-  DP_HD void load(int stage, int tid, Smem& s) const {
-    const int kk = tid % kK, j = begin + stage * kK + kk, p = g.pixels.divisor();
+  // Thread tid fetches row j = begin + 16 stage + tid % 16: dy's for four channels, X's for four taps.
+  DP_HD void fetch(int stage, int tid, const Smem& s, Staged& v) const {
+    const int j = begin + stage * kK + tid % kK, p = g.pixels.divisor();
     int base = 0, top = kNowhere, left = kNowhere, img = 0, q = 0;
     if (j < end) {
       g.pixel(j, rows(), base, top, left);
@@ -178,9 +190,9 @@ struct FilterGrad {
     }
     for (int r = 0; r < 4; ++r) {
       const int e = tid / kK + 16 * r, k = k0 + e;
-      s.a[kk][e] = j < end && k < g.s.k ? dy[dy_rows ? k * rows() + j : (img * g.s.k + k) * p + q] : 0.0f;
+      v.a[r] = j < end && k < g.s.k ? dy[dy_rows ? k * rows() + j : (img * g.s.k + k) * p + q] : 0.0f;
       const float tap = g.at(base, top, left, s.base[e], s.top[e], s.left[e]);
-      s.b[kk][e] = j < end ? (s.one[e] != 0.0f ? 1.0f : tap) : 0.0f;
+      v.b[r] = j < end ? (s.one[e] != 0.0f ? 1.0f : tap) : 0.0f;
     }
   }
   DP_HD void store(int tid, const Acc& acc, int slice) const {
