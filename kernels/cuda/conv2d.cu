@@ -2,8 +2,8 @@
 // forward pass on cuDNN; the backward pass dp's own, im2col and cuBLAS GEMMs (conv_backward says
 // why); the bias and its gradient small kernels here (conv_act_pool.cu folds the bias, the activation
 // and the pooling into one kernel each way for the fused op). Shapes of few taps (C KH KW, LeNet's
-// first layer) run forward and their dw and db on conv_direct.cu's kernels instead. Twin of
-// kernels/cpu/conv2d.cpp.
+// first layer) run forward and their dw and db on conv_direct.cu's kernels instead, and under
+// DP_CUDA_CONV=implicit the others on conv_implicit.cu's implicit GEMMs. Twin of kernels/cpu/conv2d.cpp.
 //
 // cuDNN 9 still ships the legacy convolution API (cudnn_cnn.h: cudnnConvolutionForward, the *_v7
 // heuristics), marked deprecated but only warned about under CUDNN_WARN_DEPRECATED; it is the short
@@ -387,7 +387,7 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
   }
   const ConvPlan& p = plan(s);
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
-  // db (and with a direct plan dw) through partials at the start of the workspace, which the rest
+  // db (and with a direct or implicit plan dw) through partials at the start of the workspace, which the rest
   // overwrites only after, in stream order
   if (p.direct || p.implicit) {  // dw and db at once (conv_direct.cu, conv_implicit.cu), then only dx below
     if (p.direct)

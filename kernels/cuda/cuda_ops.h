@@ -143,12 +143,12 @@ class CudaOps final : public Ops {
   // (conv_implicit.cu, kernels/cuda/tile_gemm.h), dw and db through implicit_slices partials:
   // compiled, not yet run on a GPU, so not the default until one has measured it.
  public:
-  static constexpr int kImplicitSlices = 64;
   static bool implicit_wanted();
-  static bool implicit(const ConvShape& s);
-  static int implicit_slices(const ConvShape& s);
 
  private:
+  static constexpr int kImplicitSlices = 64;
+  static bool implicit(const ConvShape& s);
+  static int implicit_slices(const ConvShape& s);
   static size_t implicit_partial_floats(const ConvShape& s);
   void implicit_forward(const ConvShape& s, const float* x, const float* w, float* y);
   void implicit_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
