@@ -21,9 +21,9 @@
 #   profile   the GPU's time per kernel in one training step: ncu (--clock-control none) times every
 #             kernel of a 10-step and a 30-step run; their difference over 20 is one step, without the
 #             start, cuDNN's planning and the evaluation
-#   implicit  DP_CUDA_CONV=implicit (dp's implicit-GEMM convolutions, not the default): the "cuda: ops:"
-#             cases and the plans' choices under it, memcheck over the convolution cases, its step's
-#             kernels under ncu, and --graphs runs against the library path, 3 alternated rounds
+#   implicit  DP_CUDA_CONV=implicit (dp's implicit-GEMM convolutions, not the default): the convolution,
+#             graph and CPU-matching cases and the plans' choices under it, its step's kernels under
+#             ncu, and --graphs runs against the library path, 3 alternated rounds
 #   torch     PyTorch training the same LeNet at the same batch and epochs on the same GPU: eager, then
 #             torch.compile(mode="reduce-overhead") (CUDA graphs; compile time apart)
 #   verify-scatter, verify-allreduce
@@ -48,7 +48,7 @@
 #   readme    the README check (every build/dp_* line of README.md and docs/*.md at small sizes); its
 #             commands name two GPUs, so on one it is skipped (counted as such, never as passed)
 #   sanitize  compute-sanitizer memcheck over the "cuda: ops:" cases, synccheck over those and the
-#             "cuda:" cases of the step graphs
+#             "cuda:" cases of the step graphs, memcheck over the convolution cases under DP_CUDA_CONV=implicit
 # A step whose dp_train/dp_bench prints a "warning:" (a cuDNN fallback, say) fails, as does one whose
 # key number cannot be read from its own output.
 # NCCL across processes on distinct GPUs (mpirun -np 2 dp_train --gpus ...) needs two GPUs: no step

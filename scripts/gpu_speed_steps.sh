@@ -163,22 +163,18 @@ s_profile() {
 
 # dp's implicit-GEMM convolutions (DP_CUDA_CONV=implicit: lenet's conv2 forward, dw and db without
 # cuDNN, im2col or cuBLAS; compiled, not yet run on a GPU) against the library path (the default): the
-# "cuda: ops:" cases and the plans' choices under it (memcheck over the convolution cases where
-# compute-sanitizer is), the step's kernels under ncu, and --graphs runs each way, 3 alternated rounds:
-# images/s (paired median) and test accuracy. Fails where a case fails or no plan took the path.
+# convolution, graph and three-steps-against-the-CPU cases and the plans' choices under it, the step's
+# kernels under ncu, and --graphs runs each way, 3 alternated rounds: images/s (paired median) and test
+# accuracy. Fails where a case fails or no plan took the path. (The sanitize step runs memcheck under it.)
 s_implicit() {
   need dp_tests || return $?
   need dp_train || return $?
-  local rc=0 cs ncu cases='cuda: ops: *,cuda: cuDNN runs every model*' want=implicit
+  local rc=0 ncu want=implicit
+  local cases='cuda: ops: conv2d*,cuda: cuDNN runs every model*,cuda: graphs: *,cuda: three LeNet steps*'
   [ $dry = 1 ] && cases='ops: conv2d*' want=library  # the CPU build has no such path: the script's logic alone
   run "${dp_env[@]}" DP_CUDA_CONV=$want "$build/dp_tests" "--test-case=$cases" || rc=$?
   KEY="cases: $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
-  cs=$(sanitizer_path) ncu=$(ncu_path)
-  if [ $dry = 0 ] && [ -n "$cs" ]; then
-    run "${dp_env[@]}" DP_CUDA_CONV=implicit "$cs" --tool memcheck --error-exitcode 99 "$build/dp_tests" \
-      "--test-case=cuda: ops: conv2d*" || rc=$?
-    KEY="$KEY; memcheck: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
-  fi
+  ncu=$(ncu_path)
   if [ $dry = 0 ] && [ -n "$ncu" ]; then
     kernel_times "$ncu" -implicit DP_CUDA_CONV=implicit || rc=$?
     KEY="$KEY; $(json "$out/kernels-implicit.json" '"%.1f us of kernels a step, %d launches" % (j["total_us"], j["launches"])')"

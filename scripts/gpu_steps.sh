@@ -263,12 +263,15 @@ s_sanitize() {
     echo "$SKIP"
     return 0
   fi
-  # memcheck over the kernels; synccheck over them and the step graphs (their captures and launches)
-  local rc=0 tool cases
-  for tool in memcheck synccheck; do
-    cases='cuda: ops: *'
+  # memcheck over the kernels; synccheck over them and the step graphs (their captures and launches);
+  # memcheck over the convolutions again under DP_CUDA_CONV=implicit (dp's implicit GEMMs)
+  local rc=0 tool cases conv
+  for tool in memcheck synccheck memcheck-implicit; do
+    cases='cuda: ops: *' conv=library
     [ $tool = synccheck ] && cases='cuda: ops: *,cuda: graphs: *'
-    run "${dp_env[@]}" "$cs" --tool $tool --error-exitcode 99 "$build/dp_tests" "--test-case=$cases" || rc=$?
+    [ $tool = memcheck-implicit ] && cases='cuda: ops: conv2d*' conv=implicit
+    run "${dp_env[@]}" DP_CUDA_CONV=$conv "$cs" --tool "${tool%-implicit}" --error-exitcode 99 "$build/dp_tests" \
+      "--test-case=$cases" || rc=$?
     KEY="${KEY:+$KEY; }$tool: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
     KEY="$KEY, $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
   done
