@@ -49,6 +49,7 @@
 #             commands name two GPUs, so on one it is skipped (counted as such, never as passed)
 #   sanitize  compute-sanitizer memcheck over the "cuda: ops:" cases, synccheck over those and the
 #             "cuda:" cases of the step graphs, memcheck over the convolution cases under DP_CUDA_CONV=implicit
+#             and racecheck over the implicit GEMMs' case
 # A step whose dp_train/dp_bench prints a "warning:" (a cuDNN fallback, say) fails, as does one whose
 # key number cannot be read from its own output.
 # NCCL across processes on distinct GPUs (mpirun -np 2 dp_train --gpus ...) needs two GPUs: no step

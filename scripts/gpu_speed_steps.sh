@@ -170,7 +170,7 @@ s_implicit() {
   need dp_tests || return $?
   need dp_train || return $?
   local rc=0 ncu want=implicit
-  local cases='cuda: ops: conv2d*,cuda: cuDNN runs every model*,cuda: graphs: *,cuda: three LeNet steps*'
+  local cases='cuda: ops: conv2d*,cuda: implicit GEMM*,cuda: cuDNN runs every model*,cuda: graphs: *,cuda: three LeNet steps*'
   [ $dry = 1 ] && cases='ops: conv2d*' want=library  # the CPU build has no such path: the script's logic alone
   run "${dp_env[@]}" DP_CUDA_CONV=$want "$build/dp_tests" "--test-case=$cases" || rc=$?
   KEY="cases: $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"

@@ -264,12 +264,14 @@ s_sanitize() {
     return 0
   fi
   # memcheck over the kernels; synccheck over them and the step graphs (their captures and launches);
-  # memcheck over the convolutions again under DP_CUDA_CONV=implicit (dp's implicit GEMMs)
+  # memcheck over the convolutions again under DP_CUDA_CONV=implicit (dp's implicit GEMMs), and
+  # racecheck (shared memory's hazards) over the implicit GEMMs' own case
   local rc=0 tool cases conv
-  for tool in memcheck synccheck memcheck-implicit; do
+  for tool in memcheck synccheck memcheck-implicit racecheck-implicit; do
     cases='cuda: ops: *' conv=library
     [ $tool = synccheck ] && cases='cuda: ops: *,cuda: graphs: *'
     [ $tool = memcheck-implicit ] && cases='cuda: ops: conv2d*' conv=implicit
+    [ $tool = racecheck-implicit ] && cases='cuda: implicit GEMM*' conv=implicit
     run "${dp_env[@]}" DP_CUDA_CONV=$conv "$cs" --tool "${tool%-implicit}" --error-exitcode 99 "$build/dp_tests" \
       "--test-case=$cases" || rc=$?
     KEY="${KEY:+$KEY; }$tool: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"

@@ -16,9 +16,15 @@
 #include <string>
 #include <vector>
 
+#include "engine/device.h"
 #include "kernels/cuda/tile_gemm.h"
+#include "tests/backends.h"
+#include "tests/ops_matrix.h"
 #include "tests/tolerance.h"
 #include "tests/util.h"
+#if DP_TESTS_CUDA
+#include "kernels/cuda/cuda_ops.h"  // the implicit GEMMs' kernels: CudaOps' own, not the Ops interface's
+#endif
 
 namespace dp::test {
 namespace {
@@ -39,6 +45,9 @@ void run_grid(const Tile& tile, int gx, int gy, int gz) {
         for (auto& row : s->a) std::fill(std::begin(row), std::end(row), std::numeric_limits<float>::quiet_NaN());
         for (auto& row : s->b) std::fill(std::begin(row), std::end(row), std::numeric_limits<float>::quiet_NaN());
         std::fill(std::begin(s->one), std::end(s->one), std::numeric_limits<float>::quiet_NaN());
+        std::fill(std::begin(s->base), std::end(s->base), 1 << 30);  // far past any x: a read shows
+        std::fill(std::begin(s->top), std::end(s->top), 0);
+        std::fill(std::begin(s->left), std::end(s->left), 0);
         Tile t = tile;
         t.place(bx, by, bz);
         for (int tid = 0; tid < tile::kThreads; ++tid) t.setup(tid, *s);
@@ -99,27 +108,44 @@ Vec as_rows(const ConvShape& s, const Vec& dy) {
   return rows;
 }
 
+// What the kernels compute, emulated: y without the bias, then dw and db through `slices` partials.
+Vec emulate_forward(const ConvShape& s, const Vec& x, const Vec& w) {
+  Vec y(size_t(s.n) * s.k * s.out_h() * s.out_w(), std::numeric_limits<float>::quiet_NaN());
+  run_grid(tile::Forward{tile::Gather::of(s, x.data()), w.data(), y.data()}, tiles(int64_t(y.size()) / s.k), tiles(s.k),
+           1);
+  return y;
+}
+void emulate_filter_grad(const ConvShape& s, const Vec& x, const Vec& dy, bool dy_rows, int slices, Vec& dw, Vec& db) {
+  const int cols = int(s.col_rows()) + 1;
+  Vec partial(size_t(slices) * s.k * cols, std::numeric_limits<float>::quiet_NaN());
+  run_grid(tile::FilterGrad{tile::Gather::of(s, x.data()), dy.data(), dy_rows, slices, partial.data()}, tiles(cols),
+           tiles(s.k), slices);
+  dw.assign(size_t(s.k) * (cols - 1), std::numeric_limits<float>::quiet_NaN());
+  db.assign(size_t(s.k), std::numeric_limits<float>::quiet_NaN());
+  for (int64_t i = 0; i < int64_t(s.k) * cols; ++i)
+    tile::filter_total(i, s.k, cols, slices, partial.data(), dw.data(), db.data());
+}
+
+struct Inputs {
+  Vec x, w, dy;
+};
+Inputs random_inputs(const ConvShape& s, uint32_t seed) {
+  const size_t rows = size_t(s.n) * s.out_h() * s.out_w();
+  return {random_floats(size_t(s.n) * s.c * s.h * s.w, seed, -1, 1),
+          random_floats(size_t(s.k) * size_t(s.col_rows()), seed + 1, -1, 1),
+          random_floats(size_t(s.k) * rows, seed + 2, -1, 1)};
+}
+
 void check_tiles(const ConvShape& s, int slices, uint32_t seed) {
   INFO(describe(s) << ", " << slices << " slices");
-  const int p = s.out_h() * s.out_w(), rows = s.n * p, crs = int(s.col_rows());
-  const Vec x = random_floats(size_t(s.n) * s.c * s.h * s.w, seed, -1, 1);
-  const Vec w = random_floats(size_t(s.k) * crs, seed + 1, -1, 1);
-  const Vec dy = random_floats(size_t(s.k) * rows, seed + 2, -1, 1);
-  const Exact e = exact(s, x, w, dy);
-  const tile::Gather g = tile::Gather::of(s, x.data());
-
-  Vec y(e.y.size(), std::numeric_limits<float>::quiet_NaN());
-  run_grid(tile::Forward{g, w.data(), y.data()}, tiles(rows), tiles(s.k), 1);
-  check_close("y", y, e.y, gamma_bound(crs, e.y_abs));  // one FMA chain over the taps
-
+  const int rows = s.n * s.out_h() * s.out_w();
+  const Inputs in = random_inputs(s, seed);
+  const Exact e = exact(s, in.x, in.w, in.dy);
+  check_close("y", emulate_forward(s, in.x, in.w), e.y, gamma_bound(double(s.col_rows()), e.y_abs));  // a chain
   for (bool dy_rows : {false, true}) {
     INFO((dy_rows ? "dy as rows" : "dy as (N, K, OH, OW)"));
-    const Vec d = dy_rows ? as_rows(s, dy) : dy;
-    Vec partial(size_t(slices) * s.k * (crs + 1), std::numeric_limits<float>::quiet_NaN());
-    run_grid(tile::FilterGrad{g, d.data(), dy_rows, slices, partial.data()}, tiles(crs + 1), tiles(s.k), slices);
-    Vec dw(w.size(), std::numeric_limits<float>::quiet_NaN()), db(size_t(s.k), std::numeric_limits<float>::quiet_NaN());
-    for (int64_t i = 0; i < int64_t(s.k) * (crs + 1); ++i)
-      tile::filter_total(i, s.k, crs + 1, slices, partial.data(), dw.data(), db.data());
+    Vec dw, db;
+    emulate_filter_grad(s, in.x, dy_rows ? as_rows(s, in.dy) : in.dy, dy_rows, slices, dw, db);
     const double chain = double(rows) / slices + 1 + slices;  // a slice's FMA chain, then the slices
     check_close("dw", dw, e.dw, gamma_bound(chain, e.dw_abs));
     check_close("db", db, e.db, gamma_bound(chain, e.db_abs));
@@ -148,6 +174,43 @@ TEST_CASE("tile_gemm: the implicit-GEMM convolution's tiles on the host, against
         .n = pick(1, 9), .c = pick(1, 9), .h = h, .w = w, .k = pick(1, 80), .kh = kh, .kw = kw, .pad = pad};
     check_tiles(s, pick(1, std::min(9, s.n * s.out_h() * s.out_w())), 100 + 10 * trial);
   }
+}
+
+// On a GPU, conv_implicit.cu's kernels give the bits of the emulation of their blocks, whatever
+// DP_CUDA_CONV says: each output is the same FMA chain in the same order (fmaf on the host and the
+// GPU's FMA both round once), the slices are added in the same order. What the emulation cannot show
+// (a missing __syncthreads) shows here, or under gpu_check's compute-sanitizer.
+TEST_CASE("cuda: implicit GEMM: the GPU's y, dw and db are the bits of the host's emulation of its blocks" *
+          doctest::skip(!cuda_available())) {
+#if DP_TESTS_CUDA
+  Backend be(make_cuda_device(0, 0, 0));
+  // LeNet's conv2 in 2 and 10 slices, and two row tiles of channels with padding
+  for (const ConvShape& s : {ConvShape{.n = 13, .c = 20, .h = 13, .w = 13, .k = 50, .kh = 5, .kw = 5},
+                             ConvShape{.n = 64, .c = 20, .h = 13, .w = 13, .k = 50, .kh = 5, .kw = 5},
+                             ConvShape{.n = 3, .c = 2, .h = 9, .w = 7, .k = 70, .kh = 3, .kw = 2, .pad = 1}}) {
+    INFO(describe(s));
+    const Inputs in = random_inputs(s, 7);
+    Mem gx = be.put(in.x), gw = be.put(in.w), gy = be.out(in.dy.size());
+    be.run([&](Ops& ops) { dynamic_cast<CudaOps&>(ops).implicit_forward(s, gx.f(), gw.f(), gy.f()); });
+    check_same_bits("y", be.get(gy), emulate_forward(s, in.x, in.w));
+    for (bool dy_rows : {false, true}) {
+      INFO((dy_rows ? "dy as rows" : "dy as (N, K, OH, OW)"));
+      const Vec dy = dy_rows ? as_rows(s, in.dy) : in.dy;
+      Mem gdy = be.put(dy), gdw = be.out(in.w.size()), gdb = be.out(size_t(s.k));
+      Mem ws = be.out(CudaOps::implicit_partial_floats(s));
+      be.run([&](Ops& ops) {
+        dynamic_cast<CudaOps&>(ops).implicit_filter_grad(s, gx.f(), gdy.f(), dy_rows, gdw.f(), gdb.f(), ws.f());
+      });
+      Vec dw, db;
+      emulate_filter_grad(s, in.x, dy, dy_rows, CudaOps::implicit_slices(s), dw, db);
+      check_same_bits("dw", be.get(gdw), dw);
+      check_same_bits("db", be.get(gdb), db);
+      be.get(ws);
+    }
+  }
+#else
+  FAIL("a CUDA device is usable, but this build has no CUDA backend");
+#endif
 }
 
 }  // namespace

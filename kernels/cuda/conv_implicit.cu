@@ -57,10 +57,13 @@ bool CudaOps::implicit_wanted() {
   return wanted;
 }
 
+// 32-bit indices, with room for what a last tile computes past the rows (a tile, a stage) and for an
+// output pixel's window corner past the image (padding wider than the kernel); grid.y at most 65,535.
 bool CudaOps::implicit(const ConvShape& s) {
-  const int64_t rows = int64_t(s.n) * s.out_h() * s.out_w();
-  return implicit_wanted() && int64_t(s.k) * rows < INT32_MAX && int64_t(s.n) * s.c * s.h * s.w < INT32_MAX &&
-         int64_t(s.k) * (s.col_rows() + 1) < INT32_MAX && tiles(rows) < INT32_MAX && tiles(s.k) <= 65535;
+  const int64_t rows = int64_t(s.n) * s.out_h() * s.out_w(), margin = cuda::tile::kM + cuda::tile::kK;
+  return implicit_wanted() && int64_t(s.k) * rows + margin < INT32_MAX &&
+         int64_t(s.n) * s.c * s.h * s.w + int64_t(s.pad + 1) * (s.w + 1) < INT32_MAX &&
+         int64_t(s.k) * (s.col_rows() + 1) < INT32_MAX && tiles(s.k) <= 65535;
 }
 
 int CudaOps::implicit_slices(const ConvShape& s) {

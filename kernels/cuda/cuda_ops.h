@@ -144,15 +144,17 @@ class CudaOps final : public Ops {
   // compiled, not yet run on a GPU, so not the default until one has measured it.
  public:
   static bool implicit_wanted();
-
- private:
-  static constexpr int kImplicitSlices = 64;
-  static bool implicit(const ConvShape& s);
+  // The kernels themselves, whatever DP_CUDA_CONV says, for the test that holds them to the bits of
+  // the host's emulation of their blocks (tests/test_tile_gemm.cpp); workspace: implicit_partial_floats.
   static int implicit_slices(const ConvShape& s);
   static size_t implicit_partial_floats(const ConvShape& s);
   void implicit_forward(const ConvShape& s, const float* x, const float* w, float* y);
   void implicit_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
                             float* workspace);
+
+ private:
+  static constexpr int kImplicitSlices = 64;
+  static bool implicit(const ConvShape& s);
   // y = x * w without the bias, on cuDNN, directly or as an implicit GEMM (conv2d.cu).
   void convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace);
   // conv2d_backward from dy (N, K, OH, OW), or with `rows` from dy's rows dyt (K, N OH OW), as the

@@ -207,8 +207,8 @@ struct FilterGrad {
 };
 
 // dw (K, C KH KW) and db (K) from the partials: element e = k (C KH KW + 1) + t adds its slices in order.
-DP_HD void filter_total(int64_t e, int k, int cols, int slices, const float* partial, float* dw, float* db) {
-  const int64_t per_slice = int64_t(k) * cols;
+DP_HD void filter_total(int64_t e, int channels, int cols, int slices, const float* partial, float* dw, float* db) {
+  const int64_t per_slice = int64_t(channels) * cols;
   float v = 0.0f;
   for (int slice = 0; slice < slices; ++slice) v += partial[slice * per_slice + e];
   const int ch = int(e / cols), t = int(e % cols);
