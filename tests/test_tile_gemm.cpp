@@ -73,13 +73,14 @@ std::string describe(const ConvShape& s) {
 
 // y, dw, db in double, and each one's sum of |terms| (the bound's scale).
 struct Exact {
-  DVec y, y_abs, dw, dw_abs, db, db_abs;
+  DVec y, y_abs, dw, dw_abs, db, db_abs, dx, dx_abs;
 };
 Exact exact(const ConvShape& s, const Vec& x, const Vec& w, const Vec& dy) {
   const int oh = s.out_h(), ow = s.out_w(), p = oh * ow, crs = int(s.col_rows());
   Exact e;
   e.y.assign(size_t(s.n) * s.k * p, 0.0), e.y_abs = e.y;
   e.dw.assign(w.size(), 0.0), e.dw_abs = e.dw, e.db.assign(size_t(s.k), 0.0), e.db_abs = e.db;
+  e.dx.assign(x.size(), 0.0), e.dx_abs = e.dx;
   for (int n = 0; n < s.n; ++n)
     for (int k = 0; k < s.k; ++k)
       for (int q = 0; q < p; ++q) {
@@ -90,9 +91,11 @@ Exact exact(const ConvShape& s, const Vec& x, const Vec& w, const Vec& dy) {
           const int c = t / (s.kh * s.kw), u = t / s.kw % s.kh, v = t % s.kw;
           const int yy = q / ow + u - s.pad, xx = q % ow + v - s.pad;
           if (yy < 0 || yy >= s.h || xx < 0 || xx >= s.w) continue;
-          const double xv = x[size_t(((n * s.c + c) * s.h + yy) * s.w + xx)], wv = w[size_t(k * crs + t)];
+          const size_t in = size_t(((n * s.c + c) * s.h + yy) * s.w + xx);
+          const double xv = x[in], wv = w[size_t(k * crs + t)];
           e.y[out] += wv * xv, e.y_abs[out] += std::fabs(wv * xv);
           e.dw[size_t(k * crs + t)] += d * xv, e.dw_abs[size_t(k * crs + t)] += std::fabs(d * xv);
+          e.dx[in] += wv * d, e.dx_abs[in] += std::fabs(wv * d);
         }
       }
   return e;
@@ -126,6 +129,17 @@ void emulate_filter_grad(const ConvShape& s, const Vec& x, const Vec& dy, bool d
     tile::filter_total(i, s.k, cols, slices, partial.data(), dw.data(), db.data());
 }
 
+// dx, as the forward pass over dy of data_grad_shape with the flipped weights (square kernels only).
+bool has_dx(const ConvShape& s) { return s.kh == s.kw && s.pad < s.kh; }
+Vec emulate_data_grad(const ConvShape& s, const Vec& w, const Vec& dy, bool dy_rows) {
+  const ConvShape t = tile::data_grad_shape(s);
+  Vec wt(w.size()), dx(size_t(s.n) * s.c * s.h * s.w, std::numeric_limits<float>::quiet_NaN());
+  for (int64_t e = 0; e < int64_t(wt.size()); ++e) tile::flip_weight(e, s, w.data(), wt.data());
+  run_grid(tile::DataGrad{{tile::Gather::of(t, dy.data(), dy_rows), wt.data(), dx.data()}},
+           tiles(int64_t(s.n) * s.h * s.w), tiles(s.c), 1);
+  return dx;
+}
+
 struct Inputs {
   Vec x, w, dy;
 };
@@ -149,6 +163,9 @@ void check_tiles(const ConvShape& s, int slices, uint32_t seed) {
     const double chain = double(rows) / slices + 1 + slices;  // a slice's FMA chain, then the slices
     check_close("dw", dw, e.dw, gamma_bound(chain, e.dw_abs));
     check_close("db", db, e.db, gamma_bound(chain, e.db_abs));
+    if (has_dx(s))  // one FMA chain over (k, u, v)
+      check_close("dx", emulate_data_grad(s, in.w, dy_rows ? as_rows(s, in.dy) : in.dy, dy_rows), e.dx,
+                  gamma_bound(double(s.k) * s.kh * s.kw, e.dx_abs));
   }
 }
 
@@ -180,14 +197,14 @@ TEST_CASE("tile_gemm: the implicit-GEMM convolution's tiles on the host, against
 // DP_CUDA_CONV says: each output is the same FMA chain in the same order (fmaf on the host and the
 // GPU's FMA both round once), the slices are added in the same order. What the emulation cannot show
 // (a missing __syncthreads) shows here, or under gpu_check's compute-sanitizer.
-TEST_CASE("cuda: implicit GEMM: the GPU's y, dw and db are the bits of the host's emulation of its blocks" *
+TEST_CASE("cuda: implicit GEMM: the GPU's y, dw, db and dx are the bits of the host's emulation of its blocks" *
           doctest::skip(!cuda_available())) {
 #if DP_TESTS_CUDA
   Backend be(make_cuda_device(0, 0, 0));
-  // LeNet's conv2 in 2 and 10 slices, and two row tiles of channels with padding
+  // LeNet's conv2 in 2 and 10 slices, and two row tiles of channels with padding (square, for dx)
   for (const ConvShape& s : {ConvShape{.n = 13, .c = 20, .h = 13, .w = 13, .k = 50, .kh = 5, .kw = 5},
                              ConvShape{.n = 64, .c = 20, .h = 13, .w = 13, .k = 50, .kh = 5, .kw = 5},
-                             ConvShape{.n = 3, .c = 2, .h = 9, .w = 7, .k = 70, .kh = 3, .kw = 2, .pad = 1}}) {
+                             ConvShape{.n = 3, .c = 2, .h = 9, .w = 7, .k = 70, .kh = 3, .kw = 3, .pad = 1}}) {
     INFO(describe(s));
     const Inputs in = random_inputs(s, 7);
     Mem gx = be.put(in.x), gw = be.put(in.w), gy = be.out(in.dy.size());
@@ -205,6 +222,11 @@ TEST_CASE("cuda: implicit GEMM: the GPU's y, dw and db are the bits of the host'
       emulate_filter_grad(s, in.x, dy, dy_rows, CudaOps::implicit_slices(s), dw, db);
       check_same_bits("dw", be.get(gdw), dw);
       check_same_bits("db", be.get(gdb), db);
+      Mem gdx = be.out(in.x.size());
+      be.run([&](Ops& ops) {
+        dynamic_cast<CudaOps&>(ops).implicit_data_grad(s, gw.f(), gdy.f(), dy_rows, gdx.f(), ws.f());
+      });
+      check_same_bits("dx", be.get(gdx), emulate_data_grad(s, in.w, dy, dy_rows));
       be.get(ws);
     }
   }

@@ -313,8 +313,17 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
     throw fail("chunk of the backward pass (an image's rows and im2col)");
   p->backward_images = int(std::min({size_t(s.n), limit / (image_floats * sizeof(float)), index_cap}));
   p->bwd_data_bytes = p->bwd_filter_bytes = image_floats * sizeof(float) * size_t(p->backward_images);
+  // dx as an implicit GEMM: the flipped weights in the workspace, nothing else (conv_implicit.cu)
+  p->implicit_dx = p->implicit && implicit_dx(s) && size_t(s.k) * size_t(s.col_rows()) * sizeof(float) <= limit;
+  if (p->implicit_dx) {
+    p->choices[1].algo = "DP_IMPLICIT_GEMM";
+    p->choices[1].math = "FMA";
+    p->choices[1].workspace_bytes = size_t(s.k) * size_t(s.col_rows()) * sizeof(float);
+    p->choices[1].deterministic = p->choices[1].strict = true;
+  }
   for (size_t i : {size_t(1), size_t(2)}) {
     if ((p->direct || p->implicit) && i == 2) continue;
+    if (p->implicit_dx && i == 1) continue;
     p->choices[i].algo = "DP_IM2COL_GEMM";
     p->choices[i].math = "FMA";  // cuBLAS's default math: FP32, never TF32 (cuda_device.cpp)
     p->choices[i].workspace_bytes = p->bwd_filter_bytes;
@@ -395,6 +404,7 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
     else
       implicit_filter_grad(s, x, dy, rows, dw, db, workspace);
     if (!dx) return;
+    if (p.implicit_dx) return implicit_data_grad(s, w, dy, rows, dx, workspace);  // after the partials' total
   } else {  // db through (K, kBiasSlices) partials
     const dim3 slices(unsigned(s.k), kBiasSlices);
     if (rows)

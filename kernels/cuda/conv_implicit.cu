@@ -1,4 +1,4 @@
-// The convolution's forward pass and its dw and db as implicit GEMMs (kernels/cuda/tile_gemm.h says
+// The convolution's forward pass, its dw and db, and its dx as implicit GEMMs (kernels/cuda/tile_gemm.h says
 // how): the kernels here run a tile's phases with __syncthreads between them, as the host's emulation
 // in tests/test_tile_gemm.cpp runs them one thread after another. Taken by conv2d.cu's plans under
 // DP_CUDA_CONV=implicit (CudaOps::implicit): compiled, not yet run on a GPU.
@@ -40,7 +40,21 @@ __global__ void filter_total_kernel(int64_t total, int k, int cols, int slices, 
   DP_GRID_STRIDE(e, total) { cuda::tile::filter_total(e, k, cols, slices, partial, dw, db); }
 }
 
+__global__ void flip_weights_kernel(int64_t total, ConvShape s, const float* w, float* wt) {
+  DP_GRID_STRIDE(e, total) { cuda::tile::flip_weight(e, s, w, wt); }
+}
+
 unsigned tiles(int64_t n) { return unsigned((n + cuda::tile::kM - 1) / cuda::tile::kM); }
+
+// A forward tile's 32-bit indices, with room for what a last tile computes past the rows (a tile, a
+// stage) and for an output pixel's window corner past the image (padding wider than the kernel);
+// grid.y at most 65,535.
+bool tiles_fit(const ConvShape& s) {
+  const int64_t rows = int64_t(s.n) * s.out_h() * s.out_w(), margin = cuda::tile::kM + cuda::tile::kK;
+  return s.pad >= 0 && int64_t(s.k) * rows + margin < INT32_MAX &&
+         int64_t(s.n) * s.c * s.h * s.w + int64_t(s.pad + 1) * (s.w + 1) < INT32_MAX &&
+         int64_t(s.k) * (s.col_rows() + 1) < INT32_MAX && tiles(s.k) <= 65535;
+}
 
 }  // namespace
 
@@ -57,13 +71,10 @@ bool CudaOps::implicit_wanted() {
   return wanted;
 }
 
-// 32-bit indices, with room for what a last tile computes past the rows (a tile, a stage) and for an
-// output pixel's window corner past the image (padding wider than the kernel); grid.y at most 65,535.
-bool CudaOps::implicit(const ConvShape& s) {
-  const int64_t rows = int64_t(s.n) * s.out_h() * s.out_w(), margin = cuda::tile::kM + cuda::tile::kK;
-  return implicit_wanted() && int64_t(s.k) * rows + margin < INT32_MAX &&
-         int64_t(s.n) * s.c * s.h * s.w + int64_t(s.pad + 1) * (s.w + 1) < INT32_MAX &&
-         int64_t(s.k) * (s.col_rows() + 1) < INT32_MAX && tiles(s.k) <= 65535;
+bool CudaOps::implicit(const ConvShape& s) { return implicit_wanted() && tiles_fit(s); }
+
+bool CudaOps::implicit_dx(const ConvShape& s) {
+  return s.kh == s.kw && s.pad < s.kh && tiles_fit(cuda::tile::data_grad_shape(s));
 }
 
 int CudaOps::implicit_slices(const ConvShape& s) {
@@ -93,6 +104,18 @@ void CudaOps::implicit_filter_grad(const ConvShape& s, const float* x, const flo
   filter_total_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, s.k, cols, slices, workspace, dw,
                                                                                db);
   DP_CUDA_LAUNCH_CHECK("filter_total_kernel");
+}
+
+void CudaOps::implicit_data_grad(const ConvShape& s, const float* w, const float* dy, bool rows, float* dx,
+                                 float* workspace) {
+  const ConvShape t = cuda::tile::data_grad_shape(s);
+  const int64_t weights = int64_t(s.k) * s.col_rows();
+  flip_weights_kernel<<<cuda::blocks_for(weights), cuda::kThreads, 0, stream_>>>(weights, s, w, workspace);
+  DP_CUDA_LAUNCH_CHECK("flip_weights_kernel");
+  const cuda::tile::DataGrad tile{{cuda::tile::Gather::of(t, dy, rows), workspace, dx}};
+  const dim3 grid(tiles(int64_t(t.n) * t.out_h() * t.out_w()), tiles(t.k));
+  tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
+  DP_CUDA_LAUNCH_CHECK("tile_kernel<DataGrad>");
 }
 
 }  // namespace dp

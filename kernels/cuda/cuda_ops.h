@@ -47,6 +47,7 @@ struct ConvPlan {
   size_t bias_floats = 0;             // the bias gradient's (and a direct plan's dw's) partial sums, first
   bool direct = false;                // forward and dw, db by conv_direct.cu (CudaOps::direct)
   bool implicit = false;              // forward and dw, db by conv_implicit.cu (CudaOps::implicit)
+  bool implicit_dx = false;           // and dx (CudaOps::implicit_dx)
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
 };
@@ -139,9 +140,9 @@ class CudaOps final : public Ops {
   void direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
                           float* workspace);
   // Other shapes, under DP_CUDA_CONV=implicit (read once; a value other than that or "library" is a
-  // UsageError, from the constructor), run their forward pass and their dw and db as implicit GEMMs
-  // (conv_implicit.cu, kernels/cuda/tile_gemm.h), dw and db through implicit_slices partials:
-  // compiled, not yet run on a GPU, so not the default until one has measured it.
+  // UsageError, from the constructor), run their forward pass, their dw and db (through
+  // implicit_slices partials) and, where implicit_dx, their dx as implicit GEMMs (conv_implicit.cu,
+  // kernels/cuda/tile_gemm.h): compiled, not yet run on a GPU, so not the default until one has measured it.
  public:
   static bool implicit_wanted();
   // The kernels themselves, whatever DP_CUDA_CONV says, for the test that holds them to the bits of
@@ -151,10 +152,13 @@ class CudaOps final : public Ops {
   void implicit_forward(const ConvShape& s, const float* x, const float* w, float* y);
   void implicit_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
                             float* workspace);
+  // dx, for square kernels padded by less than their size (implicit_dx); workspace: K C KH KW floats.
+  void implicit_data_grad(const ConvShape& s, const float* w, const float* dy, bool rows, float* dx, float* workspace);
 
  private:
   static constexpr int kImplicitSlices = 64;
   static bool implicit(const ConvShape& s);
+  static bool implicit_dx(const ConvShape& s);
   // y = x * w without the bias, on cuDNN, directly or as an implicit GEMM (conv2d.cu).
   void convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace);
   // conv2d_backward from dy (N, K, OH, OW), or with `rows` from dy's rows dyt (K, N OH OW), as the

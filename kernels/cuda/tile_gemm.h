@@ -78,15 +78,20 @@ DP_HD void accumulate(const Smem& s, int tid, Acc& acc) {
   }
 }
 
-// What both products gather: x at tap (offset, u, v) of the output pixel (base, top, left), zero
-// outside the image (padding) and where either coordinate is kNowhere.
+// What the products gather: x at tap (offset, u, v) of the output pixel (base, top, left), zero
+// outside the image (padding) and where either coordinate is kNowhere. x is (N, C, H, W), or with
+// `rows` (C, N, H, W): dy's rows, as the fused op hands them to the data gradient.
 struct Gather {
   ConvShape s;
   Divider pixels, ow, khw, kw;  // by OH OW, OW, KH KW, KW
   const float* x;
+  int image = 0, channel = 0;  // x's strides
 
-  static Gather of(const ConvShape& s, const float* x) {
-    return {s, Divider(s.out_h() * s.out_w()), Divider(s.out_w()), Divider(s.kh * s.kw), Divider(s.kw), x};
+  static Gather of(const ConvShape& s, const float* x, bool rows = false) {
+    const int plane = s.h * s.w;
+    Gather g{s, Divider(s.out_h() * s.out_w()), Divider(s.out_w()), Divider(s.kh * s.kw), Divider(s.kw), x};
+    g.image = rows ? plane : s.c * plane, g.channel = rows ? s.n * plane : plane;
+    return g;
   }
   // Output pixel j's image base in x and its window's top-left corner; kNowhere past the rows.
   DP_HD void pixel(int j, int rows, int& base, int& top, int& left) const {
@@ -97,7 +102,7 @@ struct Gather {
     int img = 0, q = 0, qy = 0, qx = 0;
     pixels.divmod(j, img, q);
     ow.divmod(q, qy, qx);
-    top = qy - s.pad, left = qx - s.pad, base = img * s.c * s.h * s.w + top * s.w + left;
+    top = qy - s.pad, left = qx - s.pad, base = img * image + top * s.w + left;
   }
   // Tap t's offset in an image and (u, v); kNowhere past the taps.
   DP_HD void tap(int t, int& offset, int& u, int& v) const {
@@ -108,7 +113,7 @@ struct Gather {
     int ch = 0, rest = 0;
     khw.divmod(t, ch, rest);
     kw.divmod(rest, u, v);
-    offset = (ch * s.h + u) * s.w + v;
+    offset = ch * channel + u * s.w + v;
   }
   DP_HD float at(int base, int top, int left, int offset, int u, int v) const {
     const int yy = top + u, xx = left + v;
@@ -154,6 +159,21 @@ struct Forward {
     }
   }
 };
+
+// dx (N, C, H, W) of a convolution s with KH = KW is the forward pass of another: over dy (its
+// images N, its channels K, OH x OW), padded by KH - 1 - pad, with the weights flipped and transposed,
+// wt (C, K, KH, KW)[c, k, u, v] = w[k, c, KH - 1 - u, KW - 1 - v] (flip_weights). Each element of dx
+// is then one FMA chain over (k, u, v), the taps past dy's border multiplying zeros.
+inline ConvShape data_grad_shape(const ConvShape& s) {
+  return {
+      .n = s.n, .c = s.k, .h = s.out_h(), .w = s.out_w(), .k = s.c, .kh = s.kh, .kw = s.kw, .pad = s.kh - 1 - s.pad};
+}
+DP_HD void flip_weight(int64_t e, const ConvShape& s, const float* w, float* wt) {  // e indexes wt
+  const int64_t khw = int64_t(s.kh) * s.kw, tap = e % khw, kc = e / khw, k = kc % s.k, c = kc / s.k;
+  const int64_t u = tap / s.kw, v = tap % s.kw;
+  wt[e] = w[(k * s.c + c) * khw + (s.kh - 1 - u) * s.kw + (s.kw - 1 - v)];
+}
+struct DataGrad : Forward {};  // a kernel of its own name in a profile
 
 // The filter gradient's partials (slices, K, C KH KW + 1): block (bx, by, bz) sums, over slice bz of
 // the rows j, dy[k, j] X[j, t] for taps t = 64 bx ... (t = C KH KW: the bias, X's column of ones) and
