@@ -3,32 +3,9 @@
 // why); the bias and its gradient small kernels here (conv_act_pool.cu folds the bias, the activation
 // and the pooling into one kernel each way for the fused op). Shapes of few taps (C KH KW, LeNet's
 // first layer) run forward and their dw and db on conv_direct.cu's kernels instead, and under
-// DP_CUDA_CONV=implicit the others on conv_implicit.cu's implicit GEMMs. Twin of kernels/cpu/conv2d.cpp.
-//
-// cuDNN 9 still ships the legacy convolution API (cudnn_cnn.h: cudnnConvolutionForward, the *_v7
-// heuristics), marked deprecated but only warned about under CUDNN_WARN_DEPRECATED; it is the short
-// path for a few fixed convolutions.
-//
-// cuDNN's forward algorithm is chosen once per shape from cuDNN's heuristics (the *_v7 queries, which run nothing
-// and allocate nothing, unlike cudnnFind*, which times candidates in memory of its own and may pick
-// differently from run to run). Among the candidates, in cuDNN's order of preference, the first is
-// taken that
-//   - is deterministic (the same bits every run: the golden trajectories depend on it),
-//   - is a GEMM-like summation (not FFT or Winograd), so every output is a plain sum of products
-//     whose error the tests bound element by element (tests/test_ops_conv.cpp),
-//   - runs in FP32 FMA math, never TF32 tensor cores (CUDNN_FMA_MATH on the descriptor), which
-//     would round the inputs to 10 mantissa bits,
-//   - needs no more workspace than allowed.
-// Only when none qualifies is the first supported candidate of any kind taken: FFT, Winograd or a
-// non-deterministic algorithm, whose results may leave the tests' bounds and differ from run to run
-// (a resume is then no longer bit-exact). That fallback is never silent: every choice is kept
-// (CudaOps::conv_choices) and a shape that needed one gets a warning on stderr, once per process.
+// DP_CUDA_CONV=implicit the others on conv_implicit.cu's implicit GEMMs; which, for a shape, is its
+// plan's choice (conv_plan.cpp). Twin of kernels/cpu/conv2d.cpp.
 #include <algorithm>
-#include <cstdio>
-#include <mutex>
-#include <set>
-#include <string>
-#include <vector>
 
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/divider.h"
@@ -101,9 +78,6 @@ __global__ void col2im_rows_kernel(int total, ConvShape s, int r, cuda::Divider 
   }
 }
 
-// Largest workspace one algorithm may ask for when the caller is about to allocate it.
-constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;
-
 // y(N, K, P) += b(K)
 __global__ void bias_add_kernel(int64_t total, int k, int64_t p, const float* b, float* y) {
   DP_GRID_STRIDE(i, total) { y[i] += b[(i / p) % k]; }
@@ -115,7 +89,7 @@ __global__ void bias_add_kernel(int64_t total, int k, int64_t p, const float* b,
 // slices, one block each, whose totals (a fixed tree in shared memory) go to the workspace; then
 // one thread per channel adds its slices in order. Any order of additions keeps the sum within
 // gamma(N P) of the exact one, the bound the tests hold db to (tests/test_ops_conv.cpp).
-constexpr int kBiasSlices = 32;
+constexpr int kBiasSlices = CudaOps::kBiasSlices;
 
 // partial(K, kBiasSlices): grid (K, kBiasSlices), kThreads threads. Channel ch's j-th value, j = n P + p,
 // is dy(N, K, P)[n, ch, p], or with kRows dyt(K, N P)[ch, j] (dy's rows, as the fused op writes them):
@@ -147,220 +121,7 @@ __global__ void bias_grad_total_kernel(int k, const float* partial, float* db) {
   }
 }
 
-std::string describe(const ConvShape& s) {
-  return "conv (N " + std::to_string(s.n) + ", C " + std::to_string(s.c) + ", H " + std::to_string(s.h) + ", W " +
-         std::to_string(s.w) + ") * (K " + std::to_string(s.k) + ", " + std::to_string(s.kh) + "x" +
-         std::to_string(s.kw) + ", pad " + std::to_string(s.pad) + ")";
-}
-
-bool is_tensor_op(cudnnMathType_t m) { return m == CUDNN_TENSOR_OP_MATH || m == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; }
-
-bool gemm_like(cudnnConvolutionFwdAlgo_t a) {
-  return a == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM || a == CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM ||
-         a == CUDNN_CONVOLUTION_FWD_ALGO_GEMM || a == CUDNN_CONVOLUTION_FWD_ALGO_DIRECT;
-}
-// cuDNN's enum names less "CUDNN_CONVOLUTION_" (and less "FWD_ALGO_" for the forward ones, whose
-// names say what they are), as ConvChoice reports them.
-const char* algo_name(cudnnConvolutionFwdAlgo_t a) {
-  switch (a) {
-    case CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM:
-      return "IMPLICIT_GEMM";
-    case CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM:
-      return "IMPLICIT_PRECOMP_GEMM";
-    case CUDNN_CONVOLUTION_FWD_ALGO_GEMM:
-      return "GEMM";
-    case CUDNN_CONVOLUTION_FWD_ALGO_DIRECT:
-      return "DIRECT";
-    case CUDNN_CONVOLUTION_FWD_ALGO_FFT:
-      return "FFT";
-    case CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING:
-      return "FFT_TILING";
-    case CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD:
-      return "WINOGRAD";
-    case CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED:
-      return "WINOGRAD_NONFUSED";
-    default:
-      return "FWD_ALGO_?";
-  }
-}
-const char* math_name(cudnnMathType_t m) {
-  switch (m) {
-    case CUDNN_DEFAULT_MATH:
-      return "DEFAULT";
-    case CUDNN_TENSOR_OP_MATH:
-      return "TENSOR_OP";
-    case CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION:
-      return "TENSOR_OP_ALLOW_CONVERSION";
-    case CUDNN_FMA_MATH:
-      return "FMA";
-    default:
-      return "?";
-  }
-}
-
-// The first acceptable candidate (see the top of the file), described for conv_choices; false when
-// none is. `bytes_of` asks cuDNN for an algorithm's workspace and returns false when cuDNN does not
-// support it for this shape.
-template <class Perf, class Algo, class BytesOf>
-bool choose(const std::vector<Perf>& perf, int returned, size_t limit, BytesOf bytes_of, Algo& algo, size_t& bytes,
-            ConvChoice& chosen) {
-  for (int strict = 1; strict >= 0; --strict) {
-    for (int i = 0; i < returned; ++i) {
-      const Perf& p = perf[size_t(i)];
-      if (p.status != CUDNN_STATUS_SUCCESS || is_tensor_op(p.mathType)) continue;
-      if (strict && (p.determinism != CUDNN_DETERMINISTIC || !gemm_like(p.algo))) continue;
-      size_t need = 0;
-      if (!bytes_of(p.algo, need) || need > limit) continue;
-      algo = p.algo;
-      bytes = need;
-      chosen.algo = algo_name(p.algo);
-      chosen.math = math_name(p.mathType);
-      chosen.workspace_bytes = need;
-      chosen.deterministic = p.determinism == CUDNN_DETERMINISTIC;
-      chosen.strict = strict == 1;
-      return true;
-    }
-  }
-  return false;
-}
-
-// One line on stderr for a plan that fell back in any pass, once per shape in this process (devices
-// share shapes; a shape planned again for a smaller workspace is not reported twice).
-void warn_fallback(const ConvPlan& p, const std::string& shape) {
-  static std::mutex mu;
-  static std::set<std::string> warned;
-  std::string passes;
-  for (const ConvChoice& c : p.choices)
-    if (!c.strict)
-      passes += (passes.empty() ? "" : ", ") + c.pass + " uses " + c.algo + " (" +
-                (c.deterministic ? "deterministic" : "non-deterministic") + ", " + c.math + ")";
-  if (passes.empty()) return;
-  std::lock_guard lock(mu);
-  if (!warned.insert(shape).second) return;
-  std::fprintf(stderr,
-               "dp: warning: %s: no deterministic GEMM-like cuDNN algorithm within the workspace, so %s; its "
-               "results may not be bit-repeatable from run to run\n",
-               shape.c_str(), passes.c_str());
-}
-
 }  // namespace
-
-// The algorithms and the bias gradient's partials use the workspace one after another on the stream.
-size_t ConvPlan::workspace_floats() const {
-  size_t most = std::max({fwd_bytes, bwd_data_bytes, bwd_filter_bytes});
-  return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
-}
-
-ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
-  auto p = std::make_unique<ConvPlan>();
-  const int oh = s.out_h(), ow = s.out_w();
-  p->x = cuda::make_tensor_desc(s.n, s.c, s.h, s.w);
-  p->y = cuda::make_tensor_desc(s.n, s.k, oh, ow);
-  p->w = cuda::make_filter_desc(s.k, s.c, s.kh, s.kw);
-  cudnnConvolutionDescriptor_t cd = nullptr;
-  DP_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&cd));
-  p->conv = cuda::ConvDesc(cd);
-  DP_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(cd, s.pad, s.pad, /*stride*/ 1, 1, /*dilation*/ 1, 1,
-                                                 CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
-  DP_CUDNN_CHECK(cudnnSetConvolutionMathType(cd, CUDNN_FMA_MATH));
-
-  int dims[4] = {0, 0, 0, 0};
-  DP_CUDNN_CHECK(
-      cudnnGetConvolution2dForwardOutputDim(cd, p->x.get(), p->w.get(), &dims[0], &dims[1], &dims[2], &dims[3]));
-  if (dims[0] != s.n || dims[1] != s.k || dims[2] != oh || dims[3] != ow)
-    throw DeviceError(cuda::current_device(), "cuDNN disagrees about the output shape of " + describe(s));
-
-  auto fail = [&](const char* pass) {
-    return DeviceError(cuda::current_device(), std::string("no ") + pass + " for " + describe(s) +
-                                                   " fits a workspace of " + std::to_string(limit) +
-                                                   " bytes (conv2d_workspace_floats sizes the workspace)");
-  };
-  int max_count = 0, got = 0;
-  p->bias_floats = size_t(s.k) * kBiasSlices;
-  const char* passes[3] = {"forward", "backward-data", "backward-filter"};
-  for (size_t i = 0; i < 3; ++i) {
-    p->choices[i].shape = s;
-    p->choices[i].pass = passes[i];
-  }
-
-  p->direct = direct(s) && direct_partial_floats(s) * sizeof(float) <= limit;  // its partials fit
-  p->implicit = !p->direct && implicit(s) && implicit_partial_floats(s) * sizeof(float) <= limit;
-  if (p->direct || p->implicit) {  // conv_direct.cu, conv_implicit.cu: forward and backward-filter, no cuDNN
-    p->bias_floats = p->direct ? direct_partial_floats(s) : implicit_partial_floats(s);
-    for (size_t i : {size_t(0), size_t(2)}) {
-      p->choices[i].algo = p->direct ? "DP_DIRECT" : "DP_IMPLICIT_GEMM";
-      p->choices[i].math = "FMA";
-      p->choices[i].workspace_bytes = i == 2 ? p->bias_floats * sizeof(float) : 0;
-      p->choices[i].deterministic = p->choices[i].strict = true;
-    }
-  } else {
-    DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(cudnn_, &max_count));
-    std::vector<cudnnConvolutionFwdAlgoPerf_t> fwd(size_t(std::max(max_count, 1)));
-    DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), max_count,
-                                                          &got, fwd.data()));
-    auto fwd_bytes = [&](cudnnConvolutionFwdAlgo_t a, size_t& b) {
-      return cudnnGetConvolutionForwardWorkspaceSize(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), a, &b) ==
-             CUDNN_STATUS_SUCCESS;
-    };
-    if (!choose(fwd, got, limit, fwd_bytes, p->fwd, p->fwd_bytes, p->choices[0])) throw fail("cuDNN forward algorithm");
-  }
-
-  // The backward pass is dp's own (see conv2d_backward), over as many images at a time as the limit
-  // holds and 32-bit indices reach: per image, dy's rows and the im2col (or its transpose, for dx).
-  const size_t image_floats = size_t(oh) * ow * size_t(s.col_rows() + s.k);
-  const size_t index_cap = size_t(INT32_MAX) / std::max(image_floats, size_t(s.c) * s.h * s.w);
-  if (image_floats * sizeof(float) > limit || index_cap == 0)
-    throw fail("chunk of the backward pass (an image's rows and im2col)");
-  p->backward_images = int(std::min({size_t(s.n), limit / (image_floats * sizeof(float)), index_cap}));
-  p->bwd_data_bytes = p->bwd_filter_bytes = image_floats * sizeof(float) * size_t(p->backward_images);
-  // dx as an implicit GEMM: the flipped weights in the workspace, nothing else (conv_implicit.cu)
-  p->implicit_dx = p->implicit && implicit_dx(s) && size_t(s.k) * size_t(s.col_rows()) * sizeof(float) <= limit;
-  if (p->implicit_dx) {
-    p->choices[1].algo = "DP_IMPLICIT_GEMM";
-    p->choices[1].math = "FMA";
-    p->choices[1].workspace_bytes = size_t(s.k) * size_t(s.col_rows()) * sizeof(float);
-    p->choices[1].deterministic = p->choices[1].strict = true;
-  }
-  for (size_t i : {size_t(1), size_t(2)}) {
-    if ((p->direct || p->implicit) && i == 2) continue;
-    if (p->implicit_dx && i == 1) continue;
-    p->choices[i].algo = "DP_IM2COL_GEMM";
-    p->choices[i].math = "FMA";  // cuBLAS's default math: FP32, never TF32 (cuda_device.cpp)
-    p->choices[i].workspace_bytes = p->bwd_filter_bytes;
-    p->choices[i].deterministic = p->choices[i].strict = true;
-  }
-  warn_fallback(*p, describe(s));
-
-  auto& slot = plans_[ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}];
-  slot = std::move(p);
-  return *slot;
-}
-
-// Every caller has allocated at least the smallest workspace handed out for this geometry (the
-// engine asks with its largest batch and runs smaller ones; another network on the same device may
-// have asked with a different batch). A plan whose algorithms need more than that is made again
-// within it, so no execution can overrun any caller's workspace.
-ConvPlan& CudaOps::plan(const ConvShape& s) {
-  std::lock_guard lock(conv_mu_);
-  auto b = budget_floats_.find(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
-  if (b == budget_floats_.end())  // a workspace of unknown size: it may not even hold db's partials
-    throw DeviceError(cuda::current_device(), describe(s) + " runs, but conv2d_workspace_floats was never asked " +
-                                                  "about its geometry, at any batch size");
-  const size_t budget = b->second;
-  auto it = plans_.find(ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
-  if (it != plans_.end() && it->second->workspace_floats() <= budget) return *it->second;
-  return make_plan(s, budget * sizeof(float));
-}
-
-size_t CudaOps::conv2d_workspace_floats(const ConvShape& s) {
-  if (s.n == 0) return 0;
-  std::lock_guard lock(conv_mu_);
-  auto it = plans_.find(ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
-  const size_t floats = (it != plans_.end() ? *it->second : make_plan(s, kMaxWorkspaceBytes)).workspace_floats();
-  auto [b, fresh] = budget_floats_.try_emplace(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}, floats);
-  if (!fresh) b->second = std::min(b->second, floats);
-  return floats;
-}
 
 void CudaOps::convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace) {
   ConvPlan& p = plan(s);
@@ -447,13 +208,6 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
         int(nb * image), s, int(r), cuda::Divider(s.w), cuda::Divider(s.h), cuda::Divider(s.c), col, dx + n0 * image);
     DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
   }
-}
-
-std::vector<ConvChoice> CudaOps::conv_choices() const {
-  std::lock_guard lock(conv_mu_);
-  std::vector<ConvChoice> out;
-  for (const auto& [key, plan] : plans_) out.insert(out.end(), plan->choices.begin(), plan->choices.end());
-  return out;
 }
 
 }  // namespace dp

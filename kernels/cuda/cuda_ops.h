@@ -57,6 +57,7 @@ class CudaOps final : public Ops {
   // Device memory the ops keep between calls: all_finite's answer, and softmax_xent's and
   // sum_squares' per-block partial sums with the count of blocks done (the last block adds them up in
   // block order).
+  static constexpr int kBiasSlices = 32;     // a convolution's db: partial sums per channel (conv2d.cu)
   static constexpr int kReduceBlocks = 128;  // softmax_xent's and sum_squares' grids at most; their blocks loop
   struct Scratch {
     int32_t flag;
