@@ -35,13 +35,13 @@ using DVec = std::vector<double>;
 
 // Every block of a (gx, gy, gz) grid, as the kernel runs it.
 template <class Tile>
-void run_grid(const Tile& tile, int gx, int gy, int gz) {
+void run_grid(const Tile& tile, int64_t gx, int64_t gy, int64_t gz) {
   auto s = std::make_unique<tile::Smem>();
   std::vector<tile::Acc> acc(tile::kThreads);
   std::vector<tile::Staged> next(tile::kThreads);
-  for (int bz = 0; bz < gz; ++bz)
-    for (int by = 0; by < gy; ++by)
-      for (int bx = 0; bx < gx; ++bx) {
+  for (int bz = 0; bz < int(gz); ++bz)
+    for (int by = 0; by < int(gy); ++by)
+      for (int bx = 0; bx < int(gx); ++bx) {
         for (auto& row : s->a) std::fill(std::begin(row), std::end(row), std::numeric_limits<float>::quiet_NaN());
         for (auto& row : s->b) std::fill(std::begin(row), std::end(row), std::numeric_limits<float>::quiet_NaN());
         std::fill(std::begin(s->one), std::end(s->one), std::numeric_limits<float>::quiet_NaN());
@@ -63,13 +63,7 @@ void run_grid(const Tile& tile, int gx, int gy, int gz) {
       }
 }
 
-int tiles(int64_t n) { return int((n + tile::kM - 1) / tile::kM); }
-
-std::string describe(const ConvShape& s) {
-  return "N " + std::to_string(s.n) + ", C " + std::to_string(s.c) + ", " + std::to_string(s.h) + "x" +
-         std::to_string(s.w) + ", K " + std::to_string(s.k) + ", " + std::to_string(s.kh) + "x" + std::to_string(s.kw) +
-         ", pad " + std::to_string(s.pad);
-}
+using tile::tiles;
 
 // y, dw, db in double, and each one's sum of |terms| (the bound's scale).
 struct Exact {
@@ -114,8 +108,7 @@ Vec as_rows(const ConvShape& s, const Vec& dy) {
 // What the kernels compute, emulated: y without the bias, then dw and db through `slices` partials.
 Vec emulate_forward(const ConvShape& s, const Vec& x, const Vec& w) {
   Vec y(size_t(s.n) * s.k * s.out_h() * s.out_w(), std::numeric_limits<float>::quiet_NaN());
-  run_grid(tile::Forward{tile::Gather::of(s, x.data()), w.data(), y.data()}, tiles(int64_t(y.size()) / s.k), tiles(s.k),
-           1);
+  run_grid(tile::Forward{tile::Gather::of(s, x.data()), w.data(), y.data()}, tiles(s.n * s.col_cols()), tiles(s.k), 1);
   return y;
 }
 void emulate_filter_grad(const ConvShape& s, const Vec& x, const Vec& dy, bool dy_rows, int slices, Vec& dw, Vec& db) {

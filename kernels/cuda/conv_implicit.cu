@@ -44,13 +44,13 @@ __global__ void flip_weights_kernel(int64_t total, ConvShape s, const float* w, 
   DP_GRID_STRIDE(e, total) { cuda::tile::flip_weight(e, s, w, wt); }
 }
 
-unsigned tiles(int64_t n) { return unsigned((n + cuda::tile::kM - 1) / cuda::tile::kM); }
+using cuda::tile::tiles;
 
 // A forward tile's 32-bit indices, with room for what a last tile computes past the rows (a tile, a
 // stage) and for an output pixel's window corner past the image (padding wider than the kernel);
 // grid.y at most 65,535.
 bool tiles_fit(const ConvShape& s) {
-  const int64_t rows = int64_t(s.n) * s.out_h() * s.out_w(), margin = cuda::tile::kM + cuda::tile::kK;
+  const int64_t rows = s.n * s.col_cols(), margin = cuda::tile::kM + cuda::tile::kK;
   return s.pad >= 0 && int64_t(s.k) * rows + margin < INT32_MAX &&
          int64_t(s.n) * s.c * s.h * s.w + int64_t(s.pad + 1) * (s.w + 1) < INT32_MAX &&
          int64_t(s.k) * (s.col_rows() + 1) < INT32_MAX && tiles(s.k) <= 65535;
@@ -78,7 +78,7 @@ bool CudaOps::implicit_dx(const ConvShape& s) {
 }
 
 int CudaOps::implicit_slices(const ConvShape& s) {
-  const int64_t rows = int64_t(s.n) * s.out_h() * s.out_w();  // about 512 rows (32 stages) a slice
+  const int64_t rows = s.n * s.col_cols();  // about 512 rows (32 stages) a slice
   return int(std::clamp<int64_t>(rows / 512, 1, kImplicitSlices));
 }
 
@@ -88,7 +88,7 @@ size_t CudaOps::implicit_partial_floats(const ConvShape& s) {
 
 void CudaOps::implicit_forward(const ConvShape& s, const float* x, const float* w, float* y) {
   const cuda::tile::Forward tile{cuda::tile::Gather::of(s, x), w, y};
-  const dim3 grid(tiles(int64_t(s.n) * s.out_h() * s.out_w()), tiles(s.k));
+  const dim3 grid(unsigned(tiles(s.n * s.col_cols())), unsigned(tiles(s.k)));
   tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
   DP_CUDA_LAUNCH_CHECK("tile_kernel<Forward>");
 }
@@ -97,7 +97,7 @@ void CudaOps::implicit_filter_grad(const ConvShape& s, const float* x, const flo
                                    float* workspace) {
   const int slices = implicit_slices(s), cols = int(s.col_rows()) + 1;
   const cuda::tile::FilterGrad tile{cuda::tile::Gather::of(s, x), dy, rows, slices, workspace};
-  const dim3 grid(tiles(cols), tiles(s.k), unsigned(slices));
+  const dim3 grid(unsigned(tiles(cols)), unsigned(tiles(s.k)), unsigned(slices));
   tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
   DP_CUDA_LAUNCH_CHECK("tile_kernel<FilterGrad>");
   const int64_t total = int64_t(s.k) * cols;
@@ -113,7 +113,7 @@ void CudaOps::implicit_data_grad(const ConvShape& s, const float* w, const float
   flip_weights_kernel<<<cuda::blocks_for(weights), cuda::kThreads, 0, stream_>>>(weights, s, w, workspace);
   DP_CUDA_LAUNCH_CHECK("flip_weights_kernel");
   const cuda::tile::DataGrad tile{{cuda::tile::Gather::of(t, dy, rows), workspace, dx}};
-  const dim3 grid(tiles(int64_t(t.n) * t.out_h() * t.out_w()), tiles(t.k));
+  const dim3 grid(unsigned(tiles(t.n * t.col_cols())), unsigned(tiles(t.k)));
   tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
   DP_CUDA_LAUNCH_CHECK("tile_kernel<DataGrad>");
 }

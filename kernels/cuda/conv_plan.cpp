@@ -139,6 +139,15 @@ DeviceError no_fit(const char* pass, const ConvShape& s, size_t limit) {
                                                  " bytes (conv2d_workspace_floats sizes the workspace)");
 }
 
+// A pass on dp's own kernels: FP32 FMA math (cuBLAS's default too, never TF32: cuda_device.cpp),
+// the same bits every run.
+void choose_own(ConvChoice& c, const char* algo, size_t workspace_bytes) {
+  c.algo = algo;
+  c.math = "FMA";
+  c.workspace_bytes = workspace_bytes;
+  c.deterministic = c.strict = true;
+}
+
 // The backward pass's choices once the forward's are made. dx is an implicit GEMM where the plan's
 // dw is one, the shape allows it (`implicit_dx`, CudaOps::implicit_dx) and the flipped weights fit:
 // then the workspace holds those and dw's partials, nothing more. Otherwise dx, and dw where the plan
@@ -148,21 +157,15 @@ DeviceError no_fit(const char* pass, const ConvShape& s, size_t limit) {
 void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, bool implicit_dx) {
   const size_t weight_bytes = sizeof(float) * size_t(s.k) * size_t(s.col_rows());
   p.implicit_dx = p.implicit && implicit_dx && weight_bytes <= limit;
-  auto choose_own = [&](size_t i, const char* algo, size_t bytes) {
-    p.choices[i].algo = algo;
-    p.choices[i].math = "FMA";  // cuBLAS's default math too: FP32, never TF32 (cuda_device.cpp)
-    p.choices[i].workspace_bytes = bytes;
-    p.choices[i].deterministic = p.choices[i].strict = true;
-  };
-  if (p.implicit_dx) return choose_own(1, "DP_IMPLICIT_GEMM", weight_bytes);
+  if (p.implicit_dx) return choose_own(p.choices[1], "DP_IMPLICIT_GEMM", weight_bytes);
   const size_t image_floats = size_t(s.out_h()) * s.out_w() * size_t(s.col_rows() + s.k);
   const size_t index_cap = size_t(INT32_MAX) / std::max(image_floats, size_t(s.c) * s.h * s.w);
   if (image_floats * sizeof(float) > limit || index_cap == 0)
     throw no_fit("chunk of the backward pass (an image's rows and im2col)", s, limit);
   p.backward_images = int(std::min({size_t(s.n), limit / (image_floats * sizeof(float)), index_cap}));
   p.bwd_data_bytes = p.bwd_filter_bytes = image_floats * sizeof(float) * size_t(p.backward_images);
-  choose_own(1, "DP_IM2COL_GEMM", p.bwd_filter_bytes);
-  if (!p.direct && !p.implicit) choose_own(2, "DP_IM2COL_GEMM", p.bwd_filter_bytes);
+  choose_own(p.choices[1], "DP_IM2COL_GEMM", p.bwd_filter_bytes);
+  if (!p.direct && !p.implicit) choose_own(p.choices[2], "DP_IM2COL_GEMM", p.bwd_filter_bytes);
 }
 
 }  // namespace
@@ -204,12 +207,9 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
   p->implicit = !p->direct && implicit(s) && implicit_partial_floats(s) * sizeof(float) <= limit;
   if (p->direct || p->implicit) {  // conv_direct.cu, conv_implicit.cu: forward and backward-filter, no cuDNN
     p->bias_floats = p->direct ? direct_partial_floats(s) : implicit_partial_floats(s);
-    for (size_t i : {size_t(0), size_t(2)}) {
-      p->choices[i].algo = p->direct ? "DP_DIRECT" : "DP_IMPLICIT_GEMM";
-      p->choices[i].math = "FMA";
-      p->choices[i].workspace_bytes = i == 2 ? p->bias_floats * sizeof(float) : 0;
-      p->choices[i].deterministic = p->choices[i].strict = true;
-    }
+    const char* algo = p->direct ? "DP_DIRECT" : "DP_IMPLICIT_GEMM";
+    choose_own(p->choices[0], algo, 0);
+    choose_own(p->choices[2], algo, p->bias_floats * sizeof(float));
   } else {
     DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(cudnn_, &max_count));
     std::vector<cudnnConvolutionFwdAlgoPerf_t> fwd(size_t(std::max(max_count, 1)));

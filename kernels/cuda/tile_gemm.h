@@ -33,6 +33,7 @@ constexpr int kM = 64, kN = 64, kK = 16, kThreads = 256;  // a block's tile, its
 constexpr int kRow = kM + 4;  // a stage's row in shared memory: 16-byte aligned, stores 2-way conflicted at most
 constexpr int kNowhere = -(1 << 24);  // a row or tap coordinate outside every image
 static_assert(kM == kN && kThreads == (kM / 4) * (kN / 4) && kThreads == kK * (kM / 4));
+inline int64_t tiles(int64_t n) { return (n + kM - 1) / kM; }  // the blocks along a side of n
 
 struct Smem {
   alignas(16) float a[kK][kRow];  // a stage of the left factor, (reduction, m)
@@ -93,13 +94,14 @@ struct Gather {
     g.image = rows ? plane : s.c * plane, g.channel = rows ? s.n * plane : plane;
     return g;
   }
-  // Output pixel j's image base in x and its window's top-left corner; kNowhere past the rows.
-  DP_HD void pixel(int j, int rows, int& base, int& top, int& left) const {
+  // Output pixel j = img OH OW + q: its image base in x and its window's top-left corner (kNowhere
+  // past the rows).
+  DP_HD void pixel(int j, int rows, int& base, int& top, int& left, int& img, int& q) const {
     if (j >= rows) {
-      base = 0, top = left = kNowhere;
+      base = img = q = 0, top = left = kNowhere;
       return;
     }
-    int img = 0, q = 0, qy = 0, qx = 0;
+    int qy = 0, qx = 0;
     pixels.divmod(j, img, q);
     ow.divmod(q, qy, qx);
     top = qy - s.pad, left = qx - s.pad, base = img * image + top * s.w + left;
@@ -134,7 +136,8 @@ struct Forward {
   DP_HD void place(int bx, int by, int /*bz*/) { j0 = bx * kN, k0 = by * kM; }
   DP_HD int stages() const { return (taps() + kK - 1) / kK; }
   DP_HD void setup(int tid, Smem& s) const {
-    if (tid < kN) g.pixel(j0 + tid, rows(), s.base[tid], s.top[tid], s.left[tid]);
+    int img = 0, q = 0;
+    if (tid < kN) g.pixel(j0 + tid, rows(), s.base[tid], s.top[tid], s.left[tid], img, q);
   }
   // Thread tid fetches tap t = 16 stage + tid % 16: w's for four channels, x's for four pixels.
   DP_HD void fetch(int stage, int tid, const Smem& s, Staged& v) const {
@@ -204,10 +207,7 @@ struct FilterGrad {
   DP_HD void fetch(int stage, int tid, const Smem& s, Staged& v) const {
     const int j = begin + stage * kK + tid % kK, p = g.pixels.divisor();
     int base = 0, top = kNowhere, left = kNowhere, img = 0, q = 0;
-    if (j < end) {
-      g.pixel(j, rows(), base, top, left);
-      g.pixels.divmod(j, img, q);
-    }
+    if (j < end) g.pixel(j, rows(), base, top, left, img, q);
     for (int r = 0; r < 4; ++r) {
       const int e = tid / kK + 16 * r, k = k0 + e;
       v.a[r] = j < end && k < g.s.k ? dy[dy_rows ? k * rows() + j : (img * g.s.k + k) * p + q] : 0.0f;
