@@ -13,6 +13,9 @@
 #               end; the kernel, gradient-check, golden and parser suites are single-threaded
 #               arithmetic (slow under TSan), and dp_bench, whose own code drives the same engine and
 #               communicator from one thread, is not built here.
+# The tests see they are sanitized (tests/util.h's kSanitized) and thin what only repeats the same code
+# on other numbers: the equal-results matrices run 3 devices alone and the resume chains check their
+# stop and end but not every step between; the plain builds (scripts/test.sh) run them whole.
 # Any report fails the run. Usage: scripts/sanitize.sh [asan|tsan]   (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."

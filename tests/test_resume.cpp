@@ -64,8 +64,12 @@ void check_resume_chain(const std::string& flags) {
     REQUIRE(r.exit_code == 0);
   };
   auto ref = [&](int j) { return dir / ("ref" + std::to_string(j)); };
-  // The uninterrupted run's state after every step j: --steps only decides where a run stops.
-  for (int j = 1; j <= K; ++j) run("--steps " + std::to_string(j) + " --save " + ref(j));
+  // The uninterrupted run's state after every step j from k on: --steps only decides where a run
+  // stops. Under the sanitizers, after k and K alone: every configuration still saves, stops and
+  // resumes across two epoch boundaries there, in 4 runs instead of 15; the plain builds check the
+  // bits at every step between.
+  for (int j = k; j <= K; ++j)
+    if (!kSanitized || j == k || j == K) run("--steps " + std::to_string(j) + " --save " + ref(j));
 
   // Stopped after k steps, then resumed to K in one go (saving every 2 steps on the way).
   run("--steps " + std::to_string(k) + " --save " + dir / "A");
@@ -76,6 +80,7 @@ void check_resume_chain(const std::string& flags) {
 
   // Resumed one step at a time from its own checkpoint: every later step, including a resume
   // exactly at an epoch boundary (steps 4 and 8) and the first step of a new epoch.
+  if (kSanitized) return;
   std::filesystem::copy_file(dir / "A", dir / "chain", std::filesystem::copy_options::overwrite_existing);
   for (int j = k + 1; j <= K; ++j) {
     CAPTURE(j);
