@@ -18,6 +18,9 @@
 #include "tests/util.h"
 #if DP_TESTS_CUDA
 #include <nccl.h>
+
+#include "engine/cuda/cuda_device.h"
+#include "tests/cuda/spin.h"
 #endif
 
 using namespace dp;
@@ -126,4 +129,50 @@ TEST_CASE("cuda: nccl: two processes on the one GPU under mpirun: NCCL's refusal
   INFO(one.output);
   REQUIRE(one.exit_code == 0);
   CHECK(mpi::weights(job.dir / "p.st") == mpi::weights(job.dir / "o.st"));
+}
+
+TEST_CASE("cuda: nccl: a timeout names the oldest collective not finished, not one a later step queued behind" *
+          doctest::skip(!dp::test::cuda_available())) {
+#if DP_TESTS_CUDA
+  // Three "steps" of buckets on a one-rank clique, each ended by wait(): the first runs; the second's
+  // are held behind a spin kernel on the compute stream (a peer that never comes); the third is
+  // queued behind them before the host waits for the second (--run-ahead). The download's timeout
+  // must name the second step's first all-reduce, the rank's second collective.
+  auto dev = make_cuda_device(0, 0, 0);
+  auto* cuda = dynamic_cast<CudaDevice*>(dev.get());
+  REQUIRE(cuda != nullptr);
+  std::unique_ptr<Communicator> comm;
+  {
+    failpoint::NcclAlways always;
+    comm = make_communicator({dev.get()});
+  }
+  comm->set_timeout(0.5);
+  Buffer buf = dev->alloc_floats(256, Category::comm);
+  dp::test::SpinFlag flag;
+  std::vector<float> host(256);
+  std::string message;
+  dev->run([&] {
+       comm->all_reduce_async(0, buf.data(), 256);  // 1, and the clique's start
+       comm->wait(0);
+       dp::test::spin_on(cuda->stream(), flag, 20.0);
+       for (int i = 0; i < 2; ++i) comm->all_reduce_async(0, buf.data(), 256);  // 2 and 3, held
+       comm->wait(0);
+       comm->all_reduce_async(0, buf.data(), 256);  // 4, run ahead
+       comm->wait(0);
+       try {
+         dev->download(host.data(), buf.data(), host.size() * sizeof(float));
+       } catch (const TimedOut& e) {
+         message = e.what();
+       }
+     })
+      .get();
+  flag.release();
+  dev->run([&] { dev->synchronize(); }).get();
+  INFO(message);
+  CHECK(comm->transport() == "nccl");
+  CHECK(message.find("NCCL's all_reduce number 2 on ") != std::string::npos);
+  CHECK(message.find("(the oldest not finished; 2 more queued behind it)") != std::string::npos);
+#else
+  FAIL("a CUDA device is usable, but this build has no CUDA backend");
+#endif
 }

@@ -182,24 +182,33 @@ bool NcclCommunicator::failed(int rank) {
                                               (detail && *detail ? std::string(": ") + detail : std::string()));
 }
 
+// Whether the work before `event` has run (the stream's failure, which the wait reports, counts).
+static bool event_done(const cuda::Event& event) {
+  const cudaError_t err = cudaEventQuery(event.get());
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err != cudaErrorNotReady;
+}
+
+// The oldest collective not finished, so that a timeout while the host waits for step k names step
+// k's, not the step k+1 that --run-ahead queued behind it.
 std::string NcclCommunicator::outstanding(int rank) {
   std::lock_guard lock(events_mu_);
-  const RankEvents& ev = events_[rank];
-  const size_t n = ev.used > 0 ? ev.used : ev.in_flight;
-  for (size_t i = 0; i < n; ++i) {
-    const cudaError_t err = cudaEventQuery(ev.finished[i].get());
-    if (err == cudaSuccess) continue;
-    (void)cudaGetLastError();  // not ready; or the stream's failure, which the wait reports itself
-    if (err == cudaErrorNotReady)
-      return "queued all-reduce " + std::to_string(i + 1) + " of " + std::to_string(n) + " on " +
-             devices_[rank]->name();
+  const std::deque<Queued>& queued = events_[rank].queued;
+  for (size_t i = 0; i < queued.size(); ++i) {
+    if (event_done(queued[i].finished)) continue;
+    return "NCCL's " + std::string(collective_name(queued[i].kind)) + " number " + std::to_string(queued[i].number) +
+           " on " + devices_[rank]->name() + " (the oldest not finished; " + std::to_string(queued.size() - i - 1) +
+           " more queued behind it)";
   }
-  return "the work queued on " + devices_[rank]->name() + " (its kernels and NCCL's all-reduce)";
+  return "the work queued on " + devices_[rank]->name() + " (its kernels and NCCL's collectives)";
 }
 
 void NcclCommunicator::recover() {
   Communicator::recover();  // every comm-thread task has finished, and the barrier is re-armed
-  for (RankEvents& ev : events_) ev.used = ev.in_flight = 0;
+  for (RankEvents& ev : events_) {
+    for (Queued& q : ev.queued) ev.spare.push_back(std::move(q));
+    ev.queued.clear();
+  }
   end_clique(/*failure=*/true);
 }
 
@@ -328,20 +337,25 @@ void NcclCommunicator::enqueue_all_gather(int rank, float* buf, int64_t chunk, c
 // The timing is the host's view: from the communication thread reaching the barrier to the NCCL call
 // returning, i.e. when the collective was enqueued, not when the GPU ran it (which follows on the comm
 // stream and ends, at the latest, within the engine's wait for it, which synchronises).
-void NcclCommunicator::submit_ordered(int rank, Interval* timing, std::function<void()> peer,
+void NcclCommunicator::submit_ordered(int rank, Collective kind, Interval* timing, std::function<void()> peer,
                                       std::function<void(cudaStream_t)> nccl) {
   CudaDevice& dev = gpu(rank);
   cudaEvent_t ready = nullptr, finished = nullptr;
   {
     std::lock_guard lock(events_mu_);
     RankEvents& ev = events_[rank];
-    if (ev.used == ev.ready.size()) {  // on the compute thread: its GPU
-      ev.ready.push_back(cuda::make_event());
-      ev.finished.push_back(cuda::make_event());
+    // The finished ones go back to spare: past a wait() (their task has used their events) and run.
+    while (!ev.queued.empty() && ev.queued.front().enqueued && event_done(ev.queued.front().finished)) {
+      ev.spare.push_back(std::move(ev.queued.front()));
+      ev.queued.pop_front();
     }
-    ready = ev.ready[ev.used].get();
-    finished = ev.finished[ev.used].get();
-    ++ev.used;
+    if (ev.spare.empty()) ev.spare.push_back({cuda::make_event(), cuda::make_event()});  // the compute thread's GPU
+    Queued q = std::move(ev.spare.back());
+    ev.spare.pop_back();
+    q.kind = kind, q.number = ++ev.count, q.enqueued = false;
+    ready = q.ready.get();
+    finished = q.finished.get();
+    ev.queued.push_back(std::move(q));
   }
   DP_CUDA_CHECK(cudaEventRecord(ready, dev.stream()));  // after the kernels that wrote the buffer
   // Whether NCCL or the peer ring runs it is decided on the communication thread, where the clique
@@ -358,7 +372,8 @@ void NcclCommunicator::submit_ordered(int rank, Interval* timing, std::function<
 void NcclCommunicator::all_reduce_async(int rank, void* buf, int64_t count, Interval* timing, DType type) {
   if (nothing_to_do(count)) return;
   submit_ordered(
-      rank, timing, [this, rank, buf, count, type] { Communicator::all_reduce(rank, buf, count, type); },
+      rank, Collective::all_reduce, timing,
+      [this, rank, buf, count, type] { Communicator::all_reduce(rank, buf, count, type); },
       [this, rank, buf, count, type](cudaStream_t stream) {
         tally_all_reduce(rank, count, type);
         meet(rank, Collective::all_reduce);
@@ -370,7 +385,7 @@ void NcclCommunicator::reduce_scatter_async(int rank, void* buf, int64_t chunk, 
                                             DType type) {
   if (nothing_to_do(chunk)) return Communicator::reduce_scatter_async(rank, buf, chunk, out, timing, type);
   submit_ordered(
-      rank, timing,
+      rank, Collective::reduce_scatter, timing,
       [this, rank, buf, chunk, out, type] {
         Communicator::reduce_scatter(rank, buf, chunk, type);
         copy_owned_chunk(rank, buf, chunk, out, type);
@@ -383,17 +398,12 @@ void NcclCommunicator::reduce_scatter_async(int rank, void* buf, int64_t chunk, 
 void NcclCommunicator::all_gather_async(int rank, float* buf, int64_t chunk, Interval* timing) {
   if (nothing_to_do(chunk)) return;
   submit_ordered(
-      rank, timing, [this, rank, buf, chunk] { Communicator::all_gather(rank, buf, chunk); },
+      rank, Collective::all_gather, timing, [this, rank, buf, chunk] { Communicator::all_gather(rank, buf, chunk); },
       [this, rank, buf, chunk](cudaStream_t stream) { enqueue_all_gather(rank, buf, chunk, stream); });
 }
 
 void NcclCommunicator::wait(int rank) {
   const bool any = !pending_[rank].empty();
-  {
-    std::lock_guard lock(events_mu_);
-    events_[rank].in_flight = events_[rank].used;
-    events_[rank].used = 0;
-  }
   // The compute stream after whatever reached the comm stream (the optimizer waits on the GPU, not
   // here), a failure's too: the buckets a failed step's owner frees on the compute stream as it
   // unwinds must not go to a new allocation while a collective queued before the failure still reads
@@ -413,6 +423,10 @@ void NcclCommunicator::wait(int rank) {
     } catch (...) {  // the collective's failure is the one reported
     }
     throw;
+  }
+  {
+    std::lock_guard lock(events_mu_);
+    for (Queued& q : events_[rank].queued) q.enqueued = true;
   }
   order();
 }

@@ -6,6 +6,7 @@
 
 #include <nccl.h>
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -64,7 +65,8 @@ class NcclCommunicator : public Communicator {
   // An asynchronous collective: an event on the compute stream now; on the communication thread the
   // comm stream waits on it and `nccl` enqueues the collective there, or `peer` runs the peer copies
   // where the clique did not start. wait() orders the compute stream after the comm stream.
-  void submit_ordered(int rank, Interval* timing, std::function<void()> peer, std::function<void(cudaStream_t)> nccl);
+  void submit_ordered(int rank, Collective kind, Interval* timing, std::function<void()> peer,
+                      std::function<void(cudaStream_t)> nccl);
   // Whether this all-reduce goes through NCCL; the first call on every rank starts the clique.
   bool use_nccl(int rank);
   // Every local rank calls it at its first collective; it leaves clique_ ready or unavailable (the
@@ -95,12 +97,21 @@ class NcclCommunicator : public Communicator {
   bool drain() noexcept;
   void release_events() noexcept;
 
+  // An asynchronous collective of a rank: `ready` recorded on the compute stream before it, `finished`
+  // on the comm stream after it (for a timeout's message: the oldest one not finished).
+  struct Queued {
+    cuda::Event ready, finished;
+    Collective kind = Collective::all_reduce;
+    uint64_t number = 0;    // the rank's collectives queued before it, plus one
+    bool enqueued = false;  // a wait() since: its comm-thread task has run
+  };
   struct RankEvents {
-    std::vector<cuda::Event> ready;     // per bucket in flight: recorded on the compute stream
-    std::vector<cuda::Event> finished;  // per bucket in flight: on the comm stream after its all-reduce
-    size_t used = 0;                    // buckets started since the last wait()
-    size_t in_flight = 0;               // buckets the last wait() covered
-    cuda::Event done;                   // recorded on the comm stream after the last bucket
+    // Oldest first, those that may still run: across waits and steps (--run-ahead queues step k+1's
+    // behind step k's). submit_ordered moves the finished ones from the front, once enqueued, to spare.
+    std::deque<Queued> queued;
+    std::vector<Queued> spare;
+    uint64_t count = 0;  // collectives queued on this rank so far
+    cuda::Event done;    // recorded on the comm stream after the last bucket
   };
   int world_;  // NCCL ranks in the clique: size() in one process, every process's GPUs in a job
   // The test build's one-rank clique (failpoint::nccl_always): one GPU's collectives go through NCCL.
