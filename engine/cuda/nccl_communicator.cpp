@@ -182,7 +182,8 @@ bool NcclCommunicator::failed(int rank) {
                                               (detail && *detail ? std::string(": ") + detail : std::string()));
 }
 
-// Whether the work before `event` has run (the stream's failure, which the wait reports, counts).
+// Whether the work before `event` has run. Unlike cuda_device.cpp's event_done, the stream's failure
+// counts as done rather than thrown: the wait reports it.
 static bool event_done(const cuda::Event& event) {
   const cudaError_t err = cudaEventQuery(event.get());
   if (err != cudaSuccess) (void)cudaGetLastError();
@@ -345,14 +346,14 @@ void NcclCommunicator::submit_ordered(int rank, Collective kind, Interval* timin
     std::lock_guard lock(events_mu_);
     RankEvents& ev = events_[rank];
     // The finished ones go back to spare: past a wait() (their task has used their events) and run.
-    while (!ev.queued.empty() && ev.queued.front().enqueued && event_done(ev.queued.front().finished)) {
+    while (!ev.queued.empty() && ev.queued.front().number <= ev.waited && event_done(ev.queued.front().finished)) {
       ev.spare.push_back(std::move(ev.queued.front()));
       ev.queued.pop_front();
     }
     if (ev.spare.empty()) ev.spare.push_back({cuda::make_event(), cuda::make_event()});  // the compute thread's GPU
     Queued q = std::move(ev.spare.back());
     ev.spare.pop_back();
-    q.kind = kind, q.number = ++ev.count, q.enqueued = false;
+    q.kind = kind, q.number = ++ev.count;
     ready = q.ready.get();
     finished = q.finished.get();
     ev.queued.push_back(std::move(q));
@@ -426,7 +427,7 @@ void NcclCommunicator::wait(int rank) {
   }
   {
     std::lock_guard lock(events_mu_);
-    for (Queued& q : events_[rank].queued) q.enqueued = true;
+    events_[rank].waited = events_[rank].count;
   }
   order();
 }

@@ -102,16 +102,16 @@ class NcclCommunicator : public Communicator {
   struct Queued {
     cuda::Event ready, finished;
     Collective kind = Collective::all_reduce;
-    uint64_t number = 0;    // the rank's collectives queued before it, plus one
-    bool enqueued = false;  // a wait() since: its comm-thread task has run
+    uint64_t number = 0;  // the rank's collectives queued before it, plus one
   };
   struct RankEvents {
     // Oldest first, those that may still run: across waits and steps (--run-ahead queues step k+1's
-    // behind step k's). submit_ordered moves the finished ones from the front, once enqueued, to spare.
+    // behind step k's). submit_ordered moves the finished ones from the front, once waited, to spare.
     std::deque<Queued> queued;
     std::vector<Queued> spare;
-    uint64_t count = 0;  // collectives queued on this rank so far
-    cuda::Event done;    // recorded on the comm stream after the last bucket
+    uint64_t count = 0;   // collectives queued on this rank so far
+    uint64_t waited = 0;  // count at the last wait(): the comm-thread tasks of those up to it have run
+    cuda::Event done;     // recorded on the comm stream after the last bucket
   };
   int world_;  // NCCL ranks in the clique: size() in one process, every process's GPUs in a job
   // The test build's one-rank clique (failpoint::nccl_always): one GPU's collectives go through NCCL.
