@@ -163,7 +163,7 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
     if (p.direct)
       direct_filter_grad(s, x, dy, rows, dw, db, workspace);
     else
-      implicit_filter_grad(s, x, dy, rows, dw, db, workspace);
+      implicit_filter_grad(s, p.slices, x, dy, rows, dw, db, workspace);
     if (!dx) return;
     if (p.implicit_dx) return implicit_data_grad(s, w, dy, rows, dx, workspace);  // after the partials' total
   } else {  // db through (K, kBiasSlices) partials

@@ -82,8 +82,8 @@ int CudaOps::implicit_slices(const ConvShape& s) {
   return int(std::clamp<int64_t>(rows / 512, 1, kImplicitSlices));
 }
 
-size_t CudaOps::implicit_partial_floats(const ConvShape& s) {
-  return size_t(implicit_slices(s)) * size_t(s.k) * size_t(s.col_rows() + 1);
+size_t CudaOps::implicit_partial_floats(const ConvShape& s, int slices) {
+  return size_t(slices) * size_t(s.k) * size_t(s.col_rows() + 1);
 }
 
 void CudaOps::implicit_forward(const ConvShape& s, const float* x, const float* w, float* y) {
@@ -93,9 +93,9 @@ void CudaOps::implicit_forward(const ConvShape& s, const float* x, const float* 
   DP_CUDA_LAUNCH_CHECK("tile_kernel<Forward>");
 }
 
-void CudaOps::implicit_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
-                                   float* workspace) {
-  const int slices = implicit_slices(s), cols = int(s.col_rows()) + 1;
+void CudaOps::implicit_filter_grad(const ConvShape& s, int slices, const float* x, const float* dy, bool rows,
+                                   float* dw, float* db, float* workspace) {
+  const int cols = int(s.col_rows()) + 1;
   const cuda::tile::FilterGrad tile{cuda::tile::Gather::of(s, x), dy, rows, slices, workspace};
   const dim3 grid(unsigned(tiles(cols)), unsigned(tiles(s.k)), unsigned(slices));
   tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);

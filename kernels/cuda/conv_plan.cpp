@@ -204,9 +204,13 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
   }
 
   p->direct = direct(s) && direct_partial_floats(s) * sizeof(float) <= limit;  // its partials fit
-  p->implicit = !p->direct && implicit(s) && implicit_partial_floats(s) * sizeof(float) <= limit;
+  if (!p->direct && implicit(s)) {  // as many of the slices wanted as fit: a larger batch than the workspace
+    const size_t fit = limit / (implicit_partial_floats(s, 1) * sizeof(float));  // was sized for may have fewer
+    p->slices = int(std::min(size_t(implicit_slices(s)), fit));
+    p->implicit = p->slices > 0;
+  }
   if (p->direct || p->implicit) {  // conv_direct.cu, conv_implicit.cu: forward and backward-filter, no cuDNN
-    p->bias_floats = p->direct ? direct_partial_floats(s) : implicit_partial_floats(s);
+    p->bias_floats = p->direct ? direct_partial_floats(s) : implicit_partial_floats(s, p->slices);
     const char* algo = p->direct ? "DP_DIRECT" : "DP_IMPLICIT_GEMM";
     choose_own(p->choices[0], algo, 0);
     choose_own(p->choices[2], algo, p->bias_floats * sizeof(float));

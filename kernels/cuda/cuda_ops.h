@@ -47,6 +47,7 @@ struct ConvPlan {
   size_t bias_floats = 0;             // the bias gradient's (and a direct plan's dw's) partial sums, first
   bool direct = false;                // forward and dw, db by conv_direct.cu (CudaOps::direct)
   bool implicit = false;              // forward and dw, db by conv_implicit.cu (CudaOps::implicit)
+  int slices = 0;                     // an implicit dw's partials: implicit_slices, or fewer to fit the workspace
   bool implicit_dx = false;           // and dx (CudaOps::implicit_dx)
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
@@ -147,12 +148,14 @@ class CudaOps final : public Ops {
  public:
   static bool implicit_wanted();
   // The kernels themselves, whatever DP_CUDA_CONV says, for the test that holds them to the bits of
-  // the host's emulation of their blocks (tests/test_tile_gemm.cpp); workspace: implicit_partial_floats.
+  // the host's emulation of their blocks (tests/test_tile_gemm.cpp). dw is summed in `slices` partials
+  // (implicit_slices(s) where the workspace holds them; any number from 1 gives the same bits on the GPU
+  // as the emulation with as many); workspace: implicit_partial_floats(s, slices).
   static int implicit_slices(const ConvShape& s);
-  static size_t implicit_partial_floats(const ConvShape& s);
+  static size_t implicit_partial_floats(const ConvShape& s, int slices);
   void implicit_forward(const ConvShape& s, const float* x, const float* w, float* y);
-  void implicit_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
-                            float* workspace);
+  void implicit_filter_grad(const ConvShape& s, int slices, const float* x, const float* dy, bool rows, float* dw,
+                            float* db, float* workspace);
   // dx, for square kernels padded by less than their size (implicit_dx); workspace: K C KH KW floats.
   void implicit_data_grad(const ConvShape& s, const float* w, const float* dy, bool rows, float* dx, float* workspace);
 
