@@ -61,10 +61,12 @@
 # --deadline SECONDS: the whole run's budget from its start. Each step's limit is cut to what is left
 # (less 20 s for the summary and the tarball); a step with under 30 s left is skipped, and the summary
 # and tarball are written all the same. On a machine lent for calls of at most 10 minutes and 15 minutes
-# in all, its start included: one call with `--deadline 280 --only env,configure,build,cuda,train,
-# profile,implicit,graphs,nccl`, then at once, on the machine still warm (its build kept), `--deadline
-# 240 --only configure,build,torch,run-ahead,compare,skew,sanitize`; ctest and readme (the CPU cases, the README's
-# two-GPU commands) belong to a longer loan.
+# in all, its start included: one call with `--deadline 545 --only env,configure,build,cuda,train,
+# profile,implicit,torch,graphs,run-ahead,nccl,sanitize` (340 s on an H200, 2026-11-28, and about 40 s
+# to start the machine), given back at once; the 8 minutes or so left are for a second call on a fresh
+# machine after a fix, with what the fix touches and the steps left out (verify-*, compare, skew, comm,
+# prefetch: 20 s together). ctest and readme (the CPU cases, the README's two-GPU commands) belong to a
+# longer loan.
 #
 # --cpu-dry-run runs the same steps on a machine without a GPU (CPU-only build, --backend cpu, small
 # sizes, the GPU entry expected Skipped), so the script's own logic can be tested anywhere.

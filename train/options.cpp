@@ -43,7 +43,7 @@ Environment:
          the CPU kernel set to use at most (default: the best this CPU runs; asking for more gets that)
   DP_CUDA_CONV=library|implicit
          on CUDA, the convolutions of many taps (lenet's conv2; first layers have kernels of their own):
-         cuDNN and cuBLAS (default), or dp's implicit GEMMs (compiled, not yet run on a GPU)
+         cuDNN and cuBLAS (default), or dp's implicit GEMMs (slower on an H200: docs/gpu.md)
   DP_GRACE_SECONDS=S
          seconds a signalled run gets to finish its step and save before it exits anyway (default 10)
 

@@ -1,7 +1,7 @@
 // The convolution's forward pass, its dw and db, and its dx as implicit GEMMs (kernels/cuda/tile_gemm.h says
 // how): the kernels here run a tile's phases with __syncthreads between them, as the host's emulation
 // in tests/test_tile_gemm.cpp runs them one thread after another. Taken by conv2d.cu's plans under
-// DP_CUDA_CONV=implicit (CudaOps::implicit): compiled, not yet run on a GPU.
+// DP_CUDA_CONV=implicit (CudaOps::implicit): on an H200 slower than the library path (docs/gpu.md).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>

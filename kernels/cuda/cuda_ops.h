@@ -144,7 +144,7 @@ class CudaOps final : public Ops {
   // Other shapes, under DP_CUDA_CONV=implicit (read once; a value other than that or "library" is a
   // UsageError, from the constructor), run their forward pass, their dw and db (through
   // implicit_slices partials) and, where implicit_dx, their dx as implicit GEMMs (conv_implicit.cu,
-  // kernels/cuda/tile_gemm.h): compiled, not yet run on a GPU, so not the default until one has measured it.
+  // kernels/cuda/tile_gemm.h): not the default, slower on an H200 (650 us of kernels a step against 413).
  public:
   static bool implicit_wanted();
   // The kernels themselves, whatever DP_CUDA_CONV says, for the test that holds them to the bits of
