@@ -65,6 +65,12 @@ void Device::check_download(int slot, size_t bytes) const {
                                std::to_string(kDownloadBytes) + "; use download() for more");
 }
 
+void Device::check_mark_set(int set) const {
+  if (set < 0 || set >= kDownloadSlots)
+    throw DeviceError(id_,
+                      "mark set " + std::to_string(set) + ": the sets are 0.." + std::to_string(kDownloadSlots - 1));
+}
+
 void Device::refuse_while_capturing(bool capturing, const char* what) const {
   if (capturing)
     throw DeviceError(id_, std::string(what) +

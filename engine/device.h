@@ -135,12 +135,15 @@ class Device {
 
   // Timing without waiting. mark() notes the point the device's work has reached in its order and
   // returns its index: on a simulated device the host clock (its work is done when a call returns),
-  // on CUDA an event on the compute stream, so a phase is timed without a host synchronisation.
-  // After synchronize(), mark_time(i) is when mark i was reached, on the host's steady clock;
-  // clear_marks() starts a new set (the engine: once per step). Compute thread only.
+  // on CUDA an event on the compute stream, so a phase is timed without a host synchronisation. The
+  // marks come in kDownloadSlots sets, one per step in flight (the engine's: its download slot):
+  // clear_marks(set) empties a set and takes the marks after it, and once the work after the set's
+  // last mark is done (its step's download waited for, or synchronize()), mark_time(set, i) is when
+  // mark i was reached, on the host's steady clock, while the next step marks into the other set.
+  // Compute thread only.
   virtual int mark() = 0;
-  virtual std::chrono::steady_clock::time_point mark_time(int i) = 0;
-  virtual void clear_marks() = 0;
+  virtual std::chrono::steady_clock::time_point mark_time(int set, int i) = 0;
+  virtual void clear_marks(int set) = 0;
 
   // Runs fn on the device's compute thread / its communication thread.
   std::future<void> run(std::function<void()> fn) { return compute_->submit(std::move(fn)); }
@@ -157,6 +160,8 @@ class Device {
   void check_upload_slot(int slot) const;
   // Throws DeviceError unless 0 <= slot < kDownloadSlots and bytes <= kDownloadBytes.
   void check_download(int slot, size_t bytes) const;
+  // Throws DeviceError unless 0 <= set < kDownloadSlots (clear_marks, mark_time).
+  void check_mark_set(int set) const;
   // The step graphs' errors, alike on every backend: `what` (an upload, a download, an allocation)
   // while this thread captures, which a replay would get wrong; a launch of a slot with no graph.
   void refuse_while_capturing(bool capturing, const char* what) const;

@@ -184,10 +184,10 @@ class Engine {
   Buffer gather_parameters(int rank);
   // --graphs (EngineConfig::graphs; step_graph.cpp): refused where it cannot run; the step of the
   // one device as the graph of b's upload slot, captured where there is none, then launched; false
-  // where the capture failed (the caller then runs the step eagerly).
+  // where the capture failed (the caller then runs the step eagerly, in mark set `set`, begun again).
   void check_graphs() const;
   bool runs_as_graph(const StagedBatch& b) const;
-  bool graph_step(const StagedBatch& b, const std::vector<int>& sizes);  // false: run it eagerly
+  bool graph_step(const StagedBatch& b, const std::vector<int>& sizes, int set);  // false: run it eagerly
   struct StepGraph {
     bool captured = false;
     std::vector<Recorder::OpenPhase> phases;  // the capture's, reopened at each launch
@@ -196,9 +196,11 @@ class Engine {
   bool warm_ = false;  // a full step ran eagerly: cuDNN's plans made, every workspace at its size
   int64_t graph_captures_ = 0, graph_launches_ = 0;
   std::deque<StagedBatch> staged_;  // oldest first
-  // A started step, for its finish_step: its images, micro-batches and download slot (its index modulo
-  // kStepsInFlight, also that of the host copy of its optimizer scalars, which its upload reads).
+  // A started step, for its finish_step: its number, images, micro-batches and download slot (its
+  // number modulo kStepsInFlight: also its mark set and the host copy of its optimizer scalars, which
+  // its upload reads).
   struct Started {
+    int64_t step = 0;
     int n = 0, micros = 1, slot = 0;
   };
   std::deque<Started> started_;  // oldest first

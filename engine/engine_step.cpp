@@ -158,32 +158,29 @@ void Engine::start_step() {
   const int slot = int(step_ % kStepsInFlight);
   OptimizerScalars& scalars = scalars_[size_t(slot)];
   scalars = optimizer_scalars(cfg_, optimizer_steps_ + 1);
-  const bool timed = recorder_.timing();
   try {
     run_all([&](int r) {
       const Clock::time_point start = Clock::now();
       if (replicas_[r]->scalars) devices_[r]->upload(replicas_[r]->scalars.data(), &scalars, sizeof scalars);
-      recorder_.begin_step(*devices_[r], r);
-      if (!graph || !graph_step(parts[0], sizes[0]))
+      recorder_.begin_step(*devices_[r], r, slot);
+      if (!graph || !graph_step(parts[0], sizes[0], slot))
         for (int k = 0; k < micros; ++k) {
           StepContext context(*this, r, parts[size_t(k)], sizes[size_t(k)], {k, micros, b.n});
           strategy_.step(context);
         }
       // The loss and the correct count, from the devices that compute them, each device that stepped
       // the optimizer also saying whether the gradient it stepped was finite, queued into page-locked
-      // memory behind the step's work; every device marks the step's end so. finish_step waits for it.
-      // Timed phases are read now (a wait for the device: the steps then do not overlap).
+      // memory behind the step's work; every device marks the step's end so. finish_step waits for it,
+      // and then reads the step's timed phases.
       devices_[r]->download_async(slot, replicas_[r]->stats.f(), stats_bytes(strategy_, r));
-      const Clock::time_point enqueued = Clock::now();
-      if (timed) recorder_.close_phases(*devices_[r], r, step_);
-      recorder_.host_step(r, seconds(enqueued - start), seconds(Clock::now() - enqueued));
+      recorder_.host_step(r, seconds(Clock::now() - start), 0);
     });
   } catch (...) {
     drop_staged();
     throw;
   }
   if (!started_.empty()) ++started_ahead_;
-  started_.push_back({b.n, micros, slot});
+  started_.push_back({step_, b.n, micros, slot});
   count_started(b.n, micros);
   recorder_.after(*comm_, traffic_before, b.n == cfg_.batch * cfg_.accumulate);
   recorder_.step_seconds(seconds(Clock::now() - step_start));
@@ -207,10 +204,12 @@ StepResult Engine::finish_step() {
   const Clock::time_point finish_start = Clock::now();
   const Started s = started_.front();
   std::vector<std::array<float, kStats>> stats(size(), {0.0f, 0.0f, 0.0f});
+  const bool timed = recorder_.timing();
   try {
     run_all([&](int r) {
       const Clock::time_point start = Clock::now();
       devices_[r]->download_wait(s.slot, stats[size_t(r)].data(), stats_bytes(strategy_, r));
+      if (timed) recorder_.close_phases(*devices_[r], r, s.slot, s.step);
       recorder_.host_step(r, 0, seconds(Clock::now() - start));
     });
   } catch (...) {

@@ -9,6 +9,7 @@ Recorder::Recorder(int devices, bool trace, bool timing)
       phase_seconds_(size_t(devices)),
       host_{std::vector<HostSeconds::PerDevice>(size_t(devices)), 0.0},
       open_phases_(size_t(devices)),
+      set_(size_t(devices), 0),
       spans_(size_t(devices)),
       bucket_spans_(size_t(devices)),
       eval_spans_(size_t(devices)),
@@ -23,18 +24,18 @@ void Recorder::phase(Device& dev, int rank, Phase p, const std::function<void()>
   if (!timing_) return work();
   const int start = dev.mark();
   work();
-  open_phases_[size_t(rank)].push_back({p, start, dev.mark()});
+  marking(rank).push_back({p, start, dev.mark()});
 }
 
-void Recorder::begin_step(Device& dev, int rank) {
-  dev.clear_marks();  // also after a failed step, which left its marks behind
-  open_phases_[size_t(rank)].clear();
+void Recorder::begin_step(Device& dev, int rank, int set) {
+  dev.clear_marks(set);  // also after a failed step, which left its marks behind
+  set_[size_t(rank)] = set;
+  marking(rank).clear();
 }
 
-void Recorder::close_phases(Device& dev, int rank, int64_t step) {
-  dev.synchronize();
-  for (const OpenPhase& o : open_phases_[size_t(rank)]) {
-    const auto start = dev.mark_time(o.start), end = dev.mark_time(o.end);
+void Recorder::close_phases(Device& dev, int rank, int set, int64_t step) {
+  for (const OpenPhase& o : open_phases_[size_t(rank)][size_t(set)]) {
+    const auto start = dev.mark_time(set, o.start), end = dev.mark_time(set, o.end);
     phase_seconds_[size_t(rank)][int(o.phase)] += std::chrono::duration<double>(end - start).count();
     if (trace_) spans_[size_t(rank)].push_back({o.phase, step, us(start), us(end)});
   }

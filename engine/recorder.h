@@ -75,21 +75,23 @@ class Recorder {
   // A phase is two marks on the device (Device::mark): on CUDA two events, so the host goes on
   // enqueueing the next phase instead of waiting for this one. Compute thread of `rank` only.
   void phase(Device& dev, int rank, Phase p, const std::function<void()>& work);
-  // Before a step's first phase on `rank` (its marks and open phases are dropped).
-  void begin_step(Device& dev, int rank);
-  // After the step's one wait for the device: each phase's marks become seconds and, when tracing,
-  // spans of step `step`. On CUDA a phase is the GPU's time from the end of the previous phase to
-  // the end of its own work, idle time waiting for the host's launches included, so the phases add
-  // up to the step.
-  void close_phases(Device& dev, int rank, int64_t step);
-  // The phases of the step in flight on `rank`, as marks on the device; a step graph keeps those of
-  // its capture and reopens them when it is launched again (its marks are its own, Device::launch).
+  // Before a step's first phase on `rank`, with the mark set it takes (Device::clear_marks; the
+  // engine's download slot, one per step in flight): the set's marks and open phases are dropped.
+  void begin_step(Device& dev, int rank, int set);
+  // Once the step that marked into `set` is done on the device (its download waited for): each
+  // phase's marks become seconds and, when tracing, spans of step `step`, while a step started after
+  // it may still be running in the other set. On CUDA a phase is the GPU's time from the end of the
+  // previous phase to the end of its own work, idle time waiting for the host's launches included, so
+  // the phases add up to the step.
+  void close_phases(Device& dev, int rank, int set, int64_t step);
+  // The phases of the step being enqueued on `rank`, as marks on the device; a step graph keeps those
+  // of its capture and reopens them when it is launched again (its marks are its own, Device::launch).
   struct OpenPhase {
     Phase phase;
     int start, end;
   };
-  const std::vector<OpenPhase>& open_phases(int rank) const { return open_phases_[size_t(rank)]; }
-  void reopen(int rank, std::vector<OpenPhase> phases) { open_phases_[size_t(rank)] = std::move(phases); }
+  const std::vector<OpenPhase>& open_phases(int rank) const { return marking(rank); }
+  void reopen(int rank, std::vector<OpenPhase> phases) { marking(rank) = std::move(phases); }
   // After a step's work on `rank`, from its device's thread: the seconds it spent enqueueing the
   // step and waiting for the device. After the whole step, from the trainer's: its seconds inside.
   void host_step(int rank, double enqueue, double wait) {
@@ -129,7 +131,13 @@ class Recorder {
   std::chrono::steady_clock::time_point t0_;
   PhaseSeconds phase_seconds_;
   HostSeconds host_;
-  std::vector<std::vector<OpenPhase>> open_phases_;   // per device
+  // Per device, per mark set; and the set each device marks into (begin_step's).
+  std::vector<std::array<std::vector<OpenPhase>, Device::kDownloadSlots>> open_phases_;
+  std::vector<int> set_;
+  std::vector<OpenPhase>& marking(int rank) { return open_phases_[size_t(rank)][size_t(set_[size_t(rank)])]; }
+  const std::vector<OpenPhase>& marking(int rank) const {
+    return open_phases_[size_t(rank)][size_t(set_[size_t(rank)])];
+  }
   std::vector<std::vector<Interval>> bucket_timing_;  // per device, per bucket: this step's, when tracing
   std::vector<std::vector<Span>> spans_;
   std::vector<std::vector<BucketSpan>> bucket_spans_;

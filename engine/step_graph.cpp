@@ -43,7 +43,7 @@ bool Engine::runs_as_graph(const StagedBatch& b) const { return cfg_.graphs && w
 
 // A capture that fails (a call the device cannot capture) ran nothing: false, and the caller runs the
 // step eagerly instead, as every step after, with a warning, as the run is still correct without graphs.
-bool Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
+bool Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes, int set) {
   Device& dev = *devices_[0];
   StepGraph& g = graphs_[size_t(b.slot)];
   if (g.captured) {
@@ -59,7 +59,7 @@ bool Engine::graph_step(const StagedBatch& b, const std::vector<int>& sizes) {
       std::fprintf(stderr, "dp: warning: --graphs: the step could not be captured (%s); every step runs eagerly\n",
                    e.what());
       cfg_.graphs = false;
-      recorder_.begin_step(dev, 0);  // the capture's marks and phases dropped
+      recorder_.begin_step(dev, 0, set);  // the capture's marks and phases dropped
       return false;
     } catch (...) {
       dev.abandon_capture();

@@ -83,7 +83,7 @@ s_graphs() {
 
 # A step started before the loss of the one before is read (--run-ahead, dp_train's default on CUDA)
 # against each loss read at once (--no-run-ahead), with --graphs and eager: three alternated rounds of
-# each pair without --log (which times the phases, a wait every step, and so turns run-ahead off),
+# each pair without --log (its timing events, two a phase, are not what is measured),
 # the reports' images/s (paired medians); the first round's checkpoints must hold the same tensors,
 # bit for bit, and the run-ahead runs must have started steps ahead
 s_run_ahead() {

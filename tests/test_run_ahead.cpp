@@ -7,12 +7,17 @@
 // case) the steps overlap for real.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <utility>
@@ -42,12 +47,13 @@ struct Trained {
   std::vector<float> params;
   std::vector<std::vector<float>> state;
   int64_t optimizer_steps = 0;
+  std::vector<std::vector<Span>> spans;  // per device, with `traced`
 };
 
 // Nine steps of batch 12 (a short one, 7, among them) on n devices, prefetched as dp_train stages them,
 // the learning rate changed before every step (a schedule's), then an evaluation. Without `ahead` the
-// phases are timed, which waits for both streams at every step's start (dp_train with --log); with it,
-// as dp_train --run-ahead: stage s+1, start s, finish s-1, every step held 3 ms on the device before
+// phases are timed (dp_train with --log), and with `traced` they are kept as spans, ahead or not; with
+// `ahead`, as dp_train --run-ahead: stage s+1, start s, finish s-1, every step held 3 ms on the device before
 // its stats are copied out, so that on a GPU the next one is enqueued while it runs, and a finish that
 // did not wait reads the NaN the slot holds until the copy lands. The batches are in page-locked
 // buffers as the loader's, and a finished step's is filled with NaN at once, as the loader reuses it:
@@ -55,7 +61,7 @@ struct Trained {
 // steps, so a step started before the one before it finished that took the count of the finished ones
 // would train otherwise.
 Trained train(const std::string& kind, int n, const std::string& sync, int64_t bucket_kb, Optimizer optimizer,
-              bool graphs, bool ahead) {
+              bool graphs, bool ahead, bool traced = false) {
   const ModelSpec spec = make_model("lenet5");
   std::vector<float> init(size_t(spec.param_count));
   init_params(spec, 11, init.data());
@@ -63,7 +69,8 @@ Trained train(const std::string& kind, int n, const std::string& sync, int64_t b
   const int K = int(sizes.size()), B = 12;
   const Batches data = make_batches(K, B, 31), test = make_batches(1, 16, 32);
   EngineConfig c;
-  c.batch = B, c.sync = sync, c.bucket_kb = bucket_kb, c.prefetch = true, c.graphs = graphs, c.time_phases = !ahead;
+  c.batch = B, c.sync = sync, c.bucket_kb = bucket_kb, c.prefetch = true, c.graphs = graphs;
+  c.time_phases = traced || !ahead, c.trace = traced;
   c.optimizer = optimizer;
   if (optimizer != Optimizer::sgd) c.lr = 1e-3f, c.weight_decay = 0.01f;
   auto devs = dp::test::make_test_devices(kind, n);
@@ -105,6 +112,7 @@ Trained train(const std::string& kind, int n, const std::string& sync, int64_t b
   t.params = e.params();
   t.state = e.optimizer_state();
   t.optimizer_steps = e.optimizer_steps();
+  t.spans = e.recorder().spans();
   CHECK(e.steps_started_ahead() == (ahead ? K - 1 : 0));
   e.drop_staged();  // before the buffers are unlocked
   return t;
@@ -144,15 +152,54 @@ void check_run_ahead_trains_as_step(const std::string& kind) {
   }
 }
 
+// With the phases timed and traced (dp_train --log, --trace), a step in flight marks into a set of its
+// own while the one before it is still to be read: each step's spans are its own phases, the eager
+// run's in kind and order, and on each device every span of step s ends before step s+1's first
+// begins (a step run ahead that marked into the set of the step before would give that one its own
+// times, or overrun its marks). Two devices under allreduce, and one under step graphs, whose replays
+// mark into the set of the step that launches them.
+void check_run_ahead_timed(const std::string& kind) {
+  for (const bool graphs : {false, true}) {
+    CAPTURE(graphs);
+    const int n = graphs ? 1 : 2;
+    const Trained each = train(kind, n, "allreduce", 0, Optimizer::sgd, graphs, false, true);
+    const Trained ahead = train(kind, n, "allreduce", 0, Optimizer::sgd, graphs, true, true);
+    check_same(each, ahead);
+    REQUIRE(ahead.spans.size() == size_t(n));
+    for (int r = 0; r < n; ++r) {
+      CAPTURE(r);
+      const std::vector<Span>&want = each.spans[size_t(r)], &got = ahead.spans[size_t(r)];
+      REQUIRE(got.size() == want.size());
+      CHECK(got.size() >= 9 * 3);  // nine steps, forward, backward and the optimizer at the least
+      for (size_t i = 0; i < got.size(); ++i) {
+        CAPTURE(i);
+        CHECK(got[i].phase == want[i].phase);
+        CHECK(got[i].step == want[i].step);
+        CHECK(got[i].start_us <= got[i].end_us);
+        if (i > 0 && got[i].step != got[i - 1].step) {
+          CHECK(got[i].step == got[i - 1].step + 1);
+          double last_end = 0;
+          for (const Span& s : got)
+            if (s.step == got[i - 1].step) last_end = std::max(last_end, s.end_us);
+          CHECK(last_end <= got[i].start_us);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TEST_CASE("run-ahead: steps started before the one before is finished train bit-identical to step()") {
   check_run_ahead_trains_as_step("cpu");
 }
 
+TEST_CASE("run-ahead: with the phases timed, each step's spans are its own, in order") { check_run_ahead_timed("cpu"); }
+
 TEST_CASE("cuda: run-ahead: steps enqueued while the one before runs train bit-identical to step()" *
           doctest::skip(!dp::test::cuda_available())) {
   check_run_ahead_trains_as_step("cuda");
+  check_run_ahead_timed("cuda");
 }
 
 TEST_CASE("run-ahead: nothing reads or sets the model while a step is in flight, and a failed step forgets them") {
@@ -295,19 +342,55 @@ TEST_CASE("dp_train --run-ahead: a signal stops after the step it came in, saved
           std::string::npos);
 }
 
-TEST_CASE("dp_train --run-ahead: refused with --log, --trace, --eval and --no-run-ahead, saying why") {
+TEST_CASE("dp_train --run-ahead: refused with --eval and --no-run-ahead, saying why") {
   TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 64, 16);
   const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --steps 1 ";
   dp::test::check_refusals(
       base,
-      {{"--run-ahead --log " + dir / "l.jsonl", "--run-ahead with --log: it times every step"},
-       {"--run-ahead --trace " + dir / "t.json", "--run-ahead with --trace"},
-       {"--run-ahead --no-run-ahead", "--run-ahead and --no-run-ahead: give one of them"},
+      {{"--run-ahead --no-run-ahead", "--run-ahead and --no-run-ahead: give one of them"},
        {"--eval --load " + dir / "none.st" + " --run-ahead", "--run-ahead only make sense for training"}},
       "epoch 1/");
-  // Without the flag --log simply times each step, reading its loss at once.
-  CommandResult r = run_command(base + "--log " + dir / "l.jsonl" + " --report " + dir / "r.json");
-  REQUIRE(r.exit_code == 0);
-  CHECK(dp::test::read_json(dir / "r.json")["config"]["run_ahead"] == false);
+}
+
+// --log and --trace time every step's phases; a step run ahead marks into a set of its own, so they
+// run ahead too: the same checkpoint, a log record of every step with its phases and host times, and
+// a trace whose steps follow one another on the device.
+TEST_CASE("dp_train --run-ahead: with --log and --trace, every step logged and traced") {
+  TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 160, 40);
+  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 ";
+  const std::string log = dir / "l.jsonl", trace = dir / "t.json";
+  check_same_run(base, "--epochs 2 --devices 2 --sync allreduce --log-every 1 --log " + log + " --trace " + trace, dir,
+                 8);
+  int records = 0;
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j["kind"] != "step") continue;
+    CAPTURE(line);
+    CHECK(j["step"] == ++records);
+    CHECK(j["phase_ms"]["device0"]["forward"].get<double>() > 0);
+    CHECK(j["host_ms"]["step"].get<double>() > 0);
+  }
+  CHECK(records == 10);
+  // The trace's device lanes: every step's phases after the step before's, on each device.
+  const nlohmann::json t = dp::test::read_json(trace);
+  std::map<std::pair<int, int64_t>, std::pair<double, double>> steps;  // (lane, step): first start, last end
+  for (const nlohmann::json& e : t["traceEvents"]) {
+    if (e.value("ph", "") != "X" || !e.contains("args") || !e["args"].contains("step") || e.value("cat", "") != "phase")
+      continue;
+    auto [it, fresh] = steps.try_emplace({e["tid"].get<int>(), e["args"]["step"].get<int64_t>()}, e["ts"].get<double>(),
+                                         e["ts"].get<double>() + e["dur"].get<double>());
+    it->second.first = std::min(it->second.first, e["ts"].get<double>());
+    it->second.second = std::max(it->second.second, e["ts"].get<double>() + e["dur"].get<double>());
+  }
+  CHECK(steps.size() == 2 * 10);
+  for (auto it = steps.begin(); it != steps.end(); ++it) {
+    const auto next = std::next(it);
+    if (next == steps.end() || next->first.first != it->first.first) continue;
+    CAPTURE(it->first.second);
+    CHECK(next->first.second == it->first.second + 1);
+    CHECK(it->second.second <= next->second.first);
+  }
 }

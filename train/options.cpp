@@ -166,7 +166,7 @@ void add_data(CLI::App& app, TrainOptions& o) {
   app.add_flag_callback(
       "--run-ahead", [&o] { o.run_ahead = true; },
       "Enqueue each step before the loss of the one before is read, so a GPU does not idle while the host reads it "
-      "(default on CUDA devices; not across processes, nor with --log or --trace)");
+      "(default on CUDA devices; not across processes)");
   app.add_flag_callback(
       "--no-run-ahead", [&o] { o.run_ahead = false; }, "Read each step's loss before the next step is enqueued");
 }
@@ -274,10 +274,6 @@ void check_combinations(const CLI::App& app, const TrainOptions& o) {
   if (app.count("--log-every") && o.log.empty()) throw UsageError("--log-every: needs --log FILE to say where");
   if (app.count("--run-ahead") && app.count("--no-run-ahead"))
     throw UsageError("--run-ahead and --no-run-ahead: give one of them");
-  if (app.count("--run-ahead") && (!o.log.empty() || !o.trace.empty()))
-    throw UsageError(std::string("--run-ahead with ") + (o.log.empty() ? "--trace" : "--log") +
-                     ": it times every step's phases on the devices, which waits for each step, so no step could run "
-                     "ahead; drop one or the other");
   // Given, 0 is not the default it stands for, and a factor without the schedule that uses it is ignored.
   if (app.count("--lr-step-size") && o.lr_step_size <= 0)
     throw UsageError("--lr-step-size: " + std::to_string(o.lr_step_size) + " steps; give at least 1");

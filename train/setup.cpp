@@ -127,7 +127,7 @@ EngineConfig engine_config(const TrainOptions& o, int64_t train_count) {
 }
 
 bool runs_ahead(const TrainOptions& o, DeviceKind kind, bool in_job) {
-  if (in_job || !o.log.empty() || !o.trace.empty()) return false;
+  if (in_job) return false;
   return o.run_ahead.value_or(kind == DeviceKind::cuda);
 }
 

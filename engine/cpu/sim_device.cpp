@@ -7,6 +7,7 @@
 #include <future>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -109,7 +110,7 @@ class SimDevice final : public Device {
   void end_capture(int slot) override {
     check_upload_slot(slot);
     ops_.stop();
-    graphs_[size_t(slot)] = {std::exchange(capture_, {}), marks_.size()};
+    graphs_[size_t(slot)] = {std::exchange(capture_, {}), marks().size()};
   }
   void abandon_capture() noexcept override {
     ops_.stop();
@@ -120,19 +121,30 @@ class SimDevice final : public Device {
     const Graph& g = graphs_[size_t(slot)];
     if (g.calls.empty()) no_graph(slot);
     await_upload(slot);
-    marks_.resize(g.marks);
+    marks().resize(g.marks);
     for (const auto& call : g.calls) call();
   }
 
-  // Marks on the host clock, as the base's, but a mark taken while capturing is stamped when replayed.
+  // Marks on the host clock, as the base's, but a mark taken while capturing is stamped when replayed,
+  // into the set the replaying step marks into.
   int mark() override {
-    const size_t i = marks_.size();
-    marks_.emplace_back();
-    ops_.run([this, i] { marks_[i] = std::chrono::steady_clock::now(); });
+    const size_t i = marks().size();
+    marks().emplace_back();
+    ops_.run([this, i] { marks()[i] = std::chrono::steady_clock::now(); });
     return int(i);
   }
-  std::chrono::steady_clock::time_point mark_time(int i) override { return marks_.at(size_t(i)); }
-  void clear_marks() override { marks_.clear(); }
+  std::chrono::steady_clock::time_point mark_time(int set, int i) override {
+    check_mark_set(set);
+    const auto& m = marks_[size_t(set)];
+    if (i < 0 || size_t(i) >= m.size())
+      throw DeviceError(id(), "mark_time: no mark " + std::to_string(i) + " in set " + std::to_string(set));
+    return m[size_t(i)];
+  }
+  void clear_marks(int set) override {
+    check_mark_set(set);
+    set_ = set;
+    marks().clear();
+  }
 
  protected:
   void* raw_alloc(size_t bytes) override {
@@ -157,7 +169,10 @@ class SimDevice final : public Device {
   RecordingOps ops_;
   RecordingOps::Graph capture_;  // the capture under way
   std::array<Graph, kUploadSlots> graphs_;
-  std::vector<std::chrono::steady_clock::time_point> marks_;
+  // Per mark set (Device::clear_marks); marks() is the one the device marks into.
+  std::array<std::vector<std::chrono::steady_clock::time_point>, kDownloadSlots> marks_;
+  int set_ = 0;
+  std::vector<std::chrono::steady_clock::time_point>& marks() { return marks_[size_t(set_)]; }
   std::array<std::array<char, kDownloadBytes>, kDownloadSlots> downloaded_{};  // download_async's slots
   std::mutex mu_;                                                              // guards copier_ and uploads_
   std::unique_ptr<Worker> copier_;

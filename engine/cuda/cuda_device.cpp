@@ -136,7 +136,9 @@ void CudaDevice::close() noexcept {
   for (cuda::Event& e : uploaded_) e.reset();
   for (cuda::Event& e : downloaded_) e.reset();
   downloads_.reset();
-  marks_.clear();
+  for (MarkSet& m : own_marks_) m = {};
+  for (MarkSet& m : graph_marks_) m = {};
+  capture_marks_ = {};
   copy_stream_.reset();
   comm_stream_.reset();
   stream_.reset();
@@ -319,28 +321,45 @@ void CudaDevice::wait_event(cudaEvent_t event) {
 
 bool stream_idle(cudaStream_t stream) { return query_done(cudaStreamQuery(stream), "cudaStreamQuery(stream)"); }
 
-int CudaDevice::mark() {
-  DeviceGuard guard(id());
-  if (marks_used_ == marks_.size()) {
-    cudaEvent_t e = nullptr;
-    DP_CUDA_CHECK(cudaEventCreate(&e));  // timing on: cudaEventElapsedTime reads it
-    marks_.emplace_back(e);
-  }
-  if (marks_used_ == 0) first_mark_ = std::chrono::steady_clock::now();
-  // Inside a capture an event-record node, which only the external flag lets the host time.
-  DP_CUDA_CHECK(
-      cudaEventRecordWithFlags(marks_[marks_used_].get(), stream_.get(), capturing() ? cudaEventRecordExternal : 0));
-  return int(marks_used_++);
+void CudaDevice::clear_marks(int set) {
+  check_mark_set(set);
+  MarkSet& m = own_marks_[set];
+  m.used = 0;
+  m.anchored = false;
+  sets_[set] = marking_ = &m;
+  set_ = set;
 }
 
-std::chrono::steady_clock::time_point CudaDevice::mark_time(int i) {
-  if (i < 0 || size_t(i) >= marks_used_) throw DeviceError(id(), "mark_time: no mark " + std::to_string(i));
-  if (i == 0) return first_mark_;
+int CudaDevice::mark() {
   DeviceGuard guard(id());
-  float ms = 0;
-  DP_CUDA_CHECK(cudaEventElapsedTime(&ms, marks_[0].get(), marks_[size_t(i)].get()));
-  return first_mark_ +
-         std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double, std::milli>(ms));
+  MarkSet& m = *marking_;
+  if (m.used == m.events.size()) {
+    cudaEvent_t e = nullptr;
+    DP_CUDA_CHECK(cudaEventCreate(&e));  // timing on: cudaEventElapsedTime reads it
+    m.events.emplace_back(e);
+  }
+  if (m.used == 0) m.first = std::chrono::steady_clock::now();
+  // Inside a capture an event-record node, which only the external flag lets the host time.
+  DP_CUDA_CHECK(
+      cudaEventRecordWithFlags(m.events[m.used].get(), stream_.get(), capturing() ? cudaEventRecordExternal : 0));
+  return int(m.used++);
+}
+
+std::chrono::steady_clock::time_point CudaDevice::mark_time(int set, int i) {
+  check_mark_set(set);
+  MarkSet* m = sets_[set];
+  if (!m || i < 0 || size_t(i) >= m->used)
+    throw DeviceError(id(), "mark_time: no mark " + std::to_string(i) + " in set " + std::to_string(set));
+  if (!m->anchored) m->first = std::max(m->first, reached_), m->anchored = true;
+  auto t = m->first;
+  if (i > 0) {
+    DeviceGuard guard(id());
+    float ms = 0;
+    DP_CUDA_CHECK(cudaEventElapsedTime(&ms, m->events[0].get(), m->events[size_t(i)].get()));
+    t += std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double, std::milli>(ms));
+  }
+  reached_ = std::max(reached_, t);
+  return t;
 }
 
 bool cuda_built() { return true; }

@@ -79,12 +79,14 @@ class CudaDevice final : public Device {
   void launch(int slot) override;
   static constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;
   // Events recorded on the compute stream (with timing, unlike the ordering events). The first mark
-  // of a set is taken as reached when it was recorded: the engine clears marks at the start of a step,
-  // after the previous one synchronised, so the stream is idle then and the event runs at once; every
-  // later mark is that host time plus the GPU's elapsed time between the two events.
+  // of a set is taken as reached when it was recorded, or when the GPU reached the last mark read
+  // before it if that is later (a step started ahead queues its first mark behind the step before:
+  // the stream reaches it no sooner); every later mark is that time plus the GPU's elapsed time
+  // between the two events. A graph's marks are events of its own, recorded by its nodes, so the
+  // steps in flight never share one (launch points the step's set at them).
   int mark() override;
-  std::chrono::steady_clock::time_point mark_time(int i) override;
-  void clear_marks() override { marks_used_ = 0; }
+  std::chrono::steady_clock::time_point mark_time(int set, int i) override;
+  void clear_marks(int set) override;
 
   // Set by the NCCL communicator while its clique exists (nullptr: none). While set, every host wait
   // on this device's stream (synchronize, download) polls instead of blocking: between polls it asks
@@ -151,12 +153,11 @@ class CudaDevice final : public Device {
   // The thread capturing a step graph (none: not capturing); what it may not do then throws.
   std::atomic<std::thread::id> capture_thread_{};
   bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
-  Buffer cublas_workspace_;                        // prepare_steps'
-  cuda::GraphExec graphs_[Device::kUploadSlots];   // one per upload slot
-  size_t graph_marks_[Device::kUploadSlots] = {};  // the marks each graph records
-  cuda::Event computed_;                           // recorded on stream_ for the copy stream to wait on
-  cuda::Event uploaded_[Device::kUploadSlots];     // recorded on copy_stream_ after a slot's uploads
-  cuda::PinnedHost downloads_;                     // (kDownloadSlots, kDownloadBytes): download_async's slots
+  Buffer cublas_workspace_;                       // prepare_steps'
+  cuda::GraphExec graphs_[Device::kUploadSlots];  // one per upload slot
+  cuda::Event computed_;                          // recorded on stream_ for the copy stream to wait on
+  cuda::Event uploaded_[Device::kUploadSlots];    // recorded on copy_stream_ after a slot's uploads
+  cuda::PinnedHost downloads_;                    // (kDownloadSlots, kDownloadBytes): download_async's slots
   char* download_slot(int slot) const { return static_cast<char*>(downloads_.get()) + size_t(slot) * kDownloadBytes; }
   cuda::Event downloaded_[Device::kDownloadSlots];  // recorded on stream_ after a slot's download
   mutable std::mutex ready_mu_;
@@ -165,10 +166,23 @@ class CudaDevice final : public Device {
   // Created in open(); kept past close() (a buffer freed after it still goes back with cudaFreeAsync)
   // and destroyed with the device, when the driver ends it once every buffer is back.
   cuda::MemPool pool_;
-  std::vector<cuda::Event> marks_;  // grown on demand, reused every step
-  size_t marks_used_ = 0;
-  std::chrono::steady_clock::time_point first_mark_;
-  std::mutex watch_mu_;  // set_watch runs on another rank's thread
+  // Marks (mark, mark_time): a set's events, grown on demand and reused, how many its step took
+  // and when the first was reached (anchored: moved past the marks read before it).
+  struct MarkSet {
+    std::vector<cuda::Event> events;
+    size_t used = 0;
+    std::chrono::steady_clock::time_point first;
+    bool anchored = false;
+  };
+  MarkSet own_marks_[Device::kDownloadSlots];  // the eager steps'
+  MarkSet graph_marks_[Device::kUploadSlots];  // each graph's, taken while it was captured
+  size_t graph_mark_count_[Device::kUploadSlots] = {};
+  MarkSet capture_marks_;                          // a capture's, until end_capture gives them to its slot
+  MarkSet* sets_[Device::kDownloadSlots] = {};     // what mark_time reads for each set
+  MarkSet* marking_ = &own_marks_[0];              // where mark() records
+  int set_ = 0;                                    // the set cleared last
+  std::chrono::steady_clock::time_point reached_;  // the latest mark mark_time has returned
+  std::mutex watch_mu_;                            // set_watch runs on another rank's thread
   std::shared_ptr<const Watch> watch_;
 };
 

@@ -1,7 +1,8 @@
 // The CUDA device's step graphs (cuda_device.h; Device::begin_capture): the compute stream captured
 // in thread-local mode, one instantiated graph per upload slot, launched after that slot's uploads.
-// Compiled, not yet run on a GPU.
+// Run on an H200 (docs/gpu.md).
 #include <chrono>
+#include <utility>
 
 #include "engine/cuda/cuda_device.h"
 #include "engine/error.h"
@@ -26,6 +27,8 @@ void CudaDevice::begin_capture() {
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
   capture_thread_.store(std::this_thread::get_id());
+  capture_marks_.used = 0;  // the graph's marks: events of its own (launch)
+  sets_[set_] = marking_ = &capture_marks_;
 }
 
 void CudaDevice::end_capture(int slot) {
@@ -39,7 +42,8 @@ void CudaDevice::end_capture(int slot) {
   cudaGraphExec_t exec = nullptr;
   DP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph.get(), 0));
   graphs_[slot] = cuda::GraphExec(exec);
-  graph_marks_[slot] = marks_used_;
+  std::swap(graph_marks_[slot], capture_marks_);  // the events its nodes record
+  graph_mark_count_[slot] = graph_marks_[slot].used;
 }
 
 // The capture is ended and whatever it made dropped; an error it left (the reason it failed, most
@@ -60,9 +64,12 @@ void CudaDevice::launch(int slot) {
   if (!graphs_[slot]) no_graph(slot);
   DeviceGuard guard(id());
   DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), uploaded_[slot].get(), 0));
-  // The marks are the graph's event-record nodes, counted from its launch (mark_time).
-  marks_used_ = graph_marks_[slot];
-  first_mark_ = std::chrono::steady_clock::now();
+  // The step's marks are the graph's event-record nodes, counted from its launch (mark_time).
+  MarkSet& m = graph_marks_[slot];
+  m.used = graph_mark_count_[slot];
+  m.first = std::chrono::steady_clock::now();
+  m.anchored = false;
+  sets_[set_] = marking_ = &m;
   DP_CUDA_CHECK(cudaGraphLaunch(graphs_[slot].get(), stream_.get()));
 }
 
