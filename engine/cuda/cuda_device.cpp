@@ -350,7 +350,10 @@ std::chrono::steady_clock::time_point CudaDevice::mark_time(int set, int i) {
   MarkSet* m = sets_[set];
   if (!m || i < 0 || size_t(i) >= m->used)
     throw DeviceError(id(), "mark_time: no mark " + std::to_string(i) + " in set " + std::to_string(set));
-  if (!m->anchored) m->first = std::max(m->first, reached_), m->anchored = true;
+  if (!m->anchored) {  // once a set: its first mark's time moves the set's every mark
+    m->first = std::max(m->first, reached_);
+    m->anchored = true;
+  }
   auto t = m->first;
   if (i > 0) {
     DeviceGuard guard(id());
