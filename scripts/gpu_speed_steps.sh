@@ -24,7 +24,8 @@ alternate() {
 # What alternate's runs $1 measured, "on" named $2 and "off" $3: images/s of the last step record (paired
 # median of the three rounds), device 0's load phase, the host's time a step (its thread enqueueing the
 # step, waiting for the GPU, and the trainer's between two steps: what a graph and a loss read a step
-# late would take), the graph launches (--graphs) and the test accuracy.
+# late would take), the graph launches (--graphs), the test accuracy, and whether the runs ran ahead
+# (--run-ahead, dp_train's default on CUDA, with --log too since 2026-11-28: earlier calls did not).
 paired() {
   "$py" - "$out" "$@" << 'EOF'
 import json, statistics, sys
@@ -36,7 +37,7 @@ def run(mode, r):
     h = s["host_ms"]
     return (s["images_per_second"], s["phase_ms"]["device0"]["load"],
             report.get("graphs", {}).get("launches", 0), report["test_accuracy"],
-            1e3 * h["enqueue"], 1e3 * h["wait"], 1e3 * h["between"])
+            1e3 * h["enqueue"], 1e3 * h["wait"], 1e3 * h["between"], report["config"]["run_ahead"])
 try:
     on, off = ([run(m, r) for r in (1, 2, 3)] for m in ("on", "off"))
 except (OSError, ValueError, KeyError, IndexError):
@@ -46,7 +47,8 @@ med = lambda v, i: statistics.median(x[i] for x in v)
 print(f"img/s {on_name} {med(on, 0):.0f} / {off_name} {med(off, 0):.0f} (paired median {ratio:.3f}x); "
       f"load {med(on, 1):.4f} / {med(off, 1):.4f} ms a step; host us a step: enqueue {med(on, 4):.0f} / "
       f"{med(off, 4):.0f}, wait {med(on, 5):.0f} / {med(off, 5):.0f}, between steps {med(on, 6):.0f} / "
-      f"{med(off, 6):.0f}; {on[0][2]} graph launches; test acc {on[0][3]:.4f} / {off[0][3]:.4f}")
+      f"{med(off, 6):.0f}; {on[0][2]} graph launches; test acc {on[0][3]:.4f} / {off[0][3]:.4f}; "
+      f"run-ahead {'on' if on[0][7] else 'off'} / {'on' if off[0][7] else 'off'}")
 EOF
 }
 
