@@ -1,8 +1,9 @@
 // Run-ahead (Engine::start_step / finish_step; dp_train --run-ahead): a step started before the one
 // before it is finished trains bit-identical to step() under every strategy, SGD and AdamW, with and
-// without --graphs; what reads or sets the model refuses a step in flight; a failed step forgets the
-// steps in flight. dp_train with --run-ahead writes the checkpoint it writes without, stops on a signal
-// after the same step, and names the same non-finite step. On simulated devices a step is done when
+// without --graphs, and with its phases timed each step's spans are its own; what reads or sets the
+// model refuses a step in flight; a failed step forgets the steps in flight. dp_train with --run-ahead
+// writes the checkpoint it writes without (with --log and --trace too), stops on a signal after the
+// same step, and names the same non-finite step. On simulated devices a step is done when
 // start_step returns, so these check the engine's and the trainer's side of it; on a GPU (the cuda:
 // case) the steps overlap for real.
 #include <doctest/doctest.h>
