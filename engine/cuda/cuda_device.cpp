@@ -326,13 +326,13 @@ void CudaDevice::clear_marks(int set) {
   MarkSet& m = own_marks_[set];
   m.used = 0;
   m.anchored = false;
-  sets_[set] = marking_ = &m;
+  sets_[set] = &m;
   set_ = set;
 }
 
 int CudaDevice::mark() {
   DeviceGuard guard(id());
-  MarkSet& m = *marking_;
+  MarkSet& m = *sets_[set_];
   if (m.used == m.events.size()) {
     cudaEvent_t e = nullptr;
     DP_CUDA_CHECK(cudaEventCreate(&e));  // timing on: cudaEventElapsedTime reads it
@@ -348,7 +348,7 @@ int CudaDevice::mark() {
 std::chrono::steady_clock::time_point CudaDevice::mark_time(int set, int i) {
   check_mark_set(set);
   MarkSet* m = sets_[set];
-  if (!m || i < 0 || size_t(i) >= m->used)
+  if (i < 0 || size_t(i) >= m->used)
     throw DeviceError(id(), "mark_time: no mark " + std::to_string(i) + " in set " + std::to_string(set));
   if (!m->anchored) {  // once a set: its first mark's time moves the set's every mark
     m->first = std::max(m->first, reached_);

@@ -177,10 +177,12 @@ class CudaDevice final : public Device {
   MarkSet own_marks_[Device::kDownloadSlots];  // the eager steps'
   MarkSet graph_marks_[Device::kUploadSlots];  // each graph's, taken while it was captured
   size_t graph_mark_count_[Device::kUploadSlots] = {};
-  MarkSet capture_marks_;                          // a capture's, until end_capture gives them to its slot
-  MarkSet* sets_[Device::kDownloadSlots] = {};     // what mark_time reads for each set
-  MarkSet* marking_ = &own_marks_[0];              // where mark() records
-  int set_ = 0;                                    // the set cleared last
+  MarkSet capture_marks_;  // a capture's, until end_capture gives them to its slot
+  // What each set's marks are: its own, a capture's or a launched graph's; mark() records into set_'s,
+  // the set cleared last.
+  MarkSet* sets_[Device::kDownloadSlots] = {&own_marks_[0], &own_marks_[1]};
+  static_assert(Device::kDownloadSlots == 2, "sets_ names each set's own marks");
+  int set_ = 0;
   std::chrono::steady_clock::time_point reached_;  // the latest mark mark_time has returned
   std::mutex watch_mu_;                            // set_watch runs on another rank's thread
   std::shared_ptr<const Watch> watch_;

@@ -28,7 +28,7 @@ void CudaDevice::begin_capture() {
   DP_CUDA_CHECK(cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal));
   capture_thread_.store(std::this_thread::get_id());
   capture_marks_.used = 0;  // the graph's marks: events of its own (launch)
-  sets_[set_] = marking_ = &capture_marks_;
+  sets_[set_] = &capture_marks_;
 }
 
 void CudaDevice::end_capture(int slot) {
@@ -69,7 +69,7 @@ void CudaDevice::launch(int slot) {
   m.used = graph_mark_count_[slot];
   m.first = std::chrono::steady_clock::now();
   m.anchored = false;
-  sets_[set_] = marking_ = &m;
+  sets_[set_] = &m;
   DP_CUDA_CHECK(cudaGraphLaunch(graphs_[slot].get(), stream_.get()));
 }
 
