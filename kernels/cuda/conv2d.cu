@@ -27,15 +27,23 @@ __global__ void dy_rows_kernel(int64_t total, int k, int p, int r, const float* 
 
 // col(R, C KH KW)[n P + q, (c KH + u) KW + v] = x(nb, C, H, W)[n, c, qy + u - pad, qx + v - pad], zero
 // outside the image, (qy, qx) the output pixel q: im2col with one row per output pixel. A block fills
-// kColRows rows: their images and pixels worked out once, in shared memory, and each thread's taps
-// (c, u, v) once, so the inner loop divides nothing (six divisions an element made it the step's
-// slowest kernel on an H200: 72 us, now 46). Neighbouring threads write neighbouring floats of a row.
-constexpr int kColRows = 32;
+// kColRows rows and kColTaps taps of them: the rows' images and pixels worked out once, in shared
+// memory, and each thread's taps (c, u, v) once, so the inner loop divides nothing (six divisions an
+// element made it the step's slowest kernel on an H200: 72 us, then 46). Neighbouring threads write
+// neighbouring floats of a row. Each thread loads its kColRows / 8 values of a tap before it stores
+// them, so their loads wait for memory together, not one after another (a block of 32 rows and every
+// tap, each thread's loads one by one, took 30 us for lenet's second convolution: 512 blocks, half the
+// H200's threads, each waiting on 64 loads in turn). KH, KW: the kernel's size where the launch knows
+// it (the taps' division then a multiply), 0 for the shape's at run time.
+constexpr int kColRows = 32, kColTaps = 64;
 const dim3 kColThreads(32, 8);  // (taps, rows)
+template <int KH, int KW>
 __global__ void im2col_rows_kernel(int rows, ConvShape s, const float* x, float* col) {
+  constexpr int kRowsEach = kColRows / 8, kTapsEach = kColTaps / 32;
   __shared__ int image_at[kColRows], top[kColRows], left[kColRows];
-  const int ow = s.w + 2 * s.pad - s.kw + 1, pixels = (s.h + 2 * s.pad - s.kh + 1) * ow;  // out_h, out_w: host code
-  const int khw = s.kh * s.kw, crs = s.c * khw, row0 = int(blockIdx.x) * kColRows;
+  const int kh = KH ? KH : s.kh, kw = KW ? KW : s.kw;
+  const int ow = s.w + 2 * s.pad - kw + 1, pixels = (s.h + 2 * s.pad - kh + 1) * ow;  // out_h, out_w: host code
+  const int khw = kh * kw, crs = s.c * khw, row0 = int(blockIdx.x) * kColRows;
   const int t = int(threadIdx.y * blockDim.x + threadIdx.x);
   if (t < kColRows && row0 + t < rows) {
     const int row = row0 + t, img = row / pixels, q = row - img * pixels, qy = q / ow;
@@ -43,39 +51,79 @@ __global__ void im2col_rows_kernel(int rows, ConvShape s, const float* x, float*
   }
   __syncthreads();
   const int last = rows - row0 < kColRows ? rows - row0 : kColRows;
-  for (int j = int(threadIdx.x); j < crs; j += int(blockDim.x)) {
-    const int ch = j / khw, tap = j - ch * khw, u = tap / s.kw, v = tap - u * s.kw;
-    for (int r = int(threadIdx.y); r < last; r += int(blockDim.y)) {
+#pragma unroll
+  for (int a = 0; a < kTapsEach; ++a) {
+    const int j = int(blockIdx.y) * kColTaps + a * 32 + int(threadIdx.x);
+    if (j >= crs) break;
+    const int ch = j / khw, tap = j - ch * khw, u = tap / kw, v = tap - u * kw;
+    float value[kRowsEach];
+#pragma unroll
+    for (int b = 0; b < kRowsEach; ++b) {
+      const int r = int(threadIdx.y) + 8 * b;
+      value[b] = 0.0f;
+      if (r >= last) continue;
       const int y = top[r] + u, xx = left[r] + v;
-      col[(row0 + r) * crs + j] =
-          (y >= 0 && y < s.h && xx >= 0 && xx < s.w) ? x[image_at[r] + (ch * s.h + y) * s.w + xx] : 0.0f;
+      if (y >= 0 && y < s.h && xx >= 0 && xx < s.w) value[b] = x[image_at[r] + (ch * s.h + y) * s.w + xx];
+    }
+#pragma unroll
+    for (int b = 0; b < kRowsEach; ++b) {
+      const int r = int(threadIdx.y) + 8 * b;
+      if (r < last) col[(row0 + r) * crs + j] = value[b];
     }
   }
 }
 
 // dx(nb, C, H, W)[n, c, y, x] = the sum, over the taps (u, v) in order whose output pixel (y + pad - u,
 // x + pad - v) exists, of cols(C KH KW, R)[(c KH + u) KW + v, n P + that pixel]: col2im as a gather,
-// every input pixel one thread, a fixed order, no atomics. Its coordinates come from Dividers.
+// every input pixel one thread, a fixed order, no atomics. Its coordinates come from Dividers. Where
+// the launch knows the kernel's size (KH, KW; 0: the shape's at run time) the taps' loop unrolls, and
+// a thread's loads wait for memory together (one after another, lenet's took 33.5 us on an H200).
+template <int KH, int KW>
 __global__ void col2im_rows_kernel(int total, ConvShape s, int r, cuda::Divider width, cuda::Divider height,
                                    cuda::Divider channels, const float* cols, float* dx) {
-  const int oh = s.h + 2 * s.pad - s.kh + 1, ow = s.w + 2 * s.pad - s.kw + 1;
+  const int kh = KH ? KH : s.kh, kw = KW ? KW : s.kw;
+  const int oh = s.h + 2 * s.pad - kh + 1, ow = s.w + 2 * s.pad - kw + 1;
   DP_GRID_STRIDE(i64, total) {
     int rest = 0, xx = 0, y = 0, img = 0, ch = 0;
     width.divmod(int(i64), rest, xx);
     height.divmod(rest, rest, y);
     channels.divmod(rest, img, ch);
-    const int base = img * oh * ow;
+    const float* taps = cols + int64_t(ch * kh * kw) * r + img * oh * ow;  // tap (c, 0, 0), image n
     float sum = 0.0f;
-    for (int u = 0; u < s.kh; ++u) {
+#pragma unroll
+    for (int u = 0; u < kh; ++u) {
       const int qy = y + s.pad - u;
-      if (qy < 0 || qy >= oh) continue;
-      for (int v = 0; v < s.kw; ++v) {
+#pragma unroll
+      for (int v = 0; v < kw; ++v) {
         const int qx = xx + s.pad - v;
-        if (qx >= 0 && qx < ow) sum += cols[int64_t((ch * s.kh + u) * s.kw + v) * r + base + qy * ow + qx];
+        if (qy >= 0 && qy < oh && qx >= 0 && qx < ow) sum += taps[int64_t(u * kw + v) * r + qy * ow + qx];
       }
     }
     dx[i64] = sum;
   }
+}
+
+// The launches of the two, with the kernel's size fixed where it is lenet's (5 x 5) or 3 x 3.
+template <int KH, int KW>
+void im2col_col2im(cudaStream_t stream, const ConvShape& s, int r, const float* x, float* col, int nb, float* dx) {
+  if (x) {
+    const dim3 grid(unsigned((r + kColRows - 1) / kColRows), unsigned((s.col_rows() + kColTaps - 1) / kColTaps));
+    im2col_rows_kernel<KH, KW><<<grid, kColThreads, 0, stream>>>(r, s, x, col);
+    DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
+  }
+  if (dx) {
+    const int total = nb * s.c * s.h * s.w;
+    col2im_rows_kernel<KH, KW><<<cuda::blocks_for(total), cuda::kThreads, 0, stream>>>(
+        total, s, r, cuda::Divider(s.w), cuda::Divider(s.h), cuda::Divider(s.c), col, dx);
+    DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
+  }
+}
+// im2col of x into col (R, C KH KW) where x is given; col2im of cols (C KH KW, R) in col into dx where
+// dx is given.
+void layout(cudaStream_t stream, const ConvShape& s, int r, const float* x, float* col, int nb, float* dx) {
+  if (s.kh == 5 && s.kw == 5) return im2col_col2im<5, 5>(stream, s, r, x, col, nb, dx);
+  if (s.kh == 3 && s.kw == 3) return im2col_col2im<3, 3>(stream, s, r, x, col, nb, dx);
+  im2col_col2im<0, 0>(stream, s, r, x, col, nb, dx);
 }
 
 // y(N, K, P) += b(K)
@@ -197,16 +245,12 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
       dyt = workspace, ld = r;
     }
     if (!p.direct && !p.implicit) {
-      im2col_rows_kernel<<<unsigned((r + kColRows - 1) / kColRows), kColThreads, 0, stream_>>>(int(r), s,
-                                                                                               x + n0 * image, col);
-      DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
+      layout(stream_, s, int(r), x + n0 * image, col, 0, nullptr);
       gemm_ld(false, false, s.k, int(crs), int(r), 1.0f, dyt, int(ld), col, int(crs), n0 == 0 ? 0.0f : 1.0f, dw);
     }
     if (!dx) continue;
     gemm_ld(true, false, int(crs), int(r), s.k, 1.0f, w, int(crs), dyt, int(ld), 0.0f, col);
-    col2im_rows_kernel<<<cuda::blocks_for(nb * image), cuda::kThreads, 0, stream_>>>(
-        int(nb * image), s, int(r), cuda::Divider(s.w), cuda::Divider(s.h), cuda::Divider(s.c), col, dx + n0 * image);
-    DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
+    layout(stream_, s, int(r), nullptr, col, int(nb), dx + n0 * image);
   }
 }
 

@@ -33,7 +33,9 @@ __device__ float activate_grad(float y, float dy) {
 // sum of each k x k window of y, row by row, times 1 / k^2 (the last row and column of pixels where k
 // does not divide OH or OW are activated, not pooled, as in pool.cu). Each block takes `per_block`
 // whole planes: first every pixel, neighbouring threads on neighbouring floats, each activated value
-// also kept in shared memory; then the windows' sums from there.
+// also kept in shared memory; then the windows' sums from there. A thread loads kPoolBatch pixels
+// before it activates the first, so their loads wait for memory together.
+constexpr int kPoolBatch = 4;
 template <Activation A>
 __global__ void bias_act_pool_kernel(int planes, int per_block, cuda::Divider pixels, cuda::Divider channels,
                                      cuda::Divider pooled, cuda::Divider pw, int ow, int k, float inv, const float* b,
@@ -42,10 +44,19 @@ __global__ void bias_act_pool_kernel(int planes, int per_block, cuda::Divider pi
   const int first = int(blockIdx.x) * per_block, count = planes - first < per_block ? planes - first : per_block;
   const int p = pixels.divisor(), ch0 = channels.mod(first);
   float* yb = y + int64_t(first) * p;
-  for (int e = int(threadIdx.x); e < count * p; e += int(blockDim.x)) {
-    const float v = activate<A>(yb[e] + b[channels.mod(ch0 + pixels.div(e))]);  // the plane's channel
-    yb[e] = v;
-    tile[e] = v;
+  const int total = count * p, stride = int(blockDim.x);
+  for (int e0 = int(threadIdx.x); e0 < total; e0 += kPoolBatch * stride) {
+    float in[kPoolBatch];  // loaded together, then activated in turn
+#pragma unroll
+    for (int i = 0; i < kPoolBatch; ++i) in[i] = e0 + i * stride < total ? yb[e0 + i * stride] : 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPoolBatch; ++i) {
+      const int e = e0 + i * stride;
+      if (e >= total) break;
+      const float v = activate<A>(in[i] + b[channels.mod(ch0 + pixels.div(e))]);  // the plane's channel
+      yb[e] = v;
+      tile[e] = v;
+    }
   }
   __syncthreads();
   const int pp = pooled.divisor();
