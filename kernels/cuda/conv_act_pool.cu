@@ -74,33 +74,20 @@ __global__ void bias_act_pool_kernel(int planes, int per_block, cuda::Divider pi
 
 // From dy_pool (N K, OH/k, OW/k): each pixel's share of its window's gradient (zero outside the
 // windows), through the activation's derivative at y_act, written as dy's rows, dyt (K, N OH OW)[ch,
-// n OH OW + pixel], the layout the backward pass's GEMMs read. One thread per pixel, in y_act's order,
-// each thread's kPoolBatch pixels (a grid's stride apart) loaded together before the first is written.
+// n OH OW + pixel], the layout the backward pass's GEMMs read. One thread per pixel, in y_act's order.
 template <Activation A>
 __global__ void act_pool_backward_rows_kernel(int total, int n, cuda::Divider pixels, cuda::Divider channels,
                                               cuda::Divider ow, cuda::Divider k, int ph, int pw, float inv,
                                               const float* y_act, const float* dy_pool, float* dyt) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; first < total; first += kPoolBatch * stride) {
-    float y[kPoolBatch], g[kPoolBatch];
-    int64_t out[kPoolBatch];
-#pragma unroll
-    for (int b = 0; b < kPoolBatch; ++b) {
-      out[b] = -1;
-      if (first + b * stride >= total) continue;
-      const int i = int(first + b * stride);
-      int plane = 0, q = 0, img = 0, ch = 0, yy = 0, xx = 0;
-      pixels.divmod(i, plane, q);
-      channels.divmod(plane, img, ch);
-      ow.divmod(q, yy, xx);
-      const int wi = k.div(yy), wj = k.div(xx);
-      y[b] = y_act[i];
-      g[b] = wi < ph && wj < pw ? dy_pool[(int64_t(plane) * ph + wi) * pw + wj] * inv : 0.0f;
-      out[b] = (int64_t(ch) * n + img) * pixels.divisor() + q;
-    }
-#pragma unroll
-    for (int b = 0; b < kPoolBatch; ++b)
-      if (out[b] >= 0) dyt[out[b]] = activate_grad<A>(y[b], g[b]);
+  DP_GRID_STRIDE(i64, total) {
+    const int i = int(i64);
+    int plane = 0, q = 0, img = 0, ch = 0, yy = 0, xx = 0;
+    pixels.divmod(i, plane, q);
+    channels.divmod(plane, img, ch);
+    ow.divmod(q, yy, xx);
+    const int wi = k.div(yy), wj = k.div(xx);
+    const float g = wi < ph && wj < pw ? dy_pool[(int64_t(plane) * ph + wi) * pw + wj] * inv : 0.0f;
+    dyt[(int64_t(ch) * n + img) * pixels.divisor() + q] = activate_grad<A>(y_act[i], g);
   }
 }
 

@@ -175,13 +175,7 @@ bool CudaOps::direct(const ConvShape& s) {
          int64_t(s.n) * s.k * s.out_h() * s.out_w() < INT32_MAX && int64_t(s.n) * s.c * s.h * s.w < INT32_MAX;
 }
 
-// LeNet's conv1 (20 channels, 4 a block) on 64 slices was 320 blocks, 1.2 of an H200's rounds of two
-// blocks an SM (96 registers a thread): 42.5 us for its dw and db.
-int CudaOps::direct_slices(const ConvShape& s) { return s.k <= kDirectFewChannels ? kDirectSlicesFew : kDirectSlices; }
-
-size_t CudaOps::direct_partial_floats(const ConvShape& s) {
-  return size_t(s.k) * size_t(direct_slices(s)) * (kDirectTaps + 1);
-}
+size_t CudaOps::direct_partial_floats(const ConvShape& s) { return size_t(s.k) * kDirectSlices * (kDirectTaps + 1); }
 
 void CudaOps::direct_forward(const ConvShape& s, const float* x, const float* w, float* y) {
   const int pixels = s.out_h() * s.out_w(), rows = s.n * pixels, crs = int(s.col_rows());
@@ -200,7 +194,7 @@ void CudaOps::direct_filter_grad(const ConvShape& s, const float* x, const float
   const int crs = int(s.col_rows());
   with_tap_bound(crs, [&]<int kMax>() {
     constexpr int kGroup = kMax <= 9 ? 4 : kMax <= 16 ? 2 : 1;  // within the registers kMax leaves
-    const dim3 grid(unsigned((s.k + kGroup - 1) / kGroup), unsigned(direct_slices(s)));
+    const dim3 grid(unsigned((s.k + kGroup - 1) / kGroup), kDirectSlices);
     if (rows)
       direct_filter_grad_kernel<kMax, kGroup, true>
           <<<grid, cuda::kThreads, 0, stream_>>>(s, pixels, ow, x, dy, workspace);
@@ -211,7 +205,7 @@ void CudaOps::direct_filter_grad(const ConvShape& s, const float* x, const float
   DP_CUDA_LAUNCH_CHECK("direct_filter_grad_kernel");
   const int64_t sums = int64_t(s.k) * (crs + 1);
   direct_filter_total_kernel<<<unsigned((sums + kWarps - 1) / kWarps), cuda::kThreads, 0, stream_>>>(
-      s.k, crs, direct_slices(s), workspace, dw, db);
+      s.k, crs, kDirectSlices, workspace, dw, db);
   DP_CUDA_LAUNCH_CHECK("direct_filter_total_kernel");
 }
 

@@ -131,16 +131,12 @@ class CudaOps final : public Ops {
   ConvPlan& make_plan(const ConvShape& s, size_t limit_bytes);
   // Shapes with at most kDirectTaps taps per output (C KH KW) and kDirectWeights weights (the forward
   // pass keeps them in shared memory; their partials, below, stay within 35 MB) run their forward pass
-  // and their dw and db on conv_direct.cu's kernels, dw and db through direct_slices(s) partials per
-  // channel: kDirectSlices, or kDirectSlicesFew for at most kDirectFewChannels channels (more blocks for
-  // a grid that would otherwise leave an H200 idle; their partials stay small).
+  // and their dw and db on conv_direct.cu's kernels, dw and db through kDirectSlices partials per channel.
  public:
   static constexpr int kDirectTaps = 32, kDirectWeights = 4096, kDirectSlices = 64;
-  static constexpr int kDirectSlicesFew = 256, kDirectFewChannels = 64;
 
  private:
   static bool direct(const ConvShape& s);
-  static int direct_slices(const ConvShape& s);
   static size_t direct_partial_floats(const ConvShape& s);
   void direct_forward(const ConvShape& s, const float* x, const float* w, float* y);
   void direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
