@@ -20,7 +20,8 @@
 #   train     dp_train --backend cuda --gpus 0, N epochs on the kit's Fashion-MNIST; fails under 0.85
 #   profile   the GPU's time per kernel in one training step: ncu (--clock-control none) times every
 #             kernel of a 10-step and a 30-step run; their difference over 20 is one step, without the
-#             start, cuDNN's planning and the evaluation
+#             start, cuDNN's planning and the evaluation; caches flushed before each kernel (ncu's
+#             default), then again kept as the kernel before left them (--cache-control none)
 #   implicit  DP_CUDA_CONV=implicit (dp's implicit-GEMM convolutions, not the default): the convolution,
 #             graph and CPU-matching cases and the plans' choices under it, its step's kernels under
 #             ncu, and --graphs runs against the library path, 3 alternated rounds

@@ -136,12 +136,13 @@ EOF2
 
 ncu_path() { command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1; }
 # ncu ($1) times every kernel of a 10-step and a 30-step run; the difference over 20 is one step, in
-# $out/kernels$2.json ($2: "" or a name's suffix; $3: the environment's VAR=value words)
+# $out/kernels$2.json ($2: "" or a name's suffix; $3: the environment's VAR=value words; $4: ncu's
+# own further options)
 kernel_times() {
   local steps rc=0
   for steps in 10 30; do
-    # shellcheck disable=SC2086  # $3 is words
-    run "${dp_env[@]}" $3 "$1" --clock-control none --metrics gpu__time_duration.sum --print-units base --csv \
+    # shellcheck disable=SC2086  # $3 and $4 are words
+    run "${dp_env[@]}" $3 "$1" --clock-control none $4 --metrics gpu__time_duration.sum --print-units base --csv \
       --log-file "$out/ncu$2-$steps.csv" "$build/dp_train" --backend cuda --gpus 0 --data "$data" --steps $steps \
       --limit-test 256 --quiet || rc=$?
   done
@@ -157,9 +158,15 @@ s_profile() {
     echo "$SKIP"
     return 0
   fi
-  kernel_times "$ncu" "" "" || rc=$?
+  kernel_times "$ncu" "" "" "" || rc=$?
   KEY=$(json "$out/kernels.json" '"%.1f us of kernels a step, %d launches; the longest: %s %.1f us" % (j["total_us"], j["launches"], j["kernels"][0]["name"][:40], j["kernels"][0]["us"])')
   [ -n "$KEY" ] || BAD="no kernel times read from ncu's output"
+  # the same with what the kernel before left in the caches, as in a step: which kernels wait on memory
+  kernel_times "$ncu" -warm "" "--cache-control none" || rc=$?
+  local warm
+  warm=$(json "$out/kernels-warm.json" '"%.1f us" % j["total_us"]')
+  [ -n "$warm" ] || BAD="no kernel times read from ncu's output (caches kept)"
+  KEY="$KEY; caches kept: $warm"
   return $rc
 }
 
@@ -178,7 +185,7 @@ s_implicit() {
   KEY="cases: $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
   ncu=$(ncu_path)
   if [ $dry = 0 ] && [ -n "$ncu" ]; then
-    kernel_times "$ncu" -implicit DP_CUDA_CONV=implicit || rc=$?
+    kernel_times "$ncu" -implicit DP_CUDA_CONV=implicit "" || rc=$?
     KEY="$KEY; $(json "$out/kernels-implicit.json" '"%.1f us of kernels a step, %d launches" % (j["total_us"], j["launches"])')"
   fi
   alternate implicit --graphs --graphs "DP_CUDA_CONV=$want" DP_CUDA_CONV=library || rc=$?
