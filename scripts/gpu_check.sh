@@ -64,9 +64,9 @@
 # and tarball are written all the same. On a machine lent for calls of at most 10 minutes and 15 minutes
 # in all, its start included: one call with `--deadline 545 --only env,configure,build,cuda,train,
 # profile,implicit,torch,graphs,run-ahead,nccl,sanitize` (340 s on an H200, 2026-11-28, before the
-# profile's second timing added about 20 s; and about 40 s to start the machine), given back at once; the 8 minutes or so left are for a second call on a fresh
-# machine after a fix, with what the fix touches and the steps left out (verify-*, compare, skew, comm,
-# prefetch: 20 s together). ctest and readme (the CPU cases, the README's two-GPU commands) belong to a
+# profile's second timing added about 20 s; and about 40 s to start the machine), given back at once;
+# the 8 minutes or so left are for a second call on a fresh machine after a fix, with what the fix
+# touches and the steps left out (verify-*, compare, skew, comm, prefetch: 20 s together). ctest and readme (the CPU cases, the README's two-GPU commands) belong to a
 # longer loan.
 #
 # --cpu-dry-run runs the same steps on a machine without a GPU (CPU-only build, --backend cpu, small

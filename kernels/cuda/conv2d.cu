@@ -33,8 +33,8 @@ __global__ void dy_rows_kernel(int64_t total, int k, int p, int r, const float* 
 // neighbouring floats of a row. Each thread loads its kColRows / 8 values of a tap before it stores
 // them, so their loads wait for memory together, not one after another (a block of 32 rows and every
 // tap, each thread's loads one by one, took 30 us for lenet's second convolution: 512 blocks, half the
-// H200's threads, each waiting on 64 loads in turn; so, 19.1 us). KH, KW: the kernel's size where the launch knows
-// it (the taps' division then a multiply), 0 for the shape's at run time.
+// H200's threads, each waiting on 64 loads in turn; so, 19.1 us). KH, KW: the kernel's size where the
+// launch knows it (the taps' division then a multiply), 0 for the shape's at run time.
 constexpr int kColRows = 32, kColTaps = 64;
 const dim3 kColThreads(32, 8);  // (taps, rows)
 template <int KH, int KW>
@@ -104,27 +104,35 @@ __global__ void col2im_rows_kernel(int total, ConvShape s, int r, cuda::Divider 
   }
 }
 
-// The launches of the two, with the kernel's size fixed where it is lenet's (5 x 5) or 3 x 3.
-template <int KH, int KW>
-void im2col_col2im(cudaStream_t stream, const ConvShape& s, int r, const float* x, float* col, int nb, float* dx) {
-  if (x) {
-    const dim3 grid(unsigned((r + kColRows - 1) / kColRows), unsigned((s.col_rows() + kColTaps - 1) / kColTaps));
-    im2col_rows_kernel<KH, KW><<<grid, kColThreads, 0, stream>>>(r, s, x, col);
-    DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
-  }
-  if (dx) {
-    const int total = nb * s.c * s.h * s.w;
-    col2im_rows_kernel<KH, KW><<<cuda::blocks_for(total), cuda::kThreads, 0, stream>>>(
-        total, s, r, cuda::Divider(s.w), cuda::Divider(s.h), cuda::Divider(s.c), col, dx);
-    DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
-  }
+// f.template operator()<KH, KW>() with the kernel's size fixed where it is lenet's (5 x 5) or 3 x 3,
+// else <0, 0>: the shape's at run time (as conv_direct.cu's with_tap_bound).
+template <class F>
+void with_kernel_size(const ConvShape& s, F&& f) {
+  if (s.kh == 5 && s.kw == 5)
+    f.template operator()<5, 5>();
+  else if (s.kh == 3 && s.kw == 3)
+    f.template operator()<3, 3>();
+  else
+    f.template operator()<0, 0>();
 }
-// im2col of x into col (R, C KH KW) where x is given; col2im of cols (C KH KW, R) in col into dx where
-// dx is given.
-void layout(cudaStream_t stream, const ConvShape& s, int r, const float* x, float* col, int nb, float* dx) {
-  if (s.kh == 5 && s.kw == 5) return im2col_col2im<5, 5>(stream, s, r, x, col, nb, dx);
-  if (s.kh == 3 && s.kw == 3) return im2col_col2im<3, 3>(stream, s, r, x, col, nb, dx);
-  im2col_col2im<0, 0>(stream, s, r, x, col, nb, dx);
+
+// im2col of x (r rows of output pixels) into col (R, C KH KW).
+void im2col(cudaStream_t stream, const ConvShape& s, int r, const float* x, float* col) {
+  const dim3 grid(unsigned((r + kColRows - 1) / kColRows), unsigned((s.col_rows() + kColTaps - 1) / kColTaps));
+  with_kernel_size(
+      s, [&]<int KH, int KW>() { im2col_rows_kernel<KH, KW><<<grid, kColThreads, 0, stream>>>(r, s, x, col); });
+  DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
+}
+
+// col2im of cols (C KH KW, R), R = nb P, into dx (nb, C, H, W).
+void col2im(cudaStream_t stream, const ConvShape& s, int r, int nb, const float* cols, float* dx) {
+  const int total = nb * s.c * s.h * s.w;
+  const cuda::Divider width(s.w), height(s.h), channels(s.c);
+  with_kernel_size(s, [&]<int KH, int KW>() {
+    col2im_rows_kernel<KH, KW>
+        <<<cuda::blocks_for(total), cuda::kThreads, 0, stream>>>(total, s, r, width, height, channels, cols, dx);
+  });
+  DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
 }
 
 // y(N, K, P) += b(K)
@@ -246,12 +254,12 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
       dyt = workspace, ld = r;
     }
     if (!p.direct && !p.implicit) {
-      layout(stream_, s, int(r), x + n0 * image, col, 0, nullptr);
+      im2col(stream_, s, int(r), x + n0 * image, col);
       gemm_ld(false, false, s.k, int(crs), int(r), 1.0f, dyt, int(ld), col, int(crs), n0 == 0 ? 0.0f : 1.0f, dw);
     }
     if (!dx) continue;
     gemm_ld(true, false, int(crs), int(r), s.k, 1.0f, w, int(crs), dyt, int(ld), 0.0f, col);
-    layout(stream_, s, int(r), nullptr, col, int(nb), dx + n0 * image);
+    col2im(stream_, s, int(r), int(nb), col, dx + n0 * image);
   }
 }
 
