@@ -170,6 +170,40 @@ s_profile() {
   return $rc
 }
 
+# The weight gradients on a second stream (DP_CUDA_STREAMS=2: each linear layer's and im2col-path
+# convolution's dw and db beside its dx; compiled, not yet run on a GPU) against one (the default): the
+# op, graph, run-ahead and three-steps-against-the-CPU cases under it, then --graphs runs each way, 3
+# alternated rounds: images/s (paired median), test accuracy, and the weights, which must be the same
+# bits. (ncu serialises kernels: the kernel times could not show the overlap.)
+s_streams() {
+  need dp_tests || return $?
+  need dp_train || return $?
+  local rc=0 cases='cuda: ops: *,cuda: graphs: *,cuda: run-ahead: *,cuda: three LeNet steps*'
+  [ $dry = 1 ] && cases='ops: conv2d*,ops: linear*'  # the CPU build has no second stream: the script's logic alone
+  run "${dp_env[@]}" DP_CUDA_STREAMS=2 "$build/dp_tests" "--test-case=$cases" || rc=$?
+  KEY="cases: $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
+  alternate streams "--graphs --save $out/streams-two.st" "--graphs --save $out/streams-one.st" \
+    DP_CUDA_STREAMS=2 DP_CUDA_STREAMS=1 || rc=$?
+  local speed same
+  speed=$(paired streams two one)
+  [ -n "$speed" ] || BAD="${BAD:+$BAD; }the runs' logs give no images/s"
+  same=$("$py" - "$out" << 'EOF2'
+import struct, sys
+def tensors(name):  # a safetensors file's data, after its header (whose metadata names the command)
+    b = open(f"{sys.argv[1]}/streams-{name}.st", "rb").read()
+    return b[8 + struct.unpack("<Q", b[:8])[0]:]
+try:
+    print("weights same" if tensors("two") == tensors("one") else "weights DIFFERENT")
+except (OSError, struct.error):
+    pass
+EOF2
+)
+  [ "$same" = "weights same" ] || BAD="${BAD:+$BAD; }two streams changed the weights (or no checkpoint: '$same')"
+  KEY="$KEY; $speed; $same"
+  backend_is "$out/streams-on-1.json"
+  return $rc
+}
+
 # dp's implicit-GEMM convolutions (DP_CUDA_CONV=implicit: lenet's conv2 forward, dw and db without
 # cuDNN, im2col or cuBLAS; compiled, not yet run on a GPU) against the library path (the default): the
 # convolution, graph and three-steps-against-the-CPU cases and the plans' choices under it, the step's

@@ -265,15 +265,17 @@ s_sanitize() {
   fi
   # memcheck over the kernels; synccheck over them and the step graphs (their captures and launches);
   # memcheck over the convolutions again under DP_CUDA_CONV=implicit (dp's implicit GEMMs), and
-  # racecheck (shared memory's hazards) over the implicit GEMMs' own case
-  local rc=0 tool cases conv
-  for tool in memcheck synccheck memcheck-implicit racecheck-implicit; do
-    cases='cuda: ops: *' conv=library
+  # racecheck (shared memory's hazards) over the implicit GEMMs' own case; memcheck over the
+  # convolutions and linear layers under DP_CUDA_STREAMS=2 (a second column matrix in the workspace)
+  local rc=0 tool cases conv streams
+  for tool in memcheck synccheck memcheck-implicit racecheck-implicit memcheck-streams; do
+    cases='cuda: ops: *' conv=library streams=1
     [ $tool = synccheck ] && cases='cuda: ops: *,cuda: graphs: *'
     [ $tool = memcheck-implicit ] && cases='cuda: ops: conv2d*' conv=implicit
     [ $tool = racecheck-implicit ] && cases='cuda: implicit GEMM*' conv=implicit
-    run "${dp_env[@]}" DP_CUDA_CONV=$conv "$cs" --tool "${tool%-implicit}" --error-exitcode 99 "$build/dp_tests" \
-      "--test-case=$cases" || rc=$?
+    [ $tool = memcheck-streams ] && cases='cuda: ops: conv2d*,cuda: ops: linear*' streams=2
+    run "${dp_env[@]}" DP_CUDA_CONV=$conv DP_CUDA_STREAMS=$streams "$cs" --tool "${tool%-*}" --error-exitcode 99 \
+      "$build/dp_tests" "--test-case=$cases" || rc=$?
     KEY="${KEY:+$KEY; }$tool: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
     KEY="$KEY, $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
   done

@@ -271,3 +271,33 @@ TEST_CASE("graphs: dp_train --graphs trains as without it, bit for bit, and repo
   CHECK(two.exit_code == 2);
   CHECK(two.output.find("--graphs: one device in one process only") != std::string::npos);
 }
+
+// DP_CUDA_STREAMS=2 (kernels/cuda/cuda_ops.h): lenet's conv2, fc1 and fc2 compute dw and db on a second
+// stream while dx runs on the first, joined before each op returns: eager and captured in a graph,
+// the weights must be the bits of one stream's. A value other than 1 or 2 is refused, naming both.
+TEST_CASE(
+    "cuda: graphs: the weight gradients on a second stream train the bits of one stream, eager and "
+    "in graphs" *
+    doctest::skip(!dp::test::cuda_available())) {
+  dp::test::TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 300, 40);
+  const std::string base = std::string(DP_TRAIN_BIN) + " --backend cuda --gpus 0 --data " + dir.path.string() +
+                           " --batch 64 --quiet --seed 4";
+  for (const char* streams : {"1", "2"})
+    for (bool graphs : {false, true}) {
+      const std::string tag = std::string("streams") + streams + (graphs ? "-graphs" : "-eager");
+      const dp::test::CommandResult r =
+          dp::test::run_command(std::string("DP_CUDA_STREAMS=") + streams + " " + base + (graphs ? " --graphs" : "") +
+                                " --epochs 2 --save " + (dir.path / (tag + ".safetensors")).string());
+      INFO(tag << ": " << r.output);
+      REQUIRE(r.exit_code == 0);
+    }
+  const std::string want = (dir.path / "streams1-eager.safetensors").string();
+  for (const char* tag : {"streams1-graphs", "streams2-eager", "streams2-graphs"})
+    dp::test::check_same_tensors((dir.path / (std::string(tag) + ".safetensors")).string(), want);
+
+  const dp::test::CommandResult wrong = dp::test::run_command("DP_CUDA_STREAMS=3 " + base + " --steps 1");
+  CHECK(wrong.exit_code == 2);
+  CHECK(wrong.output.find("DP_CUDA_STREAMS: '3'") != std::string::npos);
+  CHECK(wrong.output.find("use 1") != std::string::npos);
+}

@@ -92,6 +92,22 @@ CudaDevice::~CudaDevice() {
   stop_workers();
 }
 
+namespace {
+
+// A cuBLAS handle bound to `stream`, FP32 GEMMs in FP32: the default math mode never uses TF32 tensor
+// cores for cublasSgemm (that takes CUBLAS_TF32_TENSOR_OP_MATH); said explicitly because the tests'
+// error bounds rely on it.
+cuda::CublasHandle make_cublas(cudaStream_t stream) {
+  cublasHandle_t blas = nullptr;
+  DP_CUBLAS_CHECK(cublasCreate(&blas));
+  cuda::CublasHandle owned(blas);
+  DP_CUBLAS_CHECK(cublasSetStream(blas, stream));
+  DP_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
+  return owned;
+}
+
+}  // namespace
+
 void CudaDevice::open() {
   stream_ = cuda::make_stream();       // compute: every op, upload, download, copy
   comm_stream_ = cuda::make_stream();  // NCCL all-reduce of buckets, overlapping backward
@@ -103,20 +119,21 @@ void CudaDevice::open() {
   void* slots = nullptr;
   DP_CUDA_CHECK(cudaMallocHost(&slots, kDownloadSlots * kDownloadBytes));
   downloads_ = cuda::PinnedHost(slots);
-  cublasHandle_t blas = nullptr;
-  DP_CUBLAS_CHECK(cublasCreate(&blas));
-  cublas_ = cuda::CublasHandle(blas);
-  DP_CUBLAS_CHECK(cublasSetStream(blas, stream_.get()));
-  // FP32 GEMMs in FP32: the default math mode never uses TF32 tensor cores for cublasSgemm (that
-  // takes CUBLAS_TF32_TENSOR_OP_MATH); said explicitly because the tests' error bounds rely on it.
-  DP_CUBLAS_CHECK(cublasSetMathMode(blas, CUBLAS_DEFAULT_MATH));
+  cublas_ = make_cublas(stream_.get());
+  CudaOps::Lane side{};  // none, unless DP_CUDA_STREAMS=2 (CudaOps::streams_wanted)
+  if (CudaOps::streams_wanted() == 2) {
+    side_stream_ = cuda::make_stream();
+    side_cublas_ = make_cublas(side_stream_.get());
+    side = {side_stream_.get(), side_cublas_.get()};
+  }
   cudnnHandle_t dnn = nullptr;
   DP_CUDNN_CHECK(cudnnCreate(&dnn));
   cudnn_ = cuda::CudnnHandle(dnn);
   DP_CUDNN_CHECK(cudnnSetStream(dnn, stream_.get()));
   open_pool();
   scratch_ = alloc(sizeof(CudaOps::Scratch), Category::workspace);  // booked like every byte
-  ops_ = std::make_unique<CudaOps>(stream_.get(), blas, dnn, static_cast<CudaOps::Scratch*>(scratch_.data()));
+  ops_ = std::make_unique<CudaOps>(stream_.get(), cublas_.get(), dnn, static_cast<CudaOps::Scratch*>(scratch_.data()),
+                                   side);
 }
 
 void CudaDevice::close() noexcept {
@@ -124,13 +141,17 @@ void CudaDevice::close() noexcept {
   if (stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(stream_.get()));
   if (comm_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(comm_stream_.get()));
   if (copy_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(copy_stream_.get()));
+  if (side_stream_) DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(side_stream_.get()));
   for (cuda::GraphExec& g : graphs_) g.reset();
   ops_.reset();  // its cuDNN descriptors first: it borrows the handles and the scratch below
   scratch_.reset();
   bounce_.reset();
   cudnn_.reset();
   cublas_.reset();
-  cublas_workspace_.reset();  // after the handle that used it
+  side_cublas_.reset();
+  cublas_workspace_.reset();  // after the handles that used them
+  side_cublas_workspace_.reset();
+  side_stream_.reset();
   ready_.reset();
   computed_.reset();
   for (cuda::Event& e : uploaded_) e.reset();

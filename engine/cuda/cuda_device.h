@@ -71,7 +71,8 @@ class CudaDevice final : public Device {
   // (the loader's and the communication thread's CUDA calls go on), instantiated per upload slot;
   // marks taken while capturing are event-record nodes (cudaEventRecordExternal, so they can be
   // timed), and launch starts the first mark's clock at cudaGraphLaunch. prepare_steps gives cuBLAS
-  // a workspace of kCublasWorkspaceBytes (booked), as PyTorch gives every handle one of its own.
+  // a workspace of kCublasWorkspaceBytes (booked), as PyTorch gives every handle one of its own (and
+  // the side lane's handle, under DP_CUDA_STREAMS=2, one more).
   void prepare_steps() override;
   void begin_capture() override;
   void end_capture(int slot) override;
@@ -153,7 +154,11 @@ class CudaDevice final : public Device {
   // The thread capturing a step graph (none: not capturing); what it may not do then throws.
   std::atomic<std::thread::id> capture_thread_{};
   bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
-  Buffer cublas_workspace_;                       // prepare_steps'
+  Buffer cublas_workspace_;  // prepare_steps'
+  // CudaOps' side lane, under DP_CUDA_STREAMS=2 (CudaOps::streams_wanted); else none
+  cuda::Stream side_stream_;
+  cuda::CublasHandle side_cublas_;
+  Buffer side_cublas_workspace_;
   cuda::GraphExec graphs_[Device::kUploadSlots];  // one per upload slot
   cuda::Event computed_;                          // recorded on stream_ for the copy stream to wait on
   cuda::Event uploaded_[Device::kUploadSlots];    // recorded on copy_stream_ after a slot's uploads

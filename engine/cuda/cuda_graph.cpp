@@ -19,6 +19,9 @@ void CudaDevice::prepare_steps() {
   cublas_workspace_ = alloc(kCublasWorkspaceBytes, Category::workspace);
   DeviceGuard guard(id());
   DP_CUBLAS_CHECK(cublasSetWorkspace(cublas_.get(), cublas_workspace_.data(), kCublasWorkspaceBytes));
+  if (!side_cublas_) return;
+  side_cublas_workspace_ = alloc(kCublasWorkspaceBytes, Category::workspace);  // the lanes' GEMMs run at once
+  DP_CUBLAS_CHECK(cublasSetWorkspace(side_cublas_.get(), side_cublas_workspace_.data(), kCublasWorkspaceBytes));
 }
 
 void CudaDevice::begin_capture() {

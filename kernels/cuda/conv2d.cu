@@ -178,6 +178,19 @@ __global__ void bias_grad_total_kernel(int k, const float* partial, float* db) {
   }
 }
 
+// db (K) from dy, or with `rows` dy's rows, through (K, kBiasSlices) partials in `partial`.
+void bias_grad(cudaStream_t stream, const ConvShape& s, bool rows, const float* dy, float* partial, float* db) {
+  const int64_t pixels = int64_t(s.out_h()) * s.out_w();
+  const dim3 slices(unsigned(s.k), kBiasSlices);
+  if (rows)
+    bias_grad_partial_kernel<true><<<slices, cuda::kThreads, 0, stream>>>(s.n, s.k, pixels, dy, partial);
+  else
+    bias_grad_partial_kernel<false><<<slices, cuda::kThreads, 0, stream>>>(s.n, s.k, pixels, dy, partial);
+  DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
+  bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream>>>(s.k, partial, db);
+  DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
+}
+
 }  // namespace
 
 void CudaOps::convolve(const ConvShape& s, const float* x, const float* w, float* y, float* workspace) {
@@ -214,8 +227,9 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
   }
   const ConvPlan& p = plan(s);
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
-  // db (and with a direct or implicit plan dw) through partials at the start of the workspace, which the rest
-  // overwrites only after, in stream order
+  // The workspace: db's (and with a direct or implicit plan dw's) partials, then a chunk's dyt and col,
+  // and with two lanes its cols too (conv_plan.cpp's plan_backward sizes it).
+  float* const chunk_space = workspace + p.bias_floats;
   if (p.direct || p.implicit) {  // dw and db at once (conv_direct.cu, conv_implicit.cu), then only dx below
     if (p.direct)
       direct_filter_grad(s, x, dy, rows, dw, db, workspace);
@@ -223,43 +237,45 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
       implicit_filter_grad(s, p.slices, x, dy, rows, dw, db, workspace);
     if (!dx) return;
     if (p.implicit_dx) return implicit_data_grad(s, w, dy, rows, dx, workspace);  // after the partials' total
-  } else {  // db through (K, kBiasSlices) partials
-    const dim3 slices(unsigned(s.k), kBiasSlices);
-    if (rows)
-      bias_grad_partial_kernel<true><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
-    else
-      bias_grad_partial_kernel<false><<<slices, cuda::kThreads, 0, stream_>>>(s.n, s.k, pixels, dy, workspace);
-    DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
-    bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream_>>>(s.k, workspace, db);
-    DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
   }
   // Per chunk of images (all of them, where the workspace holds them): dy's rows side by side,
-  // dyt (K, R), R = chunk P (in the workspace, or already so in dy with `rows`), then the chunk's
-  // im2col in the workspace, col (R, C KH KW). Then
-  //   dw (K, C KH KW) = dyt col, one GEMM (later chunks add to dw, beta 1);
-  //   dx: cols (C KH KW, R) = w^T dyt into col's place, one GEMM, and col2im gathers each pixel's taps.
+  // dyt (K, R), R = chunk P (in the workspace, or already so in dy with `rows`). Then, on the side lane
+  // where there is one (streams_wanted), db in the first chunk and
+  //   dw (K, C KH KW) = dyt col, one GEMM of the chunk's im2col col (R, C KH KW) (later chunks add
+  //   to dw, beta 1);
+  // and on the stream meanwhile
+  //   dx: cols (C KH KW, R) = w^T dyt, one GEMM, and col2im gathers each pixel's taps; cols takes
+  //   col's place with one lane (dw's GEMM has read col by then), a place of its own with two.
   // cuDNN's BWD_FILTER_ALGO_1, the one deterministic GEMM-like filter-gradient algorithm it offers,
   // gave other last bits from run to run on an H200 (cuDNN 9.14, lenet's second convolution, 16 or more
   // images) and took 60% of a LeNet step's GPU time; its data gradient then took the most (170 of 778 us).
+  const bool im2col_dw = !p.direct && !p.implicit, split = im2col_dw && dx && two_lanes();
+  const Lane dw_lane = split ? side_ : main();
   const int64_t crs = s.col_rows(), chunk_max = p.backward_images, image = int64_t(s.c) * s.h * s.w;
   for (int64_t n0 = 0; n0 < s.n; n0 += chunk_max) {
     const int64_t nb = std::min<int64_t>(chunk_max, s.n - n0), r = nb * pixels;
     const float* dyt = dy + n0 * pixels;  // dy's rows: (K, N P), this chunk's columns
     int64_t ld = s.n * pixels;
-    float* col = workspace + s.k * r;  // (R, C KH KW), then cols (C KH KW, R)
+    float* col = chunk_space + s.k * r;         // (R, C KH KW)
+    float* cols = split ? col + r * crs : col;  // (C KH KW, R)
     if (!rows) {
       dy_rows_kernel<<<cuda::blocks_for(s.k * r), cuda::kThreads, 0, stream_>>>(s.k * r, s.k, int(pixels), int(r),
-                                                                                dy + n0 * s.k * pixels, workspace);
+                                                                                dy + n0 * s.k * pixels, chunk_space);
       DP_CUDA_LAUNCH_CHECK("dy_rows_kernel");
-      dyt = workspace, ld = r;
+      dyt = chunk_space, ld = r;
     }
-    if (!p.direct && !p.implicit) {
-      im2col(stream_, s, int(r), x + n0 * image, col);
-      gemm_ld(false, false, s.k, int(crs), int(r), 1.0f, dyt, int(ld), col, int(crs), n0 == 0 ? 0.0f : 1.0f, dw);
+    if (split) fork();
+    if (im2col_dw) {
+      if (n0 == 0) bias_grad(dw_lane.stream, s, rows, dy, workspace, db);
+      im2col(dw_lane.stream, s, int(r), x + n0 * image, col);
+      gemm_ld(dw_lane, false, false, s.k, int(crs), int(r), 1.0f, dyt, int(ld), col, int(crs), n0 == 0 ? 0.0f : 1.0f,
+              dw);
     }
-    if (!dx) continue;
-    gemm_ld(true, false, int(crs), int(r), s.k, 1.0f, w, int(crs), dyt, int(ld), 0.0f, col);
-    col2im(stream_, s, int(r), int(nb), col, dx + n0 * image);
+    if (dx) {
+      gemm_ld(main(), true, false, int(crs), int(r), s.k, 1.0f, w, int(crs), dyt, int(ld), 0.0f, cols);
+      col2im(stream_, s, int(r), int(nb), cols, dx + n0 * image);
+    }
+    if (split) join();  // before the next chunk's dyt and col take their places
   }
 }
 

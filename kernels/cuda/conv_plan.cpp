@@ -34,7 +34,8 @@
 namespace dp {
 namespace {
 
-// Largest workspace one algorithm may ask for when the caller is about to allocate it.
+// Largest workspace one algorithm may ask for when the caller is about to allocate it; twice that with
+// two lanes, whose backward pass keeps two column matrices (plan_backward).
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;
 
 std::string describe(const ConvShape& s) {
@@ -152,25 +153,28 @@ void choose_own(ConvChoice& c, const char* algo, size_t workspace_bytes) {
 // dw is one, the shape allows it (`implicit_dx`, CudaOps::implicit_dx) and the flipped weights fit:
 // then the workspace holds those and dw's partials, nothing more. Otherwise dx, and dw where the plan
 // has no kernel of its own for it, are dp's im2col path (see conv_backward), over as many images at
-// a time as the limit holds and 32-bit indices reach: per image, dy's rows and the im2col (or its
-// transpose, for dx).
-void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, bool implicit_dx) {
+// a time as the limit holds past the partials and 32-bit indices reach: per image, dy's rows and the
+// im2col, and with two lanes (CudaOps::streams_wanted) dx's transpose of it beside, as both lanes use them at once.
+void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, bool implicit_dx, bool two_lanes) {
   const size_t weight_bytes = sizeof(float) * size_t(s.k) * size_t(s.col_rows());
   p.implicit_dx = p.implicit && implicit_dx && weight_bytes <= limit;
   if (p.implicit_dx) return choose_own(p.choices[1], "DP_IMPLICIT_GEMM", weight_bytes);
-  const size_t image_floats = size_t(s.out_h()) * s.out_w() * size_t(s.col_rows() + s.k);
+  const size_t copies = two_lanes && !p.direct && !p.implicit ? 2 : 1;
+  const size_t image_floats = size_t(s.out_h()) * s.out_w() * (copies * size_t(s.col_rows()) + size_t(s.k));
   const size_t index_cap = size_t(INT32_MAX) / std::max(image_floats, size_t(s.c) * s.h * s.w);
-  if (image_floats * sizeof(float) > limit || index_cap == 0)
-    throw no_fit("chunk of the backward pass (an image's rows and im2col)", s, limit);
-  p.backward_images = int(std::min({size_t(s.n), limit / (image_floats * sizeof(float)), index_cap}));
-  p.bwd_data_bytes = p.bwd_filter_bytes = image_floats * sizeof(float) * size_t(p.backward_images);
+  const size_t partial_bytes = p.bias_floats * sizeof(float), image_bytes = image_floats * sizeof(float);
+  if (partial_bytes + image_bytes > limit || index_cap == 0)
+    throw no_fit("chunk of the backward pass (the partials, an image's rows and im2col)", s, limit);
+  p.backward_images = int(std::min({size_t(s.n), (limit - partial_bytes) / image_bytes, index_cap}));
+  p.bwd_data_bytes = p.bwd_filter_bytes = partial_bytes + image_bytes * size_t(p.backward_images);
   choose_own(p.choices[1], "DP_IM2COL_GEMM", p.bwd_filter_bytes);
   if (!p.direct && !p.implicit) choose_own(p.choices[2], "DP_IM2COL_GEMM", p.bwd_filter_bytes);
 }
 
 }  // namespace
 
-// The algorithms and the bias gradient's partials use the workspace one after another on the stream.
+// The forward algorithm and the backward pass use the workspace one after the other on the stream. The
+// backward pass's bytes count its partials, but for an implicit dx's (its flipped weights' bytes alone).
 size_t ConvPlan::workspace_floats() const {
   size_t most = std::max({fwd_bytes, bwd_data_bytes, bwd_filter_bytes});
   return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
@@ -227,7 +231,7 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
       throw no_fit("cuDNN forward algorithm", s, limit);
   }
 
-  plan_backward(*p, s, limit, implicit_dx(s));
+  plan_backward(*p, s, limit, implicit_dx(s), two_lanes());
   warn_fallback(*p, describe(s));
 
   auto& slot = plans_[ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}];
@@ -255,7 +259,8 @@ size_t CudaOps::conv2d_workspace_floats(const ConvShape& s) {
   if (s.n == 0) return 0;
   std::lock_guard lock(conv_mu_);
   auto it = plans_.find(ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
-  const size_t floats = (it != plans_.end() ? *it->second : make_plan(s, kMaxWorkspaceBytes)).workspace_floats();
+  const size_t floats =
+      (it != plans_.end() ? *it->second : make_plan(s, kMaxWorkspaceBytes * (two_lanes() ? 2 : 1))).workspace_floats();
   auto [b, fresh] = budget_floats_.try_emplace(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}, floats);
   if (!fresh) b->second = std::min(b->second, floats);
   return floats;

@@ -67,12 +67,26 @@ class CudaOps final : public Ops {
     uint32_t squares_done;                   // sum_squares likewise
     float squares_partials[kReduceBlocks];
   };
+  // Where kernels and GEMMs are enqueued: a stream and a cuBLAS handle bound to it; Lane{} is none.
+  struct Lane {
+    cudaStream_t stream;
+    cublasHandle_t cublas;
+  };
   // The handles belong to the device and are already bound to `stream`. scratch: device memory the
-  // caller allocated (and booked), zeroed here on the stream.
-  CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, Scratch* scratch);
+  // caller allocated (and booked), zeroed here on the stream. side: a second lane, or none (a null
+  // stream): see streams_wanted.
+  CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, Scratch* scratch, Lane side = {});
   ~CudaOps() override;
   const char* backend() const override { return "cuda"; }
   cudaStream_t stream() const { return stream_; }
+  // DP_CUDA_STREAMS (read once): 1, the default, or 2; any other value is a UsageError, from the
+  // constructor. With 2 the device gives its ops a side lane, and the backward pass of a linear layer
+  // and of a convolution on the im2col path computes dw and db there while dx is computed on the
+  // stream: the two need nothing of each other but dy. Each op joins the lanes before it returns, so
+  // the ops stay in stream order. The same kernels on the same data: the same bits. Not the default:
+  // compiled, not yet run on a GPU (docs/gpu.md).
+  static int streams_wanted();
+  bool two_lanes() const { return side_.stream != stream_; }
 
   void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, const float* b, float beta,
             float* c) override;
@@ -170,13 +184,22 @@ class CudaOps final : public Ops {
   // fused op writes them (conv2d.cu).
   void conv_backward(const ConvShape& s, const float* x, const float* w, const float* dy, bool rows, float* dx,
                      float* dw, float* db, float* workspace);
-  // gemm with A's and B's stored row lengths given (a block of a wider matrix); C is (m, n), dense.
-  void gemm_ld(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-               float beta, float* c);
+  // gemm on a lane; gemm_ld with A's and B's stored row lengths given (a block of a wider matrix), C (m, n) dense.
+  void gemm(const Lane& on, bool ta, bool tb, int m, int n, int k, float alpha, const float* a, const float* b,
+            float beta, float* c);
+  void gemm_ld(const Lane& on, bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda,
+               const float* b, int ldb, float beta, float* c);
+  Lane main() const { return {stream_, cublas_}; }
+  // The side lane waits for the stream's work so far (fork), the stream for the side lane's (join);
+  // neither does anything without a side lane, whose work is then the stream's, in order.
+  void fork();
+  void join();
 
   cudaStream_t stream_;
   cublasHandle_t cublas_;
   cudnnHandle_t cudnn_;
+  Lane side_;                    // {stream_, cublas_} without a second lane
+  cuda::Event forked_, joined_;  // fork's and join's, with a second lane
   mutable std::mutex conv_mu_;
   std::map<ShapeKey, std::unique_ptr<ConvPlan>> plans_;
   std::map<GeometryKey, size_t> budget_floats_;

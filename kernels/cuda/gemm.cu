@@ -17,21 +17,26 @@ __global__ void scale_kernel(int64_t n, float beta, float* c) {
 
 void CudaOps::gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, const float* b, float beta,
                    float* c) {
+  gemm(main(), ta, tb, m, n, k, alpha, a, b, beta, c);
+}
+
+void CudaOps::gemm(const Lane& on, bool ta, bool tb, int m, int n, int k, float alpha, const float* a, const float* b,
+                   float beta, float* c) {
   if (m == 0 || n == 0) return;
   if (k == 0) {  // an empty sum: C = beta * C, as the CPU twin (BLAS libraries disagree on this edge)
     const int64_t count = int64_t(m) * n;
-    scale_kernel<<<cuda::blocks_for(count), cuda::kThreads, 0, stream_>>>(count, beta, c);
+    scale_kernel<<<cuda::blocks_for(count), cuda::kThreads, 0, on.stream>>>(count, beta, c);
     DP_CUDA_LAUNCH_CHECK("scale_kernel");
     return;
   }
   // A stored (m, k), or (k, m) when transposed; B stored (k, n), or (n, k) when transposed
-  gemm_ld(ta, tb, m, n, k, alpha, a, ta ? m : k, b, tb ? k : n, beta, c);
+  gemm_ld(on, ta, tb, m, n, k, alpha, a, ta ? m : k, b, tb ? k : n, beta, c);
 }
 
-void CudaOps::gemm_ld(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
-                      int ldb, float beta, float* c) {
-  DP_CUBLAS_CHECK(cublasSgemm(cublas_, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha,
-                              b, ldb, a, lda, &beta, c, n));
+void CudaOps::gemm_ld(const Lane& on, bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda,
+                      const float* b, int ldb, float beta, float* c) {
+  DP_CUBLAS_CHECK(cublasSgemm(on.cublas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
+                              &alpha, b, ldb, a, lda, &beta, c, n));
 }
 
 }  // namespace dp

@@ -95,18 +95,21 @@ void CudaOps::linear_forward(int n, int in, int out, const float* x, const float
   gemm(false, true, n, out, in, 1.0f, x, w, 1.0f, y);
 }
 
+// dw and db on the side lane (streams_wanted), dx on the stream meanwhile.
 void CudaOps::linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx,
                               float* dw, float* db) {
   const bool few = out > 0 && out <= kFewOutputs;
   const int64_t weights = int64_t(out) * in, inputs = int64_t(n) * in;
+  if (dx) fork();
+  const Lane lane = dx ? side_ : main();
   if (!few) {
-    gemm(true, false, out, in, n, 1.0f, dy, x, 0.0f, dw);  // dw (OUT, IN) = dy^T x; zero when n == 0
+    gemm(lane, true, false, out, in, n, 1.0f, dy, x, 0.0f, dw);  // dw (OUT, IN) = dy^T x; zero when n == 0
   } else if (weights > 0) {
-    few_outputs_dw_kernel<<<unsigned((weights + 31) / 32), cuda::kThreads, 0, stream_>>>(n, in, out, x, dy, dw);
+    few_outputs_dw_kernel<<<unsigned((weights + 31) / 32), cuda::kThreads, 0, lane.stream>>>(n, in, out, x, dy, dw);
     DP_CUDA_LAUNCH_CHECK("few_outputs_dw_kernel");
   }
   if (out > 0) {
-    column_sums_kernel<<<unsigned((out + 31) / 32), cuda::kThreads, 0, stream_>>>(n, out, dy, db);  // db (OUT)
+    column_sums_kernel<<<unsigned((out + 31) / 32), cuda::kThreads, 0, lane.stream>>>(n, out, dy, db);  // db (OUT)
     DP_CUDA_LAUNCH_CHECK("column_sums_kernel");
   }
   if (!dx) return;
@@ -116,6 +119,7 @@ void CudaOps::linear_backward(int n, int in, int out, const float* x, const floa
     few_outputs_dx_kernel<<<cuda::blocks_for(inputs), cuda::kThreads, 0, stream_>>>(n, in, out, dy, w, dx);
     DP_CUDA_LAUNCH_CHECK("few_outputs_dx_kernel");
   }
+  join();
 }
 
 }  // namespace dp
