@@ -240,12 +240,10 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
   }
   // Per chunk of images (all of them, where the workspace holds them): dy's rows side by side,
   // dyt (K, R), R = chunk P (in the workspace, or already so in dy with `rows`). Then, on the side lane
-  // where there is one (streams_wanted), db in the first chunk and
-  //   dw (K, C KH KW) = dyt col, one GEMM of the chunk's im2col col (R, C KH KW) (later chunks add
-  //   to dw, beta 1);
-  // and on the stream meanwhile
-  //   dx: cols (C KH KW, R) = w^T dyt, one GEMM, and col2im gathers each pixel's taps; cols takes
-  //   col's place with one lane (dw's GEMM has read col by then), a place of its own with two.
+  // where there is one (streams_wanted), db in the first chunk and dw (K, C KH KW) = dyt col, one GEMM
+  // over the chunk's im2col col (R, C KH KW) (later chunks add to dw, beta 1); on the stream meanwhile
+  // dx: cols (C KH KW, R) = w^T dyt, one GEMM, and col2im gathers each pixel's taps. cols takes col's
+  // place with one lane (dw's GEMM has read col by then), a place of its own with two.
   // cuDNN's BWD_FILTER_ALGO_1, the one deterministic GEMM-like filter-gradient algorithm it offers,
   // gave other last bits from run to run on an H200 (cuDNN 9.14, lenet's second convolution, 16 or more
   // images) and took 60% of a LeNet step's GPU time; its data gradient then took the most (170 of 778 us).
