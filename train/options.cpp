@@ -45,8 +45,8 @@ Environment:
          on CUDA, the convolutions of many taps (lenet's conv2; first layers have kernels of their own):
          cuDNN and cuBLAS (default), or dp's implicit GEMMs (slower on an H200: docs/gpu.md)
   DP_CUDA_STREAMS=1|2
-         on CUDA, 2 computes each layer's weight gradients on a second stream while its input gradient
-         runs on the first (default 1; not yet run on a GPU: docs/gpu.md)
+         on CUDA, 2 computes the weight gradients of linear layers and of convolutions of many taps on a
+         second stream while the input gradient runs on the first (default 1; not yet run on a GPU)
   DP_GRACE_SECONDS=S
          seconds a signalled run gets to finish its step and save before it exits anyway (default 10)
 
