@@ -219,6 +219,20 @@ selected() {
 json() {  # file, python expression over j (the parsed file): prints it, or nothing
   "$py" -c 'import json, sys; j = json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2" 2> /dev/null
 }
+# two safetensors files: "same" or "DIFFERENT" (their data, after the header, whose metadata names the
+# command), or nothing where one cannot be read
+same_tensors() {
+  "$py" - "$1" "$2" << 'EOF'
+import struct, sys
+def tensors(path):
+    b = open(path, "rb").read()
+    return b[8 + struct.unpack("<Q", b[:8])[0]:]
+try:
+    print("same" if tensors(sys.argv[1]) == tensors(sys.argv[2]) else "DIFFERENT")
+except (OSError, struct.error):
+    pass
+EOF
+}
 # step NAME TIMEOUT FUNCTION: runs FUNCTION under a time limit with its output in OUT/NN-NAME.log.
 # FUNCTION returns the command's exit code; it may set KEY (the key number), BAD (a check failed) and
 # SKIP (the step could not run here, and why: counted apart, never as passed).
