@@ -247,7 +247,7 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
   // cuDNN's BWD_FILTER_ALGO_1, the one deterministic GEMM-like filter-gradient algorithm it offers,
   // gave other last bits from run to run on an H200 (cuDNN 9.14, lenet's second convolution, 16 or more
   // images) and took 60% of a LeNet step's GPU time; its data gradient then took the most (170 of 778 us).
-  const bool im2col_dw = !p.direct && !p.implicit, split = im2col_dw && dx && two_lanes();
+  const bool im2col_dw = !p.direct && !p.implicit, split = p.side_dw && dx;
   const Lane dw_lane = split ? side_ : main();
   const int64_t crs = s.col_rows(), chunk_max = p.backward_images, image = int64_t(s.c) * s.h * s.w;
   for (int64_t n0 = 0; n0 < s.n; n0 += chunk_max) {

@@ -159,7 +159,8 @@ void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, bool implicit_
   const size_t weight_bytes = sizeof(float) * size_t(s.k) * size_t(s.col_rows());
   p.implicit_dx = p.implicit && implicit_dx && weight_bytes <= limit;
   if (p.implicit_dx) return choose_own(p.choices[1], "DP_IMPLICIT_GEMM", weight_bytes);
-  const size_t copies = two_lanes && !p.direct && !p.implicit ? 2 : 1;
+  p.side_dw = two_lanes && !p.direct && !p.implicit;  // the im2col path's dw: conv_backward
+  const size_t copies = p.side_dw ? 2 : 1;
   const size_t image_floats = size_t(s.out_h()) * s.out_w() * (copies * size_t(s.col_rows()) + size_t(s.k));
   const size_t index_cap = size_t(INT32_MAX) / std::max(image_floats, size_t(s.c) * s.h * s.w);
   const size_t partial_bytes = p.bias_floats * sizeof(float), image_bytes = image_floats * sizeof(float);

@@ -16,7 +16,6 @@ CudaOps::CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn
       scratch_(scratch),
       flag_(&scratch->flag) {
   implicit_wanted();  // a DP_CUDA_CONV it does not know fails here, before any step
-  streams_wanted();   // and a DP_CUDA_STREAMS
   if (two_lanes()) forked_ = cuda::make_event(), joined_ = cuda::make_event();
   DP_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(Scratch), stream_));  // xent_done starts at 0
 }

@@ -49,6 +49,7 @@ struct ConvPlan {
   bool implicit = false;              // forward and dw, db by conv_implicit.cu (CudaOps::implicit)
   int slices = 0;                     // an implicit dw's partials: implicit_slices, or fewer to fit the workspace
   bool implicit_dx = false;           // and dx (CudaOps::implicit_dx)
+  bool side_dw = false;               // dw and db on the side lane, dx's columns apart (conv2d.cu)
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
 };
@@ -80,11 +81,11 @@ class CudaOps final : public Ops {
   const char* backend() const override { return "cuda"; }
   cudaStream_t stream() const { return stream_; }
   // DP_CUDA_STREAMS (read once): 1, the default, or 2; any other value is a UsageError, from the
-  // constructor. With 2 the device gives its ops a side lane, and the backward pass of a linear layer
-  // and of a convolution on the im2col path computes dw and db there while dx is computed on the
-  // stream: the two need nothing of each other but dy. Each op joins the lanes before it returns, so
-  // the ops stay in stream order. The same kernels on the same data: the same bits. Not the default:
-  // compiled, not yet run on a GPU (docs/gpu.md).
+  // device's start (CudaDevice::open). With 2 the device gives its ops a side lane, and the backward
+  // pass of a linear layer and of a convolution on the im2col path computes dw and db there while dx
+  // is computed on the stream: the two need nothing of each other but dy. Each op joins the lanes
+  // before it returns, so the ops stay in stream order. The same kernels on the same data: the same
+  // bits. Not the default: compiled, not yet run on a GPU (docs/gpu.md).
   static int streams_wanted();
   bool two_lanes() const { return side_.stream != stream_; }
 
