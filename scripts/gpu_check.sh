@@ -22,6 +22,10 @@
 #             kernel of a 10-step and a 30-step run; their difference over 20 is one step, without the
 #             start, cuDNN's planning and the evaluation; caches flushed before each kernel (ncu's
 #             default), then again kept as the kernel before left them (--cache-control none)
+#   stalls    why the longest kernels take their time: ncu's sections (throughput against peak, occupancy,
+#             warp states, memory) over one step's launches of the profile step's 8 longest, 10 steps in;
+#             per kernel its SM throughput, occupancy and longest warp stalls (scripts/ncu_stalls.py), and
+#             the report (stalls.ncu-rep) with ncu's advice
 #   streams   DP_CUDA_STREAMS=2 (each layer's weight gradients on a second stream, not the default): the
 #             op, graph, run-ahead and CPU-matching cases under it, and --graphs runs against one stream,
 #             3 alternated rounds; the weights must be the same bits
@@ -66,9 +70,9 @@
 # (less 20 s for the summary and the tarball); a step with under 30 s left is skipped, and the summary
 # and tarball are written all the same. On a machine lent for calls of at most 10 minutes and 15 minutes
 # in all, its start included: one call with `--deadline 545 --only env,configure,build,cuda,train,
-# profile,streams,torch,graphs,run-ahead,sanitize` (298 s on an H200, 2026-11-28, without the
-# profile's second timing, about 20 s, and the streams step, about a minute by estimate; and about 40 s
-# to start the machine), given back at once; the minutes left are for a second call on a fresh machine
+# profile,stalls,streams,torch,graphs,run-ahead,sanitize` (298 s on an H200, 2026-11-28, without the
+# profile's second timing, about 20 s, and the stalls and streams steps, under a minute each by
+# estimate; and about 40 s to start the machine), given back at once; the minutes left are for a second call on a fresh machine
 # after a fix, with what the fix touches and the steps left out (implicit and nccl, measured before;
 # verify-*, compare, skew, comm, prefetch: 20 s together). ctest and readme (the CPU cases, the
 # README's two-GPU commands) belong to a longer loan.
@@ -110,7 +114,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 fatal() { echo "gpu_check.sh: $*" >&2; exit 2; }
-steps="env configure build cuda train profile streams implicit torch verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl ctest readme sanitize"
+steps="env configure build cuda train profile stalls streams implicit torch verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl ctest readme sanitize"
 [[ "$deadline" =~ ^[0-9]+$ ]] || fatal "--deadline: '$deadline' is not a whole number of seconds"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && [ -z "$tarball" ]; then tarball=$OUT/gpu-check.tar.gz; fi
 for s in ${only//,/ } ${skip//,/ }; do
@@ -210,7 +214,7 @@ fi
 # --- steps --------------------------------------------------------------------------------------------
 names=() codes=() statuses=() seconds=() keys=()
 n=0 failed=0 skipped=0
-warn_steps=" train profile streams implicit verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl "  # dp's own runs
+warn_steps=" train profile stalls streams implicit verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl "  # dp's own runs
 selected() {
   [ -n "$only" ] && [[ ",$only," != *",$1,"* ]] && return 1
   [ -n "$skip" ] && [[ ",$skip," == *",$1,"* ]] && return 1
@@ -289,6 +293,7 @@ step build 1800 s_build
 step cuda 600 s_cuda
 step train 600 s_train
 step profile 300 s_profile
+step stalls 180 s_stalls
 step streams 300 s_streams
 step implicit 300 s_implicit
 step torch 600 s_torch

@@ -171,6 +171,38 @@ s_profile() {
   return $rc
 }
 
+# Why the longest kernels take their time: ncu's sections on throughput against the GPU's peak,
+# occupancy, launch, warp states, scheduler, memory and compute (no source counters: a small report)
+# over one step's launches of the profile step's 8 longest kernels (scripts/ncu_stalls.py --pick), 10
+# steps in. The report, $out/stalls.ncu-rep, opens in ncu (--import); its details page, with ncu's
+# advice, is in the log; scripts/ncu_stalls.py sums up each kernel from its metrics.
+s_stalls() {
+  need dp_train || return $?
+  local ncu rc=0 picked calls names s sections=()
+  ncu=$(ncu_path)
+  if [ $dry = 1 ] || [ -z "$ncu" ]; then
+    SKIP="not run: $([ $dry = 1 ] && echo "cpu dry run" || echo "no ncu (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute)")"
+    echo "$SKIP"
+    return 0
+  fi
+  picked=$("$py" "$here/scripts/ncu_stalls.py" --pick "$out/kernels.json" --top 8) ||
+    { BAD="no kernels.json from the profile step"; return 1; }
+  read -r calls names <<< "$picked"
+  for s in SpeedOfLight Occupancy LaunchStats WarpStateStats SchedulerStats MemoryWorkloadAnalysis \
+    ComputeWorkloadAnalysis; do sections+=(--section "$s"); done
+  run "${dp_env[@]}" "$ncu" --clock-control none "${sections[@]}" --kernel-name-base demangled \
+    --kernel-name "regex:$names" --launch-skip $((10 * calls)) --launch-count "$calls" --export "$out/stalls" \
+    --force-overwrite "$build/dp_train" --backend cuda --gpus 0 --data "$data" --steps 14 --limit-test 256 \
+    --quiet || rc=$?
+  run "$ncu" --import "$out/stalls.ncu-rep" --page details || rc=$?
+  run "$ncu" --import "$out/stalls.ncu-rep" --page raw --csv --print-units base --log-file "$out/stalls-raw.csv" ||
+    rc=$?
+  "$py" "$here/scripts/ncu_stalls.py" "$out/stalls-raw.csv" --json "$out/stalls.json" || rc=$?
+  KEY=$(grep '^the longest: ' "$LOG" | tail -1 | cut -c14-)
+  [ -n "$KEY" ] || BAD="no kernel read from ncu's report"
+  return $rc
+}
+
 # The weight gradients on a second stream (DP_CUDA_STREAMS=2: each linear layer's and im2col-path
 # convolution's dw and db beside its dx; compiled, not yet run on a GPU) against one (the default): the
 # op, graph, run-ahead and three-steps-against-the-CPU cases under it, then --graphs runs each way, 3
