@@ -196,6 +196,9 @@ DP_OPS_TEST("conv2d: against the reference on LeNet's layers, odd, padded and ra
   // most weights they take (4,096).
   check_conv(be, {.n = 3, .c = 1, .h = 28, .w = 28, .k = 440, .kh = 3, .kw = 3}, 161);
   check_conv(be, {.n = 2, .c = 1, .h = 28, .w = 28, .k = 162, .kh = 5, .kw = 5, .pad = 2}, 171);
+  // More output pixels than CUDA's direct dw has threads for a group of channels (64 x 256): a
+  // thread takes several pixels, each over every image.
+  check_conv(be, {.n = 2, .c = 1, .h = 140, .w = 130, .k = 3, .kh = 3, .kw = 3, .pad = 1}, 181);
   std::mt19937_64 gen(99);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
   for (uint32_t trial = 0; trial < 24; ++trial) {
