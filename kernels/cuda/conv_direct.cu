@@ -14,31 +14,22 @@
 // (the bias is added after, as on cuDNN's path); dw and db are fixed trees (per thread in row order,
 // then the warp's shuffles, the block's warps in order, the slices by a warp's shuffles): the same
 // bits every run, within the tests' bounds for any tree (tests/test_ops_conv.cpp).
-#include <algorithm>
-
 #include "kernels/cuda/cuda_ops.h"
+#include "kernels/cuda/direct_taps.h"
 #include "kernels/cuda/divider.h"
 #include "kernels/cuda/launch.h"
 
 namespace dp {
 namespace {
 
-constexpr int kTaps = CudaOps::kDirectTaps;
+using cuda::direct::kTaps;
+using cuda::direct::Taps;
+static_assert(kTaps == CudaOps::kDirectTaps && cuda::direct::kSlices == CudaOps::kDirectSlices &&
+              cuda::direct::kBlock == cuda::kThreads);
 constexpr int kWarps = cuda::kThreads / 32;
 
-// Tap t = (c KH + u) KW + v of the filter: its offset in an image, (c H + u) W + v, and u, v. The
-// slots past C KH KW hold a row u far above any image, so that they are never inside one.
-struct Taps {
-  int offset[kTaps], u[kTaps], v[kTaps];
-};
-constexpr int kNowhere = -(1 << 24);
 __device__ void fill_taps(const ConvShape& s, Taps& taps) {
-  const int khw = s.kh * s.kw;
-  for (int t = int(threadIdx.x); t < kTaps; t += int(blockDim.x)) {
-    const int ch = t / khw, u = (t - ch * khw) / s.kw, v = t - ch * khw - u * s.kw;
-    const bool tap = t < s.c * khw;
-    taps.offset[t] = tap ? (ch * s.h + u) * s.w + v : 0, taps.u[t] = tap ? u : kNowhere, taps.v[t] = tap ? v : 0;
-  }
+  cuda::direct::fill_taps(s, taps, int(threadIdx.x), int(blockDim.x));
 }
 
 // xv[t] = x at tap t of output pixel j = n P + q (zero outside the image, and past the taps).
@@ -85,16 +76,12 @@ __global__ void __launch_bounds__(cuda::kThreads)
 }
 
 // partial (K, slices, kTaps + 1): grid (K / kGroup rounded up, slices). Block (group, slice) sums, over
-// the rows j = n P + q its threads take, dy[n, ch, q] x[n, c, qy + u - pad, qx + v - pad] for every tap
-// (slot t) and dy alone (slot kTaps, the bias), for the group's channels ch. With kRows dy is given as
-// its rows, dyt (K, N P) (the fused op's layout, conv_act_pool.cu): the same values, the same bits.
-// kMax (C KH KW or more) bounds the unrolled loops, whose sums stay in registers.
-// A thread keeps an output pixel and walks the images: of the P R columns (pixel q, residue r), R =
-// `residues`, thread g of the group's T = slices x blockDim takes columns c = g, g + T, ... (q = c % P,
-// r = c / P), and of each column the images n = r, r + R, ... in order. Which taps lie inside the image
-// is worked out once a column, so an image costs a load a tap and kGroup of dy, no division. (A
-// thread a row at a time, dividing twice a row and testing every tap's bounds, ran about 340
-// instructions a row for lenet's conv1: 42.5 us on an H200 for 35 million multiply-adds.)
+// the rows its threads take (cuda::direct::accumulate: a thread keeps an output pixel over the images), dy[n,
+// ch, q] x[n, c, qy + u - pad, qx + v - pad] for every tap (slot t) and dy alone (slot kTaps, the
+// bias), for the group's channels ch. With kRows dy is given as its rows, dyt (K, N P) (the fused op's
+// layout, conv_act_pool.cu): the same values, the same bits. (A thread a row at a time, dividing twice
+// a row and testing every tap's bounds, ran about 340 instructions a row for lenet's conv1: 42.5 us on
+// an H200 for 35 million multiply-adds.)
 template <int kMax, int kGroup, bool kRows>
 __global__ void __launch_bounds__(cuda::kThreads)
     direct_filter_grad_kernel(ConvShape s, cuda::Divider pixels, cuda::Divider ow, int residues, const float* x,
@@ -104,40 +91,15 @@ __global__ void __launch_bounds__(cuda::kThreads)
   fill_taps(s, taps);
   __syncthreads();
   const int ch0 = int(blockIdx.x) * kGroup, slice = int(blockIdx.y), slices = int(gridDim.y);
-  const int threads = slices * int(blockDim.x);
-  const int p = pixels.divisor(), rows = s.n * p, crs = s.c * s.kh * s.kw, image = s.c * s.h * s.w;
+  const int crs = s.c * s.kh * s.kw;
   float acc[kGroup][kMax + 1];  // the taps', then the bias'
 #pragma unroll
   for (int g = 0; g < kGroup; ++g)
 #pragma unroll
     for (int t = 0; t <= kMax; ++t) acc[g][t] = 0.0f;
-  for (int c = slice * int(blockDim.x) + int(threadIdx.x); c < p * residues; c += threads) {
-    int r = 0, q = 0, qy = 0, qx = 0;
-    pixels.divmod(c, r, q);
-    ow.divmod(q, qy, qx);
-    const int top = qy - s.pad, left = qx - s.pad;
-    uint32_t inside = 0u;  // bit t: tap t lies inside the image
-#pragma unroll
-    for (int t = 0; t < kMax; ++t) {
-      const int yy = top + taps.u[t], xx = left + taps.v[t];
-      inside |= uint32_t(yy >= 0 && yy < s.h && xx >= 0 && xx < s.w) << t;
-    }
-    for (int n = r; n < s.n; n += residues) {
-      const int corner = n * image + top * s.w + left;  // tap t at corner + its offset, where inside
-      float xv[kMax];
-#pragma unroll
-      for (int t = 0; t < kMax; ++t) xv[t] = inside >> t & 1u ? x[corner + taps.offset[t]] : 0.0f;
-#pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        const int ch = ch0 + g;
-        if (ch >= s.k) break;
-        const float d = kRows ? dy[ch * rows + n * p + q] : dy[(n * s.k + ch) * p + q];
-#pragma unroll
-        for (int t = 0; t < kMax; ++t) acc[g][t] = fmaf(d, xv[t], acc[g][t]);
-        acc[g][kMax] += d;
-      }
-    }
-  }
+  cuda::direct::accumulate<kMax, kGroup, kRows>(s, taps, pixels, ow, residues, ch0,
+                                                slice * int(blockDim.x) + int(threadIdx.x), slices * int(blockDim.x), x,
+                                                dy, acc);
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
 #pragma unroll
   for (int g = 0; g < kGroup; ++g)
@@ -175,18 +137,7 @@ __global__ void direct_filter_total_kernel(int k, int crs, int slices, const flo
     dw[int64_t(ch) * crs + t] = v;
 }
 
-// The smallest of the instantiated tap bounds (kMax) that holds C KH KW taps, as a call of f.
-template <class F>
-void with_tap_bound(int crs, F&& f) {
-  if (crs <= 9)  // 1 x 3 x 3
-    f.template operator()<9>();
-  else if (crs <= 16)
-    f.template operator()<16>();
-  else if (crs <= 25)  // 1 x 5 x 5
-    f.template operator()<25>();
-  else
-    f.template operator()<kTaps>();
-}
+using cuda::direct::with_tap_bound;
 
 }  // namespace
 
@@ -212,10 +163,9 @@ void CudaOps::direct_filter_grad(const ConvShape& s, const float* x, const float
                                  float* workspace) {
   const int p = s.out_h() * s.out_w(), crs = int(s.col_rows());
   const cuda::Divider pixels(p), ow(s.out_w());
-  // residues: as many as the group's threads hold a column each of (every image its own, at most)
-  const int residues = std::clamp(kDirectSlices * cuda::kThreads / p, 1, s.n);
+  const int residues = cuda::direct::residues(s);
   with_tap_bound(crs, [&]<int kMax>() {
-    constexpr int kGroup = kMax <= 9 ? 4 : kMax <= 16 ? 2 : 1;  // within the registers kMax leaves
+    constexpr int kGroup = cuda::direct::kGroupOf<kMax>;
     const dim3 grid(unsigned((s.k + kGroup - 1) / kGroup), kDirectSlices);
     if (rows)
       direct_filter_grad_kernel<kMax, kGroup, true>
