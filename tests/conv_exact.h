@@ -14,7 +14,8 @@ namespace dp::test {
 struct Exact {
   std::vector<double> y, y_abs, dw, dw_abs, db, db_abs, dx, dx_abs;
 };
-inline Exact exact(const ConvShape& s, const std::vector<float>& x, const std::vector<float>& w, const std::vector<float>& dy) {
+inline Exact exact(const ConvShape& s, const std::vector<float>& x, const std::vector<float>& w,
+                   const std::vector<float>& dy) {
   const int oh = s.out_h(), ow = s.out_w(), p = oh * ow, crs = int(s.col_rows());
   Exact e;
   e.y.assign(size_t(s.n) * s.k * p, 0.0), e.y_abs = e.y;

@@ -37,8 +37,8 @@ void emulate(const ConvShape& s, const std::vector<float>& x, const std::vector<
         direct::accumulate<kMax, kGroup, true>(s, taps, pixels, ow, residues, ch0, g, direct::kGroupThreads, x.data(),
                                                dy.data(), acc);
       else
-        direct::accumulate<kMax, kGroup, false>(s, taps, pixels, ow, residues, ch0, g, direct::kGroupThreads,
-                                                x.data(), dy.data(), acc);
+        direct::accumulate<kMax, kGroup, false>(s, taps, pixels, ow, residues, ch0, g, direct::kGroupThreads, x.data(),
+                                                dy.data(), acc);
       for (int k = 0; k < kGroup && ch0 + k < s.k; ++k) {
         for (int t = 0; t < crs; ++t) w_sum[size_t((ch0 + k) * crs + t)] += acc[k][t];
         b_sum[size_t(ch0 + k)] += acc[k][kMax];

@@ -25,7 +25,9 @@ constexpr int kTaps = 32;  // C KH KW at most (CudaOps::kDirectTaps)
 // kGroupOf<kMax> channels (CudaOps::kDirectSlices; conv_direct.cu holds them equal).
 constexpr int kSlices = 64, kBlock = 256, kGroupThreads = kSlices * kBlock;
 template <int kMax>
-constexpr int kGroupOf = kMax <= 9 ? 4 : kMax <= 16 ? 2 : 1;  // within the registers kMax leaves
+constexpr int kGroupOf = kMax <= 9    ? 4
+                         : kMax <= 16 ? 2
+                                      : 1;  // within the registers kMax leaves
 
 // The smallest of the instantiated tap bounds (kMax) that holds C KH KW taps, as a call of f.
 template <class F>
