@@ -72,8 +72,8 @@
 # in all, its start included: one call with `--deadline 545 --only env,configure,build,cuda,train,
 # profile,stalls,streams,torch,graphs,run-ahead,sanitize` (298 s on an H200, 2026-11-28, without the
 # profile's second timing, about 20 s, and the stalls and streams steps, under a minute each by
-# estimate; and about 40 s to start the machine), given back at once; the minutes left are for a second call on a fresh machine
-# after a fix, with what the fix touches and the steps left out (implicit and nccl, measured before;
+# estimate; and about 40 s to start the machine), given back at once; the minutes left are for a
+# second call on a fresh machine after a fix, with what the fix touches and the steps left out (implicit and nccl, measured before;
 # verify-*, compare, skew, comm, prefetch: 20 s together). ctest and readme (the CPU cases, the
 # README's two-GPU commands) belong to a longer loan.
 #

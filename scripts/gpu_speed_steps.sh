@@ -150,15 +150,18 @@ kernel_times() {
   "$py" "$here/scripts/kernel_times.py" "$out/ncu$2-10.csv" "$out/ncu$2-30.csv" --steps 20 --json "$out/kernels$2.json"
   return $rc
 }
+# ncu's path in $ncu; where there is none, or in a dry run, SKIP says why and it returns 1
+find_ncu() {
+  ncu=$(ncu_path)
+  [ $dry = 0 ] && [ -n "$ncu" ] && return 0
+  SKIP="not run: $([ $dry = 1 ] && echo "cpu dry run" || echo "no ncu (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute)")"
+  echo "$SKIP"
+  return 1
+}
 s_profile() {
   need dp_train || return $?
   local ncu rc=0
-  ncu=$(ncu_path)
-  if [ $dry = 1 ] || [ -z "$ncu" ]; then
-    SKIP="not run: $([ $dry = 1 ] && echo "cpu dry run" || echo "no ncu (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute)")"
-    echo "$SKIP"
-    return 0
-  fi
+  find_ncu || return 0
   kernel_times "$ncu" "" "" "" || rc=$?
   KEY=$(json "$out/kernels.json" '"%.1f us of kernels a step, %d launches; the longest: %s %.1f us" % (j["total_us"], j["launches"], j["kernels"][0]["name"][:40], j["kernels"][0]["us"])')
   [ -n "$KEY" ] || BAD="no kernel times read from ncu's output"
@@ -179,12 +182,7 @@ s_profile() {
 s_stalls() {
   need dp_train || return $?
   local ncu rc=0 picked calls names s sections=()
-  ncu=$(ncu_path)
-  if [ $dry = 1 ] || [ -z "$ncu" ]; then
-    SKIP="not run: $([ $dry = 1 ] && echo "cpu dry run" || echo "no ncu (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute)")"
-    echo "$SKIP"
-    return 0
-  fi
+  find_ncu || return 0
   picked=$("$py" "$here/scripts/ncu_stalls.py" --pick "$out/kernels.json" --top 8) ||
     { BAD="no kernels.json from the profile step"; return 1; }
   read -r calls names <<< "$picked"

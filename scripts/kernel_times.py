@@ -20,15 +20,18 @@ def short(name):
     return name if len(name) <= 90 else name[:87] + "..."
 
 
-def read(path):
-    """name -> [launches, microseconds] over the whole run."""
+def table(path):
+    """The lines of ncu's CSV from its header ("ID", ...) on, without ncu's own (==PROF==); [] if none."""
     with open(path, errors="replace") as f:
         lines = [l for l in f if not l.startswith("==")]
     start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
-    if start is None:
-        return {}
+    return [] if start is None else lines[start:]
+
+
+def read(path):
+    """name -> [launches, microseconds] over the whole run."""
     out = collections.defaultdict(lambda: [0, 0.0])
-    for row in csv.DictReader(lines[start:]):
+    for row in csv.DictReader(table(path)):
         if row.get("Metric Name") != "gpu__time_duration.sum":
             continue
         unit = UNITS.get(row.get("Metric Unit", "").strip())

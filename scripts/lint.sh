@@ -52,15 +52,16 @@ cuda_functions() {  # the findings, or "parse error" lines
   local cu=(-x cuda --cuda-host-only --cuda-path="$cuda" -nocudalib --no-cuda-version-check
     -D__CLANG_CUDA_TEXTURE_INTRINSICS_H__ -isystem "$stub")
   {
-    git ls-files 'kernels/cuda/*.cu' | xargs -P 2 -I{} "$tidy" --quiet --config="$config" {} -- "${cu[@]}" "${common[@]}"
-    git ls-files 'kernels/cuda/*.cpp' 'engine/cuda/*.cpp' |
-      xargs -P 2 -I{} "$tidy" --quiet --config="$config" {} -- -x c++ "${common[@]}"
+    printf '%s\n' "${cuda_cu[@]}" | xargs -P 2 -I{} "$tidy" --quiet --config="$config" {} -- "${cu[@]}" "${common[@]}"
+    printf '%s\n' "${cuda_cpp[@]}" | xargs -P 2 -I{} "$tidy" --quiet --config="$config" {} -- -x c++ "${common[@]}"
   } 2>&1 | grep -E 'warning: function|error: ' | sed '/error: /s/^/parse error: /' || true
   rm -rf "$stub"
 }
+mapfile -t cuda_cu < <(git ls-files 'kernels/cuda/*.cu')
+mapfile -t cuda_cpp < <(git ls-files 'kernels/cuda/*.cpp' 'engine/cuda/*.cpp')
 cuda_sources=0
 if [ -f "$cuda/include/cuda_runtime.h" ]; then
-  cuda_sources=$(git ls-files 'kernels/cuda/*.cu' 'kernels/cuda/*.cpp' 'engine/cuda/*.cpp' | wc -l)
+  cuda_sources=$((${#cuda_cu[@]} + ${#cuda_cpp[@]}))
   found+=$(printf '\n%s' "$(cuda_functions)")
   found=$(echo "$found" | sed '/^$/d')
 else

@@ -17,7 +17,7 @@ page's (a row a metric); prints a row a kernel, longest first; exits 1 when no l
 import argparse, collections, csv, json, os, re, sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernel_times import UNITS, short  # noqa: E402
+from kernel_times import UNITS, short, table  # noqa: E402
 
 DURATION = ("gpu__time_duration.sum", "Duration")  # the raw metric's name, then the details page's
 SHARES = {  # key: (raw name, details page name)
@@ -38,12 +38,9 @@ def number(text):
 
 def launches(path):
     """[(kernel name, {metric: (value, unit)})], one a profiled launch, in the file's order."""
-    with open(path, errors="replace") as f:
-        lines = [l for l in f if not l.startswith("==")]
-    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
-    if start is None:
+    rows = list(csv.reader(table(path)))
+    if not rows:
         return []
-    rows = list(csv.reader(lines[start:]))
     header = rows[0]
     name = next((c for c in ("Kernel Name", "Function Name", "Name") if c in header), None)
     if name is None:
