@@ -17,6 +17,12 @@
 #define DP_HD inline
 #endif
 
+namespace dp {
+
+enum class Activation { relu, sigmoid };
+
+}  // namespace dp
+
 namespace dp::math {
 
 // exp that picks expf for float in device code as well as on the host.
@@ -25,6 +31,17 @@ DP_HD double exp_(double x) { return ::exp(x); }
 // sqrt likewise (both correctly rounded: nvcc's default -prec-sqrt=true, IEEE on the host).
 DP_HD float sqrt_(float x) { return sqrtf(x); }
 DP_HD double sqrt_(double x) { return ::sqrt(x); }
+
+// a + b rounded on its own, never merged with a product that feeds it into one FMA, as nvcc may do
+// with `s += a * b` (one rounding, not two): where a kernel computes in registers what another stores
+// first, its sums keep the other's bits (direct_taps.h).
+DP_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
 
 template <class T>
 DP_HD T relu(T x) {
@@ -46,6 +63,18 @@ DP_HD T sigmoid(T x) {
 template <class T>
 DP_HD T sigmoid_grad(T y, T dy) {
   return dy * y * (T(1) - y);
+}
+
+// The activation a fused kernel's template names (conv_act_pool.cu, direct_taps.h), forward and back.
+template <Activation A>
+DP_HD float activate(float x) {
+  if constexpr (A == Activation::relu) return relu(x);
+  return sigmoid(x);
+}
+template <Activation A>
+DP_HD float activate_grad(float y, float dy) {
+  if constexpr (A == Activation::relu) return relu_grad(y, dy);
+  return sigmoid_grad(y, dy);
 }
 
 // PyTorch's clip_grad_norm_ (torch.nn.utils): the gradient is multiplied by

@@ -6,11 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/math.h"  // math::AdamStep
+#include "kernels/math.h"  // math::AdamStep, Activation
 
 namespace dp {
-
-enum class Activation { relu, sigmoid };
 
 struct ConvShape {
   int n = 0;                // images

@@ -7,6 +7,7 @@
 // plan's choice (conv_plan.cpp). Twin of kernels/cpu/conv2d.cpp.
 #include <algorithm>
 
+#include "kernels/cuda/bias_grad.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/divider.h"
 #include "kernels/cuda/launch.h"
@@ -140,52 +141,31 @@ __global__ void bias_add_kernel(int64_t total, int k, int64_t p, const float* b,
   DP_GRID_STRIDE(i, total) { y[i] += b[(i / p) % k]; }
 }
 
-// db(K)[k] = sum over n, p of dy(N, K, P)[n, k, p], in two fixed-order passes, so the result is the
-// same bits every run (no atomics). One block per channel would leave an H100 idle (LeNet has 20 to
-// 50 channels, the H100 132 SMs), so each channel's N * P values are cut into kBiasSlices contiguous
-// slices, one block each, whose totals (a fixed tree in shared memory) go to the workspace; then
-// one thread per channel adds its slices in order. Any order of additions keeps the sum within
-// gamma(N P) of the exact one, the bound the tests hold db to (tests/test_ops_conv.cpp).
-constexpr int kBiasSlices = CudaOps::kBiasSlices;
-
-// partial(K, kBiasSlices): grid (K, kBiasSlices), kThreads threads. Channel ch's j-th value, j = n P + p,
-// is dy(N, K, P)[n, ch, p], or with kRows dyt(K, N P)[ch, j] (dy's rows, as the fused op writes them):
-// the same values in the same order, so the same bits.
+// db (K) from dy (N, K, P), or with kRows its rows dyt (K, N P), through (K, kBiasSlices) partials
+// (kernels/cuda/bias_grad.h): channel ch's j-th value, j = n P + p, is dy[n, ch, p] or dyt[ch, j], the
+// same values in the same order, so the same bits.
 template <bool kRows>
 __global__ void bias_grad_partial_kernel(int n, int k, int64_t p, const float* dy, float* partial) {
-  __shared__ float s[cuda::kThreads];
-  const int ch = blockIdx.x, slice = blockIdx.y;
   const int64_t per_channel = int64_t(n) * p;
-  const int64_t begin = per_channel * slice / kBiasSlices, end = per_channel * (slice + 1) / kBiasSlices;
+  const cuda::bias::Slice sl = cuda::bias::slice_of(per_channel);
   float acc = 0.0f;
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x)  // neighbours read neighbours
-    acc += kRows ? dy[ch * per_channel + j] : dy[(j / p * k + ch) * p + j % p];
-  s[threadIdx.x] = acc;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (int(threadIdx.x) < stride) s[threadIdx.x] += s[threadIdx.x + stride];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partial[int64_t(ch) * kBiasSlices + slice] = s[0];
+  for (int64_t j = sl.begin + threadIdx.x; j < sl.end; j += blockDim.x)  // neighbours read neighbours
+    acc += kRows ? dy[sl.ch * per_channel + j] : dy[(j / p * k + sl.ch) * p + j % p];
+  cuda::bias::write_partial(acc, partial);
 }
 
-// db(K) = the sum of each channel's kBiasSlices partials, in slice order.
 __global__ void bias_grad_total_kernel(int k, const float* partial, float* db) {
-  DP_GRID_STRIDE(ch, k) {
-    float total = 0.0f;
-    for (int slice = 0; slice < kBiasSlices; ++slice) total += partial[ch * kBiasSlices + slice];
-    db[ch] = total;
-  }
+  DP_GRID_STRIDE(ch, k) { db[ch] = cuda::bias::total(partial, int(ch)); }
 }
 
 // db (K) from dy, or with `rows` dy's rows, through (K, kBiasSlices) partials in `partial`.
 void bias_grad(cudaStream_t stream, const ConvShape& s, bool rows, const float* dy, float* partial, float* db) {
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
-  const dim3 slices(unsigned(s.k), kBiasSlices);
+  const unsigned blocks = unsigned(s.k) * cuda::bias::kSlices;
   if (rows)
-    bias_grad_partial_kernel<true><<<slices, cuda::kThreads, 0, stream>>>(s.n, s.k, pixels, dy, partial);
+    bias_grad_partial_kernel<true><<<blocks, cuda::kThreads, 0, stream>>>(s.n, s.k, pixels, dy, partial);
   else
-    bias_grad_partial_kernel<false><<<slices, cuda::kThreads, 0, stream>>>(s.n, s.k, pixels, dy, partial);
+    bias_grad_partial_kernel<false><<<blocks, cuda::kThreads, 0, stream>>>(s.n, s.k, pixels, dy, partial);
   DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
   bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream>>>(s.k, partial, db);
   DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
@@ -264,7 +244,7 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
     }
     if (split) fork();
     if (im2col_dw) {
-      if (n0 == 0) bias_grad(dw_lane.stream, s, rows, dy, workspace, db);
+      if (n0 == 0 && db) bias_grad(dw_lane.stream, s, rows, dy, workspace, db);  // none: done (conv_act_pool.cu)
       im2col(dw_lane.stream, s, int(r), x + n0 * image, col);
       gemm_ld(dw_lane, false, false, s.k, int(crs), int(r), 1.0f, dyt, int(ld), col, int(crs), n0 == 0 ? 0.0f : 1.0f,
               dw);

@@ -4,12 +4,15 @@
 // (bias, activation and pooling forward; pooling's and the activation's backward, then dy's rows for
 // the GEMMs), is one kernel each way here. Each does the same float operations in the same order as
 // the separate kernels (conv2d.cu's bias, activation.cu, pool.cu), so the results are the same bits
-// (tests/test_ops_conv.cpp holds the fused op to the unfused one's bits).
+// (tests/test_ops_conv.cpp holds the fused op to the unfused one's bits). Shapes of few taps (LeNet's
+// conv1) go further on conv_direct.cu's kernels: the convolution too in the forward kernel, and for a
+// first layer the way back inside the weight gradient's kernel.
 //
 // Their index arithmetic divides by the shapes' sizes with cuda::Divider (a multiply-high and a shift).
 // Sizes: the tensors here hold fewer than 2^31 floats (make_plan's chunks keep theirs so too).
 #include <algorithm>
 
+#include "kernels/cuda/bias_grad.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/cuda/divider.h"
 #include "kernels/cuda/launch.h"
@@ -17,17 +20,6 @@
 
 namespace dp {
 namespace {
-
-template <Activation A>
-__device__ float activate(float x) {
-  if constexpr (A == Activation::relu) return math::relu(x);
-  return math::sigmoid(x);
-}
-template <Activation A>
-__device__ float activate_grad(float y, float dy) {
-  if constexpr (A == Activation::relu) return math::relu_grad(y, dy);
-  return math::sigmoid_grad(y, dy);
-}
 
 // y (N K, OH, OW) holds the convolution without its bias: y = act(y + b) in place, and y_pool = the
 // sum of each k x k window of y, row by row, times 1 / k^2 (the last row and column of pixels where k
@@ -54,7 +46,7 @@ __global__ void bias_act_pool_kernel(int planes, int per_block, cuda::Divider pi
     for (int i = 0; i < kPoolBatch; ++i) {
       const int e = e0 + i * stride;
       if (e >= total) break;
-      const float v = activate<A>(in[i] + b[channels.mod(ch0 + pixels.div(e))]);  // the plane's channel
+      const float v = math::activate<A>(in[i] + b[channels.mod(ch0 + pixels.div(e))]);  // the plane's channel
       yb[e] = v;
       tile[e] = v;
     }
@@ -88,8 +80,40 @@ __global__ void act_pool_backward_rows_kernel(int total, int n, cuda::Divider pi
     ow.divmod(q, yy, xx);
     const int wi = k.div(yy), wj = k.div(xx);
     const float g = wi < ph && wj < pw ? dy_pool[(int64_t(plane) * ph + wi) * pw + wj] * inv : 0.0f;
-    dyt[(int64_t(ch) * n + img) * pixels.divisor() + q] = activate_grad<A>(y_act[i], g);
+    dyt[(int64_t(ch) * n + img) * pixels.divisor() + q] = math::activate_grad<A>(y_act[i], g);
   }
+}
+
+// The same rows, and db on the way where the backward pass would sum it from them (the im2col path):
+// block b of (K, kBiasSlices) writes its slice of row ch (kernels/cuda/bias_grad.h) and adds the values
+// as conv2d.cu's bias_grad_partial_kernel adds them when it reads them back (add_rn: a value computed
+// in registers is not fused into the sum), so db has the separate kernels' bits; the last block to
+// finish adds each channel's partials in slice order, as bias_grad_total_kernel.
+template <Activation A>
+__global__ void act_pool_backward_rows_db_kernel(int n, int k, cuda::Divider pixels, cuda::Divider ow,
+                                                 cuda::Divider window, int ph, int pw, float inv, const float* y_act,
+                                                 const float* dy_pool, float* dyt, float* partial, unsigned* done,
+                                                 float* db) {
+  const int p = pixels.divisor();
+  const int64_t per_channel = int64_t(n) * p;
+  const cuda::bias::Slice sl = cuda::bias::slice_of(per_channel);
+  float acc = 0.0f;
+  for (int64_t j = sl.begin + threadIdx.x; j < sl.end; j += blockDim.x) {
+    int img = 0, q = 0, yy = 0, xx = 0;
+    pixels.divmod(int(j), img, q);
+    ow.divmod(q, yy, xx);
+    const int wi = window.div(yy), wj = window.div(xx), plane = img * k + sl.ch;
+    const float g = wi < ph && wj < pw ? dy_pool[(int64_t(plane) * ph + wi) * pw + wj] * inv : 0.0f;
+    const float v = math::activate_grad<A>(y_act[int64_t(plane) * p + q], g);
+    dyt[sl.ch * per_channel + j] = v;
+    acc = math::add_rn(acc, v);
+  }
+  cuda::bias::write_partial(acc, partial);
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = cuda::last_block_done(done);
+  __syncthreads();
+  if (!last) return;
+  for (int ch = int(threadIdx.x); ch < k; ch += int(blockDim.x)) db[ch] = cuda::bias::total(partial, ch);
 }
 
 // Planes per block of bias_act_pool_kernel: about 2,048 pixels (eight a thread), at least one plane,
@@ -111,6 +135,7 @@ void CudaOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, c
   // a plane larger than a tile, or a window larger than the plane (nothing pooled): the three ops
   if (tile_bytes > kMaxPoolTileBytes || pooled == 0 || !indexable(s))
     return Ops::conv2d_act_pool_forward(s, a, k, x, w, b, y_act, y_pool, workspace);
+  if (direct_act_pool(s, k) && plan(s).direct) return direct_act_pool_forward(s, a, x, w, b, y_act, y_pool);
   const int planes = s.n * s.k;
   convolve(s, x, w, y_act, workspace);
   const unsigned blocks = unsigned((planes + per_block - 1) / per_block);
@@ -130,19 +155,32 @@ void CudaOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, 
                                        float* db, float* workspace) {
   if (!indexable(s))
     return Ops::conv2d_act_pool_backward(s, a, k, x, w, y_act, dy_pool, scratch, dx, dw, db, workspace);
-  if (s.n > 0) {  // scratch: dy's rows
-    const int oh = s.out_h(), ow = s.out_w(), total = s.n * s.k * oh * ow;
-    const cuda::Divider by_pixels(oh * ow), by_channels(s.k), by_ow(ow), by_k(k);
-    const float inv = 1.0f / float(k * k);
-    if (a == Activation::relu)
-      act_pool_backward_rows_kernel<Activation::relu><<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(
-          total, s.n, by_pixels, by_channels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool, scratch);
+  // A first layer of few taps (lenet's conv1): dw and db read dy_pool and y_act themselves, so dy's rows
+  // (a pass over the layer's output each way: 14 MB for lenet's conv1 at batch 256) are never written.
+  if (s.n > 0 && !dx && plan(s).direct)
+    return direct_act_pool_filter_grad(s, a, k, x, y_act, dy_pool, dw, db, workspace);
+  if (s.n == 0) return conv_backward(s, x, w, scratch, /*rows*/ true, dx, dw, db, workspace);
+  // scratch: dy's rows; on the im2col path db too, through its partials at the workspace's start
+  const ConvPlan& p = plan(s);
+  const bool with_db = !p.direct && !p.implicit;
+  const int oh = s.out_h(), ow = s.out_w(), total = s.n * s.k * oh * ow;
+  const cuda::Divider by_pixels(oh * ow), by_channels(s.k), by_ow(ow), by_k(k);
+  const float inv = 1.0f / float(k * k);
+  auto run = [&]<Activation A>() {
+    if (with_db)
+      act_pool_backward_rows_db_kernel<A><<<unsigned(s.k) * kBiasSlices, cuda::kThreads, 0, stream_>>>(
+          s.n, s.k, by_pixels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool, scratch, workspace,
+          &scratch_->bias_done, db);
     else
-      act_pool_backward_rows_kernel<Activation::sigmoid><<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(
+      act_pool_backward_rows_kernel<A><<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(
           total, s.n, by_pixels, by_channels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool, scratch);
-    DP_CUDA_LAUNCH_CHECK("act_pool_backward_rows_kernel");
-  }
-  conv_backward(s, x, w, scratch, /*rows*/ true, dx, dw, db, workspace);
+  };
+  if (a == Activation::relu)
+    run.template operator()<Activation::relu>();
+  else
+    run.template operator()<Activation::sigmoid>();
+  DP_CUDA_LAUNCH_CHECK("act_pool_backward_rows_kernel");
+  conv_backward(s, x, w, scratch, /*rows*/ true, dx, dw, with_db ? nullptr : db, workspace);
 }
 
 }  // namespace dp

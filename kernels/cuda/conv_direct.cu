@@ -9,6 +9,9 @@
 // output channels: the forward pass for all of them (the weights in shared memory), the weight
 // gradient for kGroup of them, a thread keeping its pixel from image to image. (One thread per output
 // and tap loop, re-reading x for each channel, was bound by its instructions: 36 us forward, 35 for dw.)
+// For the fused op (conv_act_pool.cu) a shape of at most 16 taps whose output 2 x 2 windows tile
+// (LeNet's conv1) runs its whole forward pass in one kernel, a thread per window; and a first layer's
+// weight gradient works dy out of the pooled gradient itself, so dy's rows are never written.
 //
 // Sums: each output of the forward pass is one FMA chain over its taps in (c, u, v) order, from 0
 // (the bias is added after, as on cuDNN's path); dw and db are fixed trees (per thread in row order,
@@ -75,17 +78,38 @@ __global__ void __launch_bounds__(cuda::kThreads)
   }
 }
 
+// The fused op's forward pass (cuda::direct::forward_window): thread j takes pooling window j of every
+// channel, the weights and the bias in shared memory. A thread has four pixels' work, so there are a
+// quarter as many as pixels (43,264 for lenet's conv1 at batch 256): blocks of 128 spread them over
+// more SMs than blocks of 256 would.
+constexpr int kWindowThreads = 128;
+template <int kMax, Activation A>
+__global__ void __launch_bounds__(kWindowThreads)
+    direct_act_pool_forward_kernel(int windows, ConvShape s, cuda::Divider cells, cuda::Divider pw, const float* x,
+                                   const float* w, const float* b, float* y_act, float* y_pool) {
+  extern __shared__ float weights[];  // (K, C KH KW), then the bias (K)
+  __shared__ Taps taps;
+  fill_taps(s, taps);
+  const int crs = s.c * s.kh * s.kw;
+  for (int e = int(threadIdx.x); e < s.k * crs; e += int(blockDim.x)) weights[e] = w[e];
+  for (int e = int(threadIdx.x); e < s.k; e += int(blockDim.x)) weights[s.k * crs + e] = b[e];
+  __syncthreads();
+  const int j = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
+  if (j >= windows) return;
+  cuda::direct::forward_window<kMax, A>(s, taps, cells, pw, j, x, weights, weights + s.k * crs, y_act, y_pool);
+}
+
 // partial (K, slices, kTaps + 1): grid (K / kGroup rounded up, slices). Block (group, slice) sums, over
 // the rows its threads take (cuda::direct::accumulate: a thread keeps an output pixel over the images), dy[n,
 // ch, q] x[n, c, qy + u - pad, qx + v - pad] for every tap (slot t) and dy alone (slot kTaps, the
-// bias), for the group's channels ch. With kRows dy is given as its rows, dyt (K, N P) (the fused op's
-// layout, conv_act_pool.cu): the same values, the same bits. (A thread a row at a time, dividing twice
-// a row and testing every tap's bounds, ran about 340 instructions a row for lenet's conv1: 42.5 us on
-// an H200 for 35 million multiply-adds.)
-template <int kMax, int kGroup, bool kRows>
+// bias), for the group's channels ch. Dy says where dy comes from (direct_taps.h): dy, its rows (the
+// fused op's layout, conv_act_pool.cu) or the fused op's pooled gradient: the same values, the same
+// bits. (A thread a row at a time, dividing twice a row and testing every tap's bounds, ran about 340
+// instructions a row for lenet's conv1: 42.5 us on an H200 for 35 million multiply-adds.)
+template <int kMax, int kGroup, class Dy>
 __global__ void __launch_bounds__(cuda::kThreads)
-    direct_filter_grad_kernel(ConvShape s, cuda::Divider pixels, cuda::Divider ow, int residues, const float* x,
-                              const float* dy, float* partial) {
+    direct_filter_grad_kernel(ConvShape s, cuda::Divider pixels, cuda::Divider ow, int residues, const float* x, Dy dy,
+                              float* partial) {
   __shared__ Taps taps;
   __shared__ float warp_sums[kWarps][kGroup][kTaps + 1];
   fill_taps(s, taps);
@@ -97,9 +121,8 @@ __global__ void __launch_bounds__(cuda::kThreads)
   for (int g = 0; g < kGroup; ++g)
 #pragma unroll
     for (int t = 0; t <= kMax; ++t) acc[g][t] = 0.0f;
-  cuda::direct::accumulate<kMax, kGroup, kRows>(s, taps, pixels, ow, residues, ch0,
-                                                slice * int(blockDim.x) + int(threadIdx.x), slices * int(blockDim.x), x,
-                                                dy, acc);
+  cuda::direct::accumulate<kMax, kGroup>(s, taps, pixels, ow, residues, ch0, slice * int(blockDim.x) + int(threadIdx.x),
+                                         slices * int(blockDim.x), x, dy, acc);
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
 #pragma unroll
   for (int g = 0; g < kGroup; ++g)
@@ -139,6 +162,26 @@ __global__ void direct_filter_total_kernel(int k, int crs, int slices, const flo
 
 using cuda::direct::with_tap_bound;
 
+// dw and db through the partials in `workspace` (direct_partial_floats), dy from `dy`.
+template <class Dy>
+void filter_grad(cudaStream_t stream, const ConvShape& s, const float* x, const Dy& dy, float* dw, float* db,
+                 float* workspace) {
+  const int crs = int(s.col_rows());
+  const cuda::Divider pixels(s.out_h() * s.out_w()), ow(s.out_w());
+  const int residues = cuda::direct::residues(s);
+  with_tap_bound(crs, [&]<int kMax>() {
+    constexpr int kGroup = cuda::direct::kGroupOf<kMax>;
+    const dim3 grid(unsigned((s.k + kGroup - 1) / kGroup), CudaOps::kDirectSlices);
+    direct_filter_grad_kernel<kMax, kGroup>
+        <<<grid, cuda::kThreads, 0, stream>>>(s, pixels, ow, residues, x, dy, workspace);
+  });
+  DP_CUDA_LAUNCH_CHECK("direct_filter_grad_kernel");
+  const int64_t sums = int64_t(s.k) * (crs + 1);
+  direct_filter_total_kernel<<<unsigned((sums + kWarps - 1) / kWarps), cuda::kThreads, 0, stream>>>(
+      s.k, crs, CudaOps::kDirectSlices, workspace, dw, db);
+  DP_CUDA_LAUNCH_CHECK("direct_filter_total_kernel");
+}
+
 }  // namespace
 
 bool CudaOps::direct(const ConvShape& s) {
@@ -159,26 +202,55 @@ void CudaOps::direct_forward(const ConvShape& s, const float* x, const float* w,
   DP_CUDA_LAUNCH_CHECK("direct_forward_kernel");
 }
 
+bool CudaOps::direct_act_pool(const ConvShape& s, int window) {
+  return window == cuda::direct::kWindow && s.col_rows() <= cuda::direct::kWindowTaps && s.out_h() % window == 0 &&
+         s.out_w() % window == 0 && direct(s);
+}
+
+void CudaOps::direct_act_pool_forward(const ConvShape& s, Activation a, const float* x, const float* w, const float* b,
+                                      float* y_act, float* y_pool) {
+  const int pw = s.out_w() / cuda::direct::kWindow, cells = s.out_h() / cuda::direct::kWindow * pw;
+  const int windows = s.n * cells, crs = int(s.col_rows());
+  const unsigned blocks = unsigned((windows + kWindowThreads - 1) / kWindowThreads);
+  const size_t shared = sizeof(float) * size_t(s.k) * size_t(crs + 1);
+  const cuda::Divider by_cells(cells), by_pw(pw);
+  auto run = [&]<int kMax, Activation A>() {
+    direct_act_pool_forward_kernel<kMax, A>
+        <<<blocks, kWindowThreads, shared, stream_>>>(windows, s, by_cells, by_pw, x, w, b, y_act, y_pool);
+  };
+  if (crs <= 9 && a == Activation::relu)  // 1 x 3 x 3, lenet's conv1
+    run.template operator()<9, Activation::relu>();
+  else if (crs <= 9)
+    run.template operator()<9, Activation::sigmoid>();
+  else if (a == Activation::relu)
+    run.template operator()<cuda::direct::kWindowTaps, Activation::relu>();
+  else
+    run.template operator()<cuda::direct::kWindowTaps, Activation::sigmoid>();
+  DP_CUDA_LAUNCH_CHECK("direct_act_pool_forward_kernel");
+}
+
 void CudaOps::direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
                                  float* workspace) {
-  const int p = s.out_h() * s.out_w(), crs = int(s.col_rows());
-  const cuda::Divider pixels(p), ow(s.out_w());
-  const int residues = cuda::direct::residues(s);
-  with_tap_bound(crs, [&]<int kMax>() {
-    constexpr int kGroup = cuda::direct::kGroupOf<kMax>;
-    const dim3 grid(unsigned((s.k + kGroup - 1) / kGroup), kDirectSlices);
-    if (rows)
-      direct_filter_grad_kernel<kMax, kGroup, true>
-          <<<grid, cuda::kThreads, 0, stream_>>>(s, pixels, ow, residues, x, dy, workspace);
-    else
-      direct_filter_grad_kernel<kMax, kGroup, false>
-          <<<grid, cuda::kThreads, 0, stream_>>>(s, pixels, ow, residues, x, dy, workspace);
-  });
-  DP_CUDA_LAUNCH_CHECK("direct_filter_grad_kernel");
-  const int64_t sums = int64_t(s.k) * (crs + 1);
-  direct_filter_total_kernel<<<unsigned((sums + kWarps - 1) / kWarps), cuda::kThreads, 0, stream_>>>(
-      s.k, crs, kDirectSlices, workspace, dw, db);
-  DP_CUDA_LAUNCH_CHECK("direct_filter_total_kernel");
+  const int p = s.out_h() * s.out_w();
+  if (rows)
+    filter_grad(stream_, s, x, cuda::direct::DyRows{dy, s.n * p, p}, dw, db, workspace);
+  else
+    filter_grad(stream_, s, x, cuda::direct::DyPlanes{dy, s.k, p}, dw, db, workspace);
+}
+
+void CudaOps::direct_act_pool_filter_grad(const ConvShape& s, Activation a, int window, const float* x,
+                                          const float* y_act, const float* dy_pool, float* dw, float* db,
+                                          float* workspace) {
+  const int oh = s.out_h(), ow = s.out_w();
+  const float inv = 1.0f / float(window * window);  // as conv_act_pool.cu's backward
+  auto run = [&]<Activation A>() {
+    const cuda::direct::DyActPool<A> dy{y_act, dy_pool, s.k, oh * ow, window, oh / window, ow / window, inv};
+    filter_grad(stream_, s, x, dy, dw, db, workspace);
+  };
+  if (a == Activation::relu)
+    run.template operator()<Activation::relu>();
+  else
+    run.template operator()<Activation::sigmoid>();
 }
 
 }  // namespace dp

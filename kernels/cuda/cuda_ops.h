@@ -58,7 +58,7 @@ class CudaOps final : public Ops {
  public:
   // Device memory the ops keep between calls: all_finite's answer, and softmax_xent's and
   // sum_squares' per-block partial sums with the count of blocks done (the last block adds them up in
-  // block order).
+  // block order), and that count for the fused conv's db.
   static constexpr int kBiasSlices = 32;     // a convolution's db: partial sums per channel (conv2d.cu)
   static constexpr int kReduceBlocks = 128;  // softmax_xent's and sum_squares' grids at most; their blocks loop
   struct Scratch {
@@ -67,6 +67,7 @@ class CudaOps final : public Ops {
     float xent_partials[2 * kReduceBlocks];  // (block, loss | correct)
     uint32_t squares_done;                   // sum_squares likewise
     float squares_partials[kReduceBlocks];
+    uint32_t bias_done;  // the fused conv's backward, its db's blocks (conv_act_pool.cu)
   };
   // Where kernels and GEMMs are enqueued: a stream and a cuBLAS handle bound to it; Lane{} is none.
   struct Lane {
@@ -157,6 +158,16 @@ class CudaOps final : public Ops {
   void direct_forward(const ConvShape& s, const float* x, const float* w, float* y);
   void direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
                           float* workspace);
+  // The fused op's forward pass in one kernel (conv_direct.cu, direct_taps.h's forward_window) for a
+  // direct shape of at most 16 taps whose output 2 x 2 windows tile (lenet's conv1): the convolution's
+  // output is neither written nor read back.
+  static bool direct_act_pool(const ConvShape& s, int window);
+  void direct_act_pool_forward(const ConvShape& s, Activation a, const float* x, const float* w, const float* b,
+                               float* y_act, float* y_pool);
+  // The fused op's dw and db (conv_act_pool.cu) where it wants no dx: dy worked out from dy_pool and
+  // y_act inside the weight gradient's kernel (direct_taps.h's DyActPool), not written as rows first.
+  void direct_act_pool_filter_grad(const ConvShape& s, Activation a, int window, const float* x, const float* y_act,
+                                   const float* dy_pool, float* dw, float* db, float* workspace);
   // Other shapes, under DP_CUDA_CONV=implicit (read once; a value other than that or "library" is a
   // UsageError, from the constructor), run their forward pass, their dw and db (through
   // implicit_slices partials) and, where implicit_dx, their dx as implicit GEMMs (conv_implicit.cu,
