@@ -300,6 +300,10 @@ DP_OPS_TEST("conv2d_act_pool: the fused op gives the bits of conv2d, the activat
                               // 16 and 32 taps per output (CUDA's direct kernels' larger bounds)
                               {.n = 7, .c = 1, .h = 11, .w = 12, .k = 5, .kh = 4, .kw = 4},
                               {.n = 7, .c = 2, .h = 10, .w = 9, .k = 3, .kh = 4, .kw = 4, .pad = 1},
+                              // outputs the 2 x 2 windows tile, 16 and 12 taps, padded (CUDA's forward
+                              // pass in one kernel, conv_direct.cu, beside lenet's conv1 above)
+                              {.n = 5, .c = 1, .h = 11, .w = 9, .k = 7, .kh = 4, .kw = 4, .pad = 1},
+                              {.n = 4, .c = 2, .h = 8, .w = 7, .k = 6, .kh = 3, .kw = 2, .pad = 1},
                               // an output of one row: the window is larger than the plane, nothing pooled
                               {.n = 3, .c = 2, .h = 3, .w = 6, .k = 5, .kh = 3, .kw = 3},
                               // a plane larger than CUDA's tile of shared memory (it runs the three ops forward)
