@@ -201,29 +201,36 @@ s_stalls() {
   return $rc
 }
 
-# The weight gradients on a second stream (DP_CUDA_STREAMS=2: each linear layer's and im2col-path
-# convolution's dw and db beside its dx; compiled, not yet run on a GPU) against one (the default): the
-# op, graph, run-ahead and three-steps-against-the-CPU cases under it, then --graphs runs each way, 3
-# alternated rounds: images/s (paired median), test accuracy, and the weights, which must be the same
-# bits. (ncu serialises kernels: the kernel times could not show the overlap.)
-s_streams() {
+# A CUDA setting against its default, both the same kernels on the same data (compiled, not yet run on
+# a GPU): the op, graph, run-ahead and three-steps-against-the-CPU cases under it, then --graphs runs
+# each way, 3 alternated rounds: images/s (paired median), test accuracy, and the weights, which must be
+# the same bits. $1 names the step's files, $2=$3 is the setting, $2=$4 the default. (ncu serialises
+# kernels: its kernel times could show neither setting's gain.)
+variant() {
   need dp_tests || return $?
   need dp_train || return $?
-  local rc=0 cases='cuda: ops: *,cuda: graphs: *,cuda: run-ahead: *,cuda: three LeNet steps*'
-  [ $dry = 1 ] && cases='ops: conv2d*,ops: linear*'  # the CPU build has no second stream: the script's logic alone
-  run "${dp_env[@]}" DP_CUDA_STREAMS=2 "$build/dp_tests" "--test-case=$cases" || rc=$?
+  local name=$1 on="$2=$3" off="$2=$4" rc=0 speed same
+  local cases='cuda: ops: *,cuda: graphs: *,cuda: run-ahead: *,cuda: three LeNet steps*'
+  [ $dry = 1 ] && cases='ops: conv2d*,ops: linear*'  # the CPU build reads neither: the script's logic alone
+  run "${dp_env[@]}" "$on" "$build/dp_tests" "--test-case=$cases" || rc=$?
   KEY="cases: $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
-  alternate streams "--graphs --save $out/streams-two.st" "--graphs --save $out/streams-one.st" \
-    DP_CUDA_STREAMS=2 DP_CUDA_STREAMS=1 || rc=$?
-  local speed same
-  speed=$(paired streams two one)
+  alternate "$name" "--graphs --save $out/$name-on.st" "--graphs --save $out/$name-off.st" "$on" "$off" || rc=$?
+  speed=$(paired "$name" "$on" "$off")
   [ -n "$speed" ] || BAD="${BAD:+$BAD; }the runs' logs give no images/s"
-  same=$(same_tensors "$out/streams-two.st" "$out/streams-one.st")
-  [ "$same" = same ] || BAD="${BAD:+$BAD; }two streams changed the weights (or no checkpoint: '$same')"
+  same=$(same_tensors "$out/$name-on.st" "$out/$name-off.st")
+  [ "$same" = same ] || BAD="${BAD:+$BAD; }$on changed the weights (or no checkpoint: '$same')"
   KEY="$KEY; $speed; weights $same"
-  backend_is "$out/streams-on-1.json"
+  backend_is "$out/$name-on-1.json"
   return $rc
 }
+
+# The weight gradients on a second stream (DP_CUDA_STREAMS=2: each linear layer's and im2col-path
+# convolution's dw and db beside its dx) against one, the default.
+s_streams() { variant streams DP_CUDA_STREAMS 2 1; }
+
+# Programmatic dependent launches (DP_CUDA_PDL=1, kernels/cuda/launch.h: each kernel may start as the
+# blocks of the one before it end, waiting for it first) against ordinary ones, the default.
+s_pdl() { variant pdl DP_CUDA_PDL 1 0; }
 
 # dp's implicit-GEMM convolutions (DP_CUDA_CONV=implicit: lenet's conv2 forward, dw and db without
 # cuDNN, im2col or cuBLAS; compiled, not yet run on a GPU) against the library path (the default): the

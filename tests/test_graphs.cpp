@@ -272,6 +272,34 @@ TEST_CASE("graphs: dp_train --graphs trains as without it, bit for bit, and repo
   CHECK(two.output.find("--graphs: one device in one process only") != std::string::npos);
 }
 
+// An environment variable's two values train the same bits, eager and captured in a graph; a third is
+// refused, naming the accepted ones (`accepted`, a piece of the message).
+void check_same_bits_either_way(const char* variable, const char* off, const char* on, const char* wrong,
+                                const char* accepted) {
+  dp::test::TempDir dir;
+  dp::test::write_synthetic_dataset(dir.path.string(), 300, 40);
+  const std::string base = std::string(DP_TRAIN_BIN) + " --backend cuda --gpus 0 --data " + dir.path.string() +
+                           " --batch 64 --quiet --seed 4";
+  for (const char* value : {off, on})
+    for (bool graphs : {false, true}) {
+      const std::string tag = std::string(value) + (graphs ? "-graphs" : "-eager");
+      const dp::test::CommandResult r =
+          dp::test::run_command(std::string(variable) + "=" + value + " " + base + (graphs ? " --graphs" : "") +
+                                " --epochs 2 --save " + (dir.path / (tag + ".safetensors")).string());
+      INFO(variable << "=" << tag << ": " << r.output);
+      REQUIRE(r.exit_code == 0);
+    }
+  const std::string want = (dir.path / (std::string(off) + "-eager.safetensors")).string();
+  for (const std::string& tag : {std::string(off) + "-graphs", std::string(on) + "-eager", std::string(on) + "-graphs"})
+    dp::test::check_same_tensors((dir.path / (tag + ".safetensors")).string(), want);
+
+  const dp::test::CommandResult refused =
+      dp::test::run_command(std::string(variable) + "=" + wrong + " " + base + " --steps 1");
+  CHECK(refused.exit_code == 2);
+  CHECK(refused.output.find(std::string(variable) + ": '" + wrong + "'") != std::string::npos);
+  CHECK(refused.output.find(accepted) != std::string::npos);
+}
+
 // DP_CUDA_STREAMS=2 (kernels/cuda/cuda_ops.h): lenet's conv2, fc1 and fc2 compute dw and db on a second
 // stream while dx runs on the first, joined before each op returns: eager and captured in a graph,
 // the weights must be the bits of one stream's. A value other than 1 or 2 is refused, naming both.
@@ -279,25 +307,13 @@ TEST_CASE(
     "cuda: graphs: the weight gradients on a second stream train the bits of one stream, eager and "
     "in graphs" *
     doctest::skip(!dp::test::cuda_available())) {
-  dp::test::TempDir dir;
-  dp::test::write_synthetic_dataset(dir.path.string(), 300, 40);
-  const std::string base = std::string(DP_TRAIN_BIN) + " --backend cuda --gpus 0 --data " + dir.path.string() +
-                           " --batch 64 --quiet --seed 4";
-  for (const char* streams : {"1", "2"})
-    for (bool graphs : {false, true}) {
-      const std::string tag = std::string("streams") + streams + (graphs ? "-graphs" : "-eager");
-      const dp::test::CommandResult r =
-          dp::test::run_command(std::string("DP_CUDA_STREAMS=") + streams + " " + base + (graphs ? " --graphs" : "") +
-                                " --epochs 2 --save " + (dir.path / (tag + ".safetensors")).string());
-      INFO(tag << ": " << r.output);
-      REQUIRE(r.exit_code == 0);
-    }
-  const std::string want = (dir.path / "streams1-eager.safetensors").string();
-  for (const char* tag : {"streams1-graphs", "streams2-eager", "streams2-graphs"})
-    dp::test::check_same_tensors((dir.path / (std::string(tag) + ".safetensors")).string(), want);
+  check_same_bits_either_way("DP_CUDA_STREAMS", "1", "2", "3", "use 1");
+}
 
-  const dp::test::CommandResult wrong = dp::test::run_command("DP_CUDA_STREAMS=3 " + base + " --steps 1");
-  CHECK(wrong.exit_code == 2);
-  CHECK(wrong.output.find("DP_CUDA_STREAMS: '3'") != std::string::npos);
-  CHECK(wrong.output.find("use 1") != std::string::npos);
+// DP_CUDA_PDL=1 (kernels/cuda/launch.h): every kernel launched programmatically dependent on the one
+// before it, waiting for it before anything else; in a graph the edges between them are programmatic.
+// The same kernels on the same data: the bits of ordinary launches. A value other than 0 or 1 is refused.
+TEST_CASE("cuda: graphs: programmatic dependent launches train the bits of ordinary ones, eager and in graphs" *
+          doctest::skip(!dp::test::cuda_available())) {
+  check_same_bits_either_way("DP_CUDA_PDL", "0", "1", "2", "use 0");
 }

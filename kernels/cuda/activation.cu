@@ -8,15 +8,19 @@ namespace dp {
 namespace {
 
 __global__ void relu_forward_kernel(int64_t n, const float* x, float* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { y[i] = math::relu(x[i]); }
 }
 __global__ void sigmoid_forward_kernel(int64_t n, const float* x, float* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { y[i] = math::sigmoid(x[i]); }
 }
 __global__ void relu_backward_kernel(int64_t n, const float* y, const float* dy, float* dx) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { dx[i] = math::relu_grad(y[i], dy[i]); }
 }
 __global__ void sigmoid_backward_kernel(int64_t n, const float* y, const float* dy, float* dx) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { dx[i] = math::sigmoid_grad(y[i], dy[i]); }
 }
 
@@ -25,22 +29,21 @@ __global__ void sigmoid_backward_kernel(int64_t n, const float* y, const float* 
 void CudaOps::activation_forward(Activation a, int64_t n, const float* x, float* y) {
   if (n == 0) return;
   if (a == Activation::relu) {
-    relu_forward_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, y);
-    DP_CUDA_LAUNCH_CHECK("relu_forward_kernel");
+    cuda::launch("relu_forward_kernel", relu_forward_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n, x, y);
   } else {
-    sigmoid_forward_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, y);
-    DP_CUDA_LAUNCH_CHECK("sigmoid_forward_kernel");
+    cuda::launch("sigmoid_forward_kernel", sigmoid_forward_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n,
+                 x, y);
   }
 }
 
 void CudaOps::activation_backward(Activation a, int64_t n, const float* y, const float* dy, float* dx) {
   if (n == 0) return;
   if (a == Activation::relu) {
-    relu_backward_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, y, dy, dx);
-    DP_CUDA_LAUNCH_CHECK("relu_backward_kernel");
+    cuda::launch("relu_backward_kernel", relu_backward_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n, y,
+                 dy, dx);
   } else {
-    sigmoid_backward_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, y, dy, dx);
-    DP_CUDA_LAUNCH_CHECK("sigmoid_backward_kernel");
+    cuda::launch("sigmoid_backward_kernel", sigmoid_backward_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n,
+                 y, dy, dx);
   }
 }
 

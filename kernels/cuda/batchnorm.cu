@@ -54,6 +54,7 @@ struct ChannelWalk {
 // (N, 128), that is a few kilobytes.)
 __global__ void __launch_bounds__(kSumThreads)
     bn_channel_sums_kernel(int n, int c, int hw, const float* x, const float* mean, float scale, float* out) {
+  cuda::await_previous();
   __shared__ double s[kSumThreads];
   const int ch = blockIdx.x;
   const bool deviation = mean != nullptr;
@@ -69,6 +70,7 @@ __global__ void __launch_bounds__(kSumThreads)
 __global__ void __launch_bounds__(kSumThreads)
     bn_backward_sums_kernel(int n, int c, int hw, const float* x, const float* mean, const float* var, float eps,
                             const float* dy, float* sums) {
+  cuda::await_previous();
   __shared__ double s[kSumThreads];
   const int ch = blockIdx.x;
   const double m = mean[ch], inv_std = math::bn_inv_std(double(var[ch]), double(eps));
@@ -90,6 +92,7 @@ __global__ void __launch_bounds__(kSumThreads)
 // One thread per element of (N, C, HW).
 __global__ void bn_normalize_kernel(int64_t total, int c, int hw, const float* x, const float* mean, const float* var,
                                     const float* gamma, const float* beta, float eps, float* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, total) {
     const int ch = int(i / hw % c);
     y[i] = math::bn_normalize(x[i], mean[ch], math::bn_inv_std(var[ch], eps), gamma[ch], beta[ch]);
@@ -99,6 +102,7 @@ __global__ void bn_normalize_kernel(int64_t total, int c, int hw, const float* x
 __global__ void bn_backward_dx_kernel(int64_t total, int c, int hw, const float* x, const float* mean, const float* var,
                                       float eps, const float* gamma, const float* dy, const float* sums, int64_t count,
                                       float* dx) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, total) {
     const int ch = int(i / hw % c);
     dx[i] = math::bn_backward_dx(x[i], mean[ch], math::bn_inv_std(var[ch], eps), gamma[ch], dy[i],
@@ -108,6 +112,7 @@ __global__ void bn_backward_dx_kernel(int64_t total, int c, int hw, const float*
 
 __global__ void bn_update_running_kernel(int c, const float* mean, const float* var, int64_t count, float momentum,
                                          float* running_mean, float* running_var) {
+  cuda::await_previous();
   DP_GRID_STRIDE(ch, c) {
     math::bn_update_running(running_mean[ch], running_var[ch], mean[ch], var[ch], count, momentum);
   }
@@ -118,25 +123,24 @@ __global__ void bn_update_running_kernel(int c, const float* mean, const float* 
 void CudaOps::bn_channel_sums(int n, int c, int hw, const float* x, const float* mean, float scale, float* out) {
   if (c == 0) return;
   if (hw == 0) n = 0, hw = 1;  // no values: the sums are zero
-  bn_channel_sums_kernel<<<unsigned(c), kSumThreads, 0, stream_>>>(n, c, hw, x, mean, scale, out);
-  DP_CUDA_LAUNCH_CHECK("bn_channel_sums_kernel");
+  cuda::launch("bn_channel_sums_kernel", bn_channel_sums_kernel, unsigned(c), kSumThreads, 0, stream_, n, c, hw, x,
+               mean, scale, out);
 }
 
 void CudaOps::bn_normalize(int n, int c, int hw, const float* x, const float* mean, const float* var,
                            const float* gamma, const float* beta, float eps, float* y) {
   const int64_t total = int64_t(n) * c * hw;
   if (total == 0) return;
-  bn_normalize_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, c, hw, x, mean, var, gamma, beta,
-                                                                               eps, y);
-  DP_CUDA_LAUNCH_CHECK("bn_normalize_kernel");
+  cuda::launch("bn_normalize_kernel", bn_normalize_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_, total,
+               c, hw, x, mean, var, gamma, beta, eps, y);
 }
 
 void CudaOps::bn_backward_sums(int n, int c, int hw, const float* x, const float* mean, const float* var, float eps,
                                const float* dy, float* sums) {
   if (c == 0) return;
   if (hw == 0) n = 0, hw = 1;  // no values: the sums are zero
-  bn_backward_sums_kernel<<<unsigned(c), kSumThreads, 0, stream_>>>(n, c, hw, x, mean, var, eps, dy, sums);
-  DP_CUDA_LAUNCH_CHECK("bn_backward_sums_kernel");
+  cuda::launch("bn_backward_sums_kernel", bn_backward_sums_kernel, unsigned(c), kSumThreads, 0, stream_, n, c, hw, x,
+               mean, var, eps, dy, sums);
 }
 
 void CudaOps::bn_backward_dx(int n, int c, int hw, const float* x, const float* mean, const float* var, float eps,
@@ -144,9 +148,8 @@ void CudaOps::bn_backward_dx(int n, int c, int hw, const float* x, const float* 
   if (count < 1) throw std::invalid_argument("bn_backward_dx: count " + std::to_string(count) + " < 1");
   const int64_t total = int64_t(n) * c * hw;
   if (total == 0) return;
-  bn_backward_dx_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, c, hw, x, mean, var, eps, gamma,
-                                                                                 dy, sums, count, dx);
-  DP_CUDA_LAUNCH_CHECK("bn_backward_dx_kernel");
+  cuda::launch("bn_backward_dx_kernel", bn_backward_dx_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_,
+               total, c, hw, x, mean, var, eps, gamma, dy, sums, count, dx);
 }
 
 void CudaOps::bn_update_running(int c, const float* mean, const float* var, int64_t count, float momentum,
@@ -155,9 +158,8 @@ void CudaOps::bn_update_running(int c, const float* mean, const float* var, int6
     throw std::invalid_argument("bn_update_running: count " + std::to_string(count) +
                                 ": expected more than 1 value per channel when training (PyTorch's rule)");
   if (c == 0) return;
-  bn_update_running_kernel<<<cuda::blocks_for(c), cuda::kThreads, 0, stream_>>>(c, mean, var, count, momentum,
-                                                                                running_mean, running_var);
-  DP_CUDA_LAUNCH_CHECK("bn_update_running_kernel");
+  cuda::launch("bn_update_running_kernel", bn_update_running_kernel, cuda::blocks_for(c), cuda::kThreads, 0, stream_, c,
+               mean, var, count, momentum, running_mean, running_var);
 }
 
 }  // namespace dp

@@ -20,6 +20,7 @@ namespace {
 
 // dyt(K, R)[k, r] = dy(nb, K, P)[r / P, k, r % P], R = nb P: the images' gradient rows side by side.
 __global__ void dy_rows_kernel(int64_t total, int k, int p, int r, const float* dy, float* dyt) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i64, total) {
     const int i = int(i64), ch = i / r, row = i - ch * r, img = row / p;
     dyt[i] = dy[(img * k + ch) * p + (row - img * p)];
@@ -40,6 +41,7 @@ constexpr int kColRows = 32, kColTaps = 64;
 const dim3 kColThreads(32, 8);  // (taps, rows)
 template <int KH, int KW>
 __global__ void im2col_rows_kernel(int rows, ConvShape s, const float* x, float* col) {
+  cuda::await_previous();
   constexpr int kRowsEach = kColRows / 8, kTapsEach = kColTaps / 32;
   __shared__ int image_at[kColRows], top[kColRows], left[kColRows];
   const int kh = KH ? KH : s.kh, kw = KW ? KW : s.kw;
@@ -83,6 +85,7 @@ __global__ void im2col_rows_kernel(int rows, ConvShape s, const float* x, float*
 template <int KH, int KW>
 __global__ void col2im_rows_kernel(int total, ConvShape s, int r, cuda::Divider width, cuda::Divider height,
                                    cuda::Divider channels, const float* cols, float* dx) {
+  cuda::await_previous();
   const int kh = KH ? KH : s.kh, kw = KW ? KW : s.kw;
   const int oh = s.h + 2 * s.pad - kh + 1, ow = s.w + 2 * s.pad - kw + 1;
   DP_GRID_STRIDE(i64, total) {
@@ -120,9 +123,9 @@ void with_kernel_size(const ConvShape& s, F&& f) {
 // im2col of x (r rows of output pixels) into col (R, C KH KW).
 void im2col(cudaStream_t stream, const ConvShape& s, int r, const float* x, float* col) {
   const dim3 grid(unsigned((r + kColRows - 1) / kColRows), unsigned((s.col_rows() + kColTaps - 1) / kColTaps));
-  with_kernel_size(
-      s, [&]<int KH, int KW>() { im2col_rows_kernel<KH, KW><<<grid, kColThreads, 0, stream>>>(r, s, x, col); });
-  DP_CUDA_LAUNCH_CHECK("im2col_rows_kernel");
+  with_kernel_size(s, [&]<int KH, int KW>() {
+    cuda::launch("im2col_rows_kernel", im2col_rows_kernel<KH, KW>, grid, kColThreads, 0, stream, r, s, x, col);
+  });
 }
 
 // col2im of cols (C KH KW, R), R = nb P, into dx (nb, C, H, W).
@@ -130,14 +133,14 @@ void col2im(cudaStream_t stream, const ConvShape& s, int r, int nb, const float*
   const int total = nb * s.c * s.h * s.w;
   const cuda::Divider width(s.w), height(s.h), channels(s.c);
   with_kernel_size(s, [&]<int KH, int KW>() {
-    col2im_rows_kernel<KH, KW>
-        <<<cuda::blocks_for(total), cuda::kThreads, 0, stream>>>(total, s, r, width, height, channels, cols, dx);
+    cuda::launch("col2im_rows_kernel", col2im_rows_kernel<KH, KW>, cuda::blocks_for(total), cuda::kThreads, 0, stream,
+                 total, s, r, width, height, channels, cols, dx);
   });
-  DP_CUDA_LAUNCH_CHECK("col2im_rows_kernel");
 }
 
 // y(N, K, P) += b(K)
 __global__ void bias_add_kernel(int64_t total, int k, int64_t p, const float* b, float* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, total) { y[i] += b[(i / p) % k]; }
 }
 
@@ -146,6 +149,7 @@ __global__ void bias_add_kernel(int64_t total, int k, int64_t p, const float* b,
 // same values in the same order, so the same bits.
 template <bool kRows>
 __global__ void bias_grad_partial_kernel(int n, int k, int64_t p, const float* dy, float* partial) {
+  cuda::await_previous();
   const int64_t per_channel = int64_t(n) * p;
   const cuda::bias::Slice sl = cuda::bias::slice_of(per_channel);
   float acc = 0.0f;
@@ -155,6 +159,7 @@ __global__ void bias_grad_partial_kernel(int n, int k, int64_t p, const float* d
 }
 
 __global__ void bias_grad_total_kernel(int k, const float* partial, float* db) {
+  cuda::await_previous();
   DP_GRID_STRIDE(ch, k) { db[ch] = cuda::bias::total(partial, int(ch)); }
 }
 
@@ -163,12 +168,13 @@ void bias_grad(cudaStream_t stream, const ConvShape& s, bool rows, const float* 
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
   const unsigned blocks = unsigned(s.k) * cuda::bias::kSlices;
   if (rows)
-    bias_grad_partial_kernel<true><<<blocks, cuda::kThreads, 0, stream>>>(s.n, s.k, pixels, dy, partial);
+    cuda::launch("bias_grad_partial_kernel", bias_grad_partial_kernel<true>, blocks, cuda::kThreads, 0, stream, s.n,
+                 s.k, pixels, dy, partial);
   else
-    bias_grad_partial_kernel<false><<<blocks, cuda::kThreads, 0, stream>>>(s.n, s.k, pixels, dy, partial);
-  DP_CUDA_LAUNCH_CHECK("bias_grad_partial_kernel");
-  bias_grad_total_kernel<<<cuda::blocks_for(s.k), cuda::kThreads, 0, stream>>>(s.k, partial, db);
-  DP_CUDA_LAUNCH_CHECK("bias_grad_total_kernel");
+    cuda::launch("bias_grad_partial_kernel", bias_grad_partial_kernel<false>, blocks, cuda::kThreads, 0, stream, s.n,
+                 s.k, pixels, dy, partial);
+  cuda::launch("bias_grad_total_kernel", bias_grad_total_kernel, cuda::blocks_for(s.k), cuda::kThreads, 0, stream, s.k,
+               partial, db);
 }
 
 }  // namespace
@@ -188,8 +194,8 @@ void CudaOps::conv2d_forward(const ConvShape& s, const float* x, const float* w,
   convolve(s, x, w, y, workspace);
   const int64_t pixels = int64_t(s.out_h()) * s.out_w();
   const int64_t total = int64_t(s.n) * s.k * pixels;  // y (N, K, OH, OW)
-  bias_add_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, s.k, pixels, b, y);
-  DP_CUDA_LAUNCH_CHECK("bias_add_kernel");
+  cuda::launch("bias_add_kernel", bias_add_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_, total, s.k,
+               pixels, b, y);
 }
 
 void CudaOps::conv2d_backward(const ConvShape& s, const float* x, const float* w, const float* dy, float* dx, float* dw,
@@ -237,9 +243,8 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
     float* col = chunk_space + s.k * r;         // (R, C KH KW)
     float* cols = split ? col + r * crs : col;  // (C KH KW, R)
     if (!rows) {
-      dy_rows_kernel<<<cuda::blocks_for(s.k * r), cuda::kThreads, 0, stream_>>>(s.k * r, s.k, int(pixels), int(r),
-                                                                                dy + n0 * s.k * pixels, chunk_space);
-      DP_CUDA_LAUNCH_CHECK("dy_rows_kernel");
+      cuda::launch("dy_rows_kernel", dy_rows_kernel, cuda::blocks_for(s.k * r), cuda::kThreads, 0, stream_, s.k * r,
+                   s.k, int(pixels), int(r), dy + n0 * s.k * pixels, chunk_space);
       dyt = chunk_space, ld = r;
     }
     if (split) fork();

@@ -33,6 +33,7 @@ template <Activation A>
 __global__ void bias_act_pool_kernel(int planes, int per_block, cuda::Divider pixels, cuda::Divider channels,
                                      cuda::Divider pooled, cuda::Divider pw, int ow, int k, float inv, const float* b,
                                      float* y, float* y_pool) {
+  cuda::await_previous();
   extern __shared__ float tile[];  // per_block planes
   const int first = int(blockIdx.x) * per_block, count = planes - first < per_block ? planes - first : per_block;
   const int p = pixels.divisor(), ch0 = channels.mod(first);
@@ -72,6 +73,7 @@ template <Activation A>
 __global__ void act_pool_backward_rows_kernel(int total, int n, cuda::Divider pixels, cuda::Divider channels,
                                               cuda::Divider ow, cuda::Divider k, int ph, int pw, float inv,
                                               const float* y_act, const float* dy_pool, float* dyt) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i64, total) {
     const int i = int(i64);
     int plane = 0, q = 0, img = 0, ch = 0, yy = 0, xx = 0;
@@ -94,6 +96,7 @@ __global__ void act_pool_backward_rows_db_kernel(int n, int k, cuda::Divider pix
                                                  cuda::Divider window, int ph, int pw, float inv, const float* y_act,
                                                  const float* dy_pool, float* dyt, float* partial, unsigned* done,
                                                  float* db) {
+  cuda::await_previous();
   const int p = pixels.divisor();
   const int64_t per_channel = int64_t(n) * p;
   const cuda::bias::Slice sl = cuda::bias::slice_of(per_channel);
@@ -142,12 +145,11 @@ void CudaOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, c
   const cuda::Divider by_pixels(pixels), by_channels(s.k), by_pooled(std::max(pooled, 1)), by_pw(std::max(ow / k, 1));
   const float inv = 1.0f / float(k * k);  // as avgpool_forward
   if (a == Activation::relu)
-    bias_act_pool_kernel<Activation::relu><<<blocks, cuda::kThreads, tile_bytes, stream_>>>(
-        planes, per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
+    cuda::launch("bias_act_pool_kernel", bias_act_pool_kernel<Activation::relu>, blocks, cuda::kThreads, tile_bytes,
+                 stream_, planes, per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
   else
-    bias_act_pool_kernel<Activation::sigmoid><<<blocks, cuda::kThreads, tile_bytes, stream_>>>(
-        planes, per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
-  DP_CUDA_LAUNCH_CHECK("bias_act_pool_kernel");
+    cuda::launch("bias_act_pool_kernel", bias_act_pool_kernel<Activation::sigmoid>, blocks, cuda::kThreads, tile_bytes,
+                 stream_, planes, per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
 }
 
 void CudaOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
@@ -168,18 +170,18 @@ void CudaOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, 
   const float inv = 1.0f / float(k * k);
   auto run = [&]<Activation A>() {
     if (with_db)
-      act_pool_backward_rows_db_kernel<A><<<unsigned(s.k) * kBiasSlices, cuda::kThreads, 0, stream_>>>(
-          s.n, s.k, by_pixels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool, scratch, workspace,
-          &scratch_->bias_done, db);
+      cuda::launch("act_pool_backward_rows_db_kernel", act_pool_backward_rows_db_kernel<A>, unsigned(s.k) * kBiasSlices,
+                   cuda::kThreads, 0, stream_, s.n, s.k, by_pixels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool,
+                   scratch, workspace, &scratch_->bias_done, db);
     else
-      act_pool_backward_rows_kernel<A><<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(
-          total, s.n, by_pixels, by_channels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool, scratch);
+      cuda::launch("act_pool_backward_rows_kernel", act_pool_backward_rows_kernel<A>, cuda::blocks_for(total),
+                   cuda::kThreads, 0, stream_, total, s.n, by_pixels, by_channels, by_ow, by_k, oh / k, ow / k, inv,
+                   y_act, dy_pool, scratch);
   };
   if (a == Activation::relu)
     run.template operator()<Activation::relu>();
   else
     run.template operator()<Activation::sigmoid>();
-  DP_CUDA_LAUNCH_CHECK("act_pool_backward_rows_kernel");
   conv_backward(s, x, w, scratch, /*rows*/ true, dx, dw, with_db ? nullptr : db, workspace);
 }
 

@@ -55,6 +55,7 @@ template <int kMax>
 __global__ void __launch_bounds__(cuda::kThreads)
     direct_forward_kernel(int rows, ConvShape s, cuda::Divider pixels, cuda::Divider ow, const float* x, const float* w,
                           float* y) {
+  cuda::await_previous();
   extern __shared__ float weights[];  // (K, C KH KW)
   __shared__ Taps taps;
   fill_taps(s, taps);
@@ -87,6 +88,7 @@ template <int kMax, Activation A>
 __global__ void __launch_bounds__(kWindowThreads)
     direct_act_pool_forward_kernel(int windows, ConvShape s, cuda::Divider cells, cuda::Divider pw, const float* x,
                                    const float* w, const float* b, float* y_act, float* y_pool) {
+  cuda::await_previous();
   extern __shared__ float weights[];  // (K, C KH KW), then the bias (K)
   __shared__ Taps taps;
   fill_taps(s, taps);
@@ -110,6 +112,7 @@ template <int kMax, int kGroup, class Dy>
 __global__ void __launch_bounds__(cuda::kThreads)
     direct_filter_grad_kernel(ConvShape s, cuda::Divider pixels, cuda::Divider ow, int residues, const float* x, Dy dy,
                               float* partial) {
+  cuda::await_previous();
   __shared__ Taps taps;
   __shared__ float warp_sums[kWarps][kGroup][kTaps + 1];
   fill_taps(s, taps);
@@ -146,6 +149,7 @@ __global__ void __launch_bounds__(cuda::kThreads)
 // dw (K, C KH KW) and db (K): one warp per (channel, slot), its lanes taking every 32nd slice in
 // order, then the warp's shuffles.
 __global__ void direct_filter_total_kernel(int k, int crs, int slices, const float* partial, float* dw, float* db) {
+  cuda::await_previous();
   const int lane = int(threadIdx.x) % 32;
   const int64_t e = int64_t(blockIdx.x) * kWarps + int(threadIdx.x) / 32;
   if (e >= int64_t(k) * (crs + 1)) return;  // the whole warp
@@ -172,14 +176,12 @@ void filter_grad(cudaStream_t stream, const ConvShape& s, const float* x, const 
   with_tap_bound(crs, [&]<int kMax>() {
     constexpr int kGroup = cuda::direct::kGroupOf<kMax>;
     const dim3 grid(unsigned((s.k + kGroup - 1) / kGroup), CudaOps::kDirectSlices);
-    direct_filter_grad_kernel<kMax, kGroup>
-        <<<grid, cuda::kThreads, 0, stream>>>(s, pixels, ow, residues, x, dy, workspace);
+    cuda::launch("direct_filter_grad_kernel", direct_filter_grad_kernel<kMax, kGroup, Dy>, grid, cuda::kThreads, 0,
+                 stream, s, pixels, ow, residues, x, dy, workspace);
   });
-  DP_CUDA_LAUNCH_CHECK("direct_filter_grad_kernel");
   const int64_t sums = int64_t(s.k) * (crs + 1);
-  direct_filter_total_kernel<<<unsigned((sums + kWarps - 1) / kWarps), cuda::kThreads, 0, stream>>>(
-      s.k, crs, CudaOps::kDirectSlices, workspace, dw, db);
-  DP_CUDA_LAUNCH_CHECK("direct_filter_total_kernel");
+  cuda::launch("direct_filter_total_kernel", direct_filter_total_kernel, unsigned((sums + kWarps - 1) / kWarps),
+               cuda::kThreads, 0, stream, s.k, crs, CudaOps::kDirectSlices, workspace, dw, db);
 }
 
 }  // namespace
@@ -197,9 +199,9 @@ void CudaOps::direct_forward(const ConvShape& s, const float* x, const float* w,
   const size_t weight_bytes = sizeof(float) * size_t(s.k) * size_t(crs);
   const cuda::Divider by_pixels(pixels), by_ow(s.out_w());
   with_tap_bound(crs, [&]<int kMax>() {
-    direct_forward_kernel<kMax><<<blocks, cuda::kThreads, weight_bytes, stream_>>>(rows, s, by_pixels, by_ow, x, w, y);
+    cuda::launch("direct_forward_kernel", direct_forward_kernel<kMax>, blocks, cuda::kThreads, weight_bytes, stream_,
+                 rows, s, by_pixels, by_ow, x, w, y);
   });
-  DP_CUDA_LAUNCH_CHECK("direct_forward_kernel");
 }
 
 bool CudaOps::direct_act_pool(const ConvShape& s, int window) {
@@ -215,8 +217,8 @@ void CudaOps::direct_act_pool_forward(const ConvShape& s, Activation a, const fl
   const size_t shared = sizeof(float) * size_t(s.k) * size_t(crs + 1);
   const cuda::Divider by_cells(cells), by_pw(pw);
   auto run = [&]<int kMax, Activation A>() {
-    direct_act_pool_forward_kernel<kMax, A>
-        <<<blocks, kWindowThreads, shared, stream_>>>(windows, s, by_cells, by_pw, x, w, b, y_act, y_pool);
+    cuda::launch("direct_act_pool_forward_kernel", direct_act_pool_forward_kernel<kMax, A>, blocks, kWindowThreads,
+                 shared, stream_, windows, s, by_cells, by_pw, x, w, b, y_act, y_pool);
   };
   if (crs <= 9 && a == Activation::relu)  // 1 x 3 x 3, lenet's conv1
     run.template operator()<9, Activation::relu>();
@@ -226,7 +228,6 @@ void CudaOps::direct_act_pool_forward(const ConvShape& s, Activation a, const fl
     run.template operator()<cuda::direct::kWindowTaps, Activation::relu>();
   else
     run.template operator()<cuda::direct::kWindowTaps, Activation::sigmoid>();
-  DP_CUDA_LAUNCH_CHECK("direct_act_pool_forward_kernel");
 }
 
 void CudaOps::direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,

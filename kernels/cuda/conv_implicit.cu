@@ -3,8 +3,6 @@
 // in tests/test_tile_gemm.cpp runs them one thread after another. Taken by conv2d.cu's plans under
 // DP_CUDA_CONV=implicit (CudaOps::implicit): on an H200 slower than the library path (docs/gpu.md).
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "kernels/cuda/cuda_ops.h"
@@ -16,6 +14,7 @@ namespace {
 
 template <class Tile>
 __global__ void __launch_bounds__(cuda::tile::kThreads) tile_kernel(Tile tile) {
+  cuda::await_previous();
   __shared__ cuda::tile::Smem s;
   const int tid = int(threadIdx.x);
   tile.place(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z));
@@ -37,10 +36,12 @@ __global__ void __launch_bounds__(cuda::tile::kThreads) tile_kernel(Tile tile) {
 
 __global__ void filter_total_kernel(int64_t total, int k, int cols, int slices, const float* partial, float* dw,
                                     float* db) {
+  cuda::await_previous();
   DP_GRID_STRIDE(e, total) { cuda::tile::filter_total(e, k, cols, slices, partial, dw, db); }
 }
 
 __global__ void flip_weights_kernel(int64_t total, ConvShape s, const float* w, float* wt) {
+  cuda::await_previous();
   DP_GRID_STRIDE(e, total) { cuda::tile::flip_weight(e, s, w, wt); }
 }
 
@@ -58,16 +59,11 @@ bool tiles_fit(const ConvShape& s) {
 
 }  // namespace
 
-// Read once per process: anything but "implicit" or "library" (the default) is refused, naming both.
+// Read once per process.
 bool CudaOps::implicit_wanted() {
-  static const bool wanted = [] {
-    const char* v = std::getenv("DP_CUDA_CONV");
-    if (!v || !*v || std::strcmp(v, "library") == 0) return false;
-    if (std::strcmp(v, "implicit") == 0) return true;
-    throw UsageError(std::string("DP_CUDA_CONV: '") + v +
-                     "' is not a convolution path; use library (cuDNN's forward, im2col and cuBLAS for dw) or "
-                     "implicit (dp's implicit GEMMs), or unset it");
-  }();
+  static const bool wanted = cuda::env_choice("DP_CUDA_CONV", {"library", "implicit"},
+                                              "is not a convolution path; use library (cuDNN's forward, im2col and "
+                                              "cuBLAS for dw) or implicit (dp's implicit GEMMs), or unset it") == 1;
   return wanted;
 }
 
@@ -89,8 +85,7 @@ size_t CudaOps::implicit_partial_floats(const ConvShape& s, int slices) {
 void CudaOps::implicit_forward(const ConvShape& s, const float* x, const float* w, float* y) {
   const cuda::tile::Forward tile{cuda::tile::Gather::of(s, x), w, y};
   const dim3 grid(unsigned(tiles(s.n * s.col_cols())), unsigned(tiles(s.k)));
-  tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
-  DP_CUDA_LAUNCH_CHECK("tile_kernel<Forward>");
+  cuda::launch("tile_kernel", tile_kernel<cuda::tile::Forward>, grid, cuda::tile::kThreads, 0, stream_, tile);
 }
 
 void CudaOps::implicit_filter_grad(const ConvShape& s, int slices, const float* x, const float* dy, bool rows,
@@ -98,24 +93,21 @@ void CudaOps::implicit_filter_grad(const ConvShape& s, int slices, const float* 
   const int cols = int(s.col_rows()) + 1;
   const cuda::tile::FilterGrad tile{cuda::tile::Gather::of(s, x), dy, rows, slices, workspace};
   const dim3 grid(unsigned(tiles(cols)), unsigned(tiles(s.k)), unsigned(slices));
-  tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
-  DP_CUDA_LAUNCH_CHECK("tile_kernel<FilterGrad>");
+  cuda::launch("tile_kernel", tile_kernel<cuda::tile::FilterGrad>, grid, cuda::tile::kThreads, 0, stream_, tile);
   const int64_t total = int64_t(s.k) * cols;
-  filter_total_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, s.k, cols, slices, workspace, dw,
-                                                                               db);
-  DP_CUDA_LAUNCH_CHECK("filter_total_kernel");
+  cuda::launch("filter_total_kernel", filter_total_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_, total,
+               s.k, cols, slices, workspace, dw, db);
 }
 
 void CudaOps::implicit_data_grad(const ConvShape& s, const float* w, const float* dy, bool rows, float* dx,
                                  float* workspace) {
   const ConvShape t = cuda::tile::data_grad_shape(s);
   const int64_t weights = int64_t(s.k) * s.col_rows();
-  flip_weights_kernel<<<cuda::blocks_for(weights), cuda::kThreads, 0, stream_>>>(weights, s, w, workspace);
-  DP_CUDA_LAUNCH_CHECK("flip_weights_kernel");
+  cuda::launch("flip_weights_kernel", flip_weights_kernel, cuda::blocks_for(weights), cuda::kThreads, 0, stream_,
+               weights, s, w, workspace);
   const cuda::tile::DataGrad tile{{cuda::tile::Gather::of(t, dy, rows), workspace, dx}};
   const dim3 grid(unsigned(tiles(t.n * t.col_cols())), unsigned(tiles(t.k)));
-  tile_kernel<<<grid, cuda::tile::kThreads, 0, stream_>>>(tile);
-  DP_CUDA_LAUNCH_CHECK("tile_kernel<DataGrad>");
+  cuda::launch("tile_kernel", tile_kernel<cuda::tile::DataGrad>, grid, cuda::tile::kThreads, 0, stream_, tile);
 }
 
 }  // namespace dp

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cuda/launch.h"
+
 namespace dp {
 
 CudaOps::CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, Scratch* scratch, Lane side)
@@ -15,23 +17,55 @@ CudaOps::CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn
       side_(side.stream ? side : Lane{stream, cublas}),
       scratch_(scratch),
       flag_(&scratch->flag) {
-  implicit_wanted();  // a DP_CUDA_CONV it does not know fails here, before any step
+  implicit_wanted();           // a DP_CUDA_CONV it does not know fails here, before any step
+  if (cuda::programmatic()) {  // and DP_CUDA_PDL=1 on a GPU without it
+    const int device = cuda::current_device();
+    int major = 0, minor = 0;
+    DP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    DP_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    if (major < 9)
+      throw UsageError(
+          "DP_CUDA_PDL=1: programmatic dependent launch needs compute capability 9.0 or later, and "
+          "cuda:" +
+          std::to_string(device) + " has " + std::to_string(major) + "." + std::to_string(minor) +
+          "; unset it or use 0");
+  }
   if (two_lanes()) forked_ = cuda::make_event(), joined_ = cuda::make_event();
   DP_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(Scratch), stream_));  // xent_done starts at 0
 }
 
 CudaOps::~CudaOps() = default;
 
-// Read once per process: anything but 1 (the default) or 2 is refused, naming both.
+namespace cuda {
+
+int env_choice(const char* name, std::initializer_list<const char*> choices, const char* refusal) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return 0;
+  int i = 0;
+  for (const char* c : choices) {
+    if (std::strcmp(v, c) == 0) return i;
+    ++i;
+  }
+  throw UsageError(std::string(name) + ": '" + v + "' " + refusal);
+}
+
+// Read once per process, as DP_CUDA_STREAMS and DP_CUDA_CONV.
+bool programmatic() {
+  static const bool wanted =
+      env_choice("DP_CUDA_PDL", {"0", "1"},
+                 "is not a choice of kernel launch; use 0 (each kernel launched once the one before it is complete, "
+                 "the default) or 1 (programmatic dependent launch, compute capability 9.0 on), or unset it") == 1;
+  return wanted;
+}
+
+}  // namespace cuda
+
+// Read once per process.
 int CudaOps::streams_wanted() {
-  static const int wanted = [] {
-    const char* v = std::getenv("DP_CUDA_STREAMS");
-    if (!v || !*v || std::strcmp(v, "1") == 0) return 1;
-    if (std::strcmp(v, "2") == 0) return 2;
-    throw UsageError(std::string("DP_CUDA_STREAMS: '") + v +
-                     "' is not a number of streams for the backward pass; use 1 (one stream, the default) or 2 "
-                     "(the weight gradients on a second one), or unset it");
-  }();
+  static const int wanted =
+      1 + cuda::env_choice("DP_CUDA_STREAMS", {"1", "2"},
+                           "is not a number of streams for the backward pass; use 1 (one stream, the default) or 2 "
+                           "(the weight gradients on a second one), or unset it");
   return wanted;
 }
 

@@ -12,6 +12,7 @@
 #include <cudnn.h>
 
 #include <array>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -53,6 +54,13 @@ struct ConvPlan {
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
 };
+
+namespace cuda {
+// The environment variable `name` as the index of its value among `choices`, 0 where it is unset or
+// empty (the default); any other value is a UsageError, "NAME: 'value' " and then `refusal` (what to
+// use instead). DP_CUDA_CONV, DP_CUDA_STREAMS and DP_CUDA_PDL, each read once per process.
+int env_choice(const char* name, std::initializer_list<const char*> choices, const char* refusal);
+}  // namespace cuda
 
 class CudaOps final : public Ops {
  public:

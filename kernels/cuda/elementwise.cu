@@ -21,6 +21,7 @@ __device__ __forceinline__ float checked(float g, float* nonfinite) {
 
 // The scalars are read from device memory as the kernel runs (a replayed graph's step takes its own).
 __global__ void sgd_kernel(int64_t n, float* w, const float* g, float* v, const math::SgdStep* step, float* nonfinite) {
+  cuda::await_previous();
   const math::SgdStep s = *step;
   DP_GRID_STRIDE(i, n) { math::sgd_update(w[i], v[i], checked(g[i], nonfinite), s.lr, s.momentum, s.weight_decay); }
 }
@@ -28,6 +29,7 @@ __global__ void sgd_kernel(int64_t n, float* w, const float* g, float* v, const 
 // momentum 0: no buffer (the optimizer category stays empty), as the CPU twin
 __global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, const math::SgdStep* step,
                                        float* nonfinite) {
+  cuda::await_previous();
   const math::SgdStep s = *step;
   DP_GRID_STRIDE(i, n) {
     float none = 0.0f;
@@ -37,11 +39,13 @@ __global__ void sgd_no_momentum_kernel(int64_t n, float* w, const float* g, cons
 
 __global__ void adam_kernel(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* step,
                             float* nonfinite) {
+  cuda::await_previous();
   const math::AdamStep s = *step;
   DP_GRID_STRIDE(i, n) { math::adam_update(w[i], m[i], v[i], checked(g[i], nonfinite), s); }
 }
 
 __global__ void sum_squares_kernel(int64_t n, const float* x, float* sum, CudaOps::Scratch* scratch) {
+  cuda::await_previous();
   __shared__ float tree[cuda::kThreads];
   __shared__ bool last;
   float s = 0.0f;
@@ -66,32 +70,39 @@ __global__ void sum_squares_kernel(int64_t n, const float* x, float* sum, CudaOp
 }
 
 __global__ void clip_scale_kernel(int64_t n, const float* sum_squares, float max_norm, float* x) {
+  cuda::await_previous();
   const float c = math::clip_coefficient(*sum_squares, max_norm);
   DP_GRID_STRIDE(i, n) { x[i] *= c; }
 }
 
 __global__ void add_kernel(int64_t n, const float* x, float* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { y[i] += x[i]; }
 }
 
 __global__ void narrow_kernel(DType t, int64_t n, const float* x, uint16_t* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { y[i] = math::narrow(t, x[i]); }
 }
 
 __global__ void widen_kernel(DType t, int64_t n, const uint16_t* x, float* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { y[i] = math::widen(t, x[i]); }
 }
 
 __global__ void add16_kernel(DType t, int64_t n, const uint16_t* x, uint16_t* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { y[i] = math::add16(t, x[i], y[i]); }
 }
 
 __global__ void fill_kernel(int64_t n, float value, float* x) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { x[i] = value; }
 }
 
 // Any thread that sees a NaN or an infinity raises the flag; they all write the same value.
 __global__ void nonfinite_kernel(int64_t n, const float* x, int32_t* flag) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) {
     if (!isfinite(x[i])) *flag = 1;
   }
@@ -102,31 +113,28 @@ __global__ void nonfinite_kernel(int64_t n, const float* x, int32_t* flag) {
 void CudaOps::sgd_step(int64_t n, float* w, const float* g, float* v, const math::SgdStep* s, float* nonfinite) {
   if (n == 0) return;
   if (v) {
-    sgd_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, v, s, nonfinite);
-    DP_CUDA_LAUNCH_CHECK("sgd_kernel");
+    cuda::launch("sgd_kernel", sgd_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n, w, g, v, s, nonfinite);
   } else {
-    sgd_no_momentum_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, s, nonfinite);
-    DP_CUDA_LAUNCH_CHECK("sgd_no_momentum_kernel");
+    cuda::launch("sgd_no_momentum_kernel", sgd_no_momentum_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n,
+                 w, g, s, nonfinite);
   }
 }
 
 void CudaOps::adam_step(int64_t n, float* w, const float* g, float* m, float* v, const math::AdamStep* s,
                         float* nonfinite) {
   if (n == 0) return;
-  adam_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, w, g, m, v, s, nonfinite);
-  DP_CUDA_LAUNCH_CHECK("adam_kernel");
+  cuda::launch("adam_kernel", adam_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n, w, g, m, v, s,
+               nonfinite);
 }
 
 void CudaOps::add(int64_t n, const float* x, float* y) {
   if (n == 0) return;
-  add_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, y);
-  DP_CUDA_LAUNCH_CHECK("add_kernel");
+  cuda::launch("add_kernel", add_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n, x, y);
 }
 
 void CudaOps::fill(int64_t n, float value, float* x) {
   if (n == 0) return;
-  fill_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, value, x);
-  DP_CUDA_LAUNCH_CHECK("fill_kernel");
+  cuda::launch("fill_kernel", fill_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n, value, x);
 }
 
 void CudaOps::narrow(DType t, int64_t n, const float* x, void* y) {
@@ -135,8 +143,8 @@ void CudaOps::narrow(DType t, int64_t n, const float* x, void* y) {
     DP_CUDA_CHECK(cudaMemcpyAsync(y, x, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     return;
   }
-  narrow_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(t, n, x, static_cast<uint16_t*>(y));
-  DP_CUDA_LAUNCH_CHECK("narrow_kernel");
+  cuda::launch("narrow_kernel", narrow_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, t, n, x,
+               static_cast<uint16_t*>(y));
 }
 
 void CudaOps::widen(DType t, int64_t n, const void* x, float* y) {
@@ -145,23 +153,21 @@ void CudaOps::widen(DType t, int64_t n, const void* x, float* y) {
     DP_CUDA_CHECK(cudaMemcpyAsync(y, x, size_t(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
     return;
   }
-  widen_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(t, n, static_cast<const uint16_t*>(x), y);
-  DP_CUDA_LAUNCH_CHECK("widen_kernel");
+  cuda::launch("widen_kernel", widen_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, t, n,
+               static_cast<const uint16_t*>(x), y);
 }
 
 void CudaOps::add_typed(DType t, int64_t n, const void* x, void* y) {
   if (t == DType::fp32) return add(n, static_cast<const float*>(x), static_cast<float*>(y));
   if (n == 0) return;
-  add16_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(t, n, static_cast<const uint16_t*>(x),
-                                                                    static_cast<uint16_t*>(y));
-  DP_CUDA_LAUNCH_CHECK("add16_kernel");
+  cuda::launch("add16_kernel", add16_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, t, n,
+               static_cast<const uint16_t*>(x), static_cast<uint16_t*>(y));
 }
 
 bool CudaOps::all_finite(int64_t n, const float* x) {
   if (n == 0) return true;
   DP_CUDA_CHECK(cudaMemsetAsync(flag_, 0, sizeof(int32_t), stream_));
-  nonfinite_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, x, flag_);
-  DP_CUDA_LAUNCH_CHECK("nonfinite_kernel");
+  cuda::launch("nonfinite_kernel", nonfinite_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n, x, flag_);
   int32_t raised = 0;
   DP_CUDA_CHECK(cudaMemcpyAsync(&raised, flag_, sizeof raised, cudaMemcpyDeviceToHost, stream_));
   DP_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -171,14 +177,13 @@ bool CudaOps::all_finite(int64_t n, const float* x) {
 void CudaOps::sum_squares(int64_t n, const float* x, float* sum) {
   if (n == 0) return;
   const unsigned blocks = std::min(cuda::blocks_for(n), unsigned(kReduceBlocks));
-  sum_squares_kernel<<<blocks, cuda::kThreads, 0, stream_>>>(n, x, sum, scratch_);
-  DP_CUDA_LAUNCH_CHECK("sum_squares_kernel");
+  cuda::launch("sum_squares_kernel", sum_squares_kernel, blocks, cuda::kThreads, 0, stream_, n, x, sum, scratch_);
 }
 
 void CudaOps::clip_scale(int64_t n, const float* sum_squares, float max_norm, float* x) {
   if (n == 0) return;
-  clip_scale_kernel<<<cuda::blocks_for(n), cuda::kThreads, 0, stream_>>>(n, sum_squares, max_norm, x);
-  DP_CUDA_LAUNCH_CHECK("clip_scale_kernel");
+  cuda::launch("clip_scale_kernel", clip_scale_kernel, cuda::blocks_for(n), cuda::kThreads, 0, stream_, n, sum_squares,
+               max_norm, x);
 }
 
 }  // namespace dp

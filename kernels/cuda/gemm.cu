@@ -10,6 +10,7 @@ namespace dp {
 namespace {
 
 __global__ void scale_kernel(int64_t n, float beta, float* c) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, n) { c[i] = beta == 0.0f ? 0.0f : beta * c[i]; }
 }
 
@@ -25,8 +26,7 @@ void CudaOps::gemm(const Lane& on, bool ta, bool tb, int m, int n, int k, float 
   if (m == 0 || n == 0) return;
   if (k == 0) {  // an empty sum: C = beta * C, as the CPU twin (BLAS libraries disagree on this edge)
     const int64_t count = int64_t(m) * n;
-    scale_kernel<<<cuda::blocks_for(count), cuda::kThreads, 0, on.stream>>>(count, beta, c);
-    DP_CUDA_LAUNCH_CHECK("scale_kernel");
+    cuda::launch("scale_kernel", scale_kernel, cuda::blocks_for(count), cuda::kThreads, 0, on.stream, count, beta, c);
     return;
   }
   // A stored (m, k), or (k, m) when transposed; B stored (k, n), or (n, k) when transposed

@@ -1,5 +1,6 @@
-// Launch helpers for the element-wise kernels: grid-stride loops over int64 counts, a grid no larger
-// than the device can keep busy, and never a zero-size grid (callers return early on n == 0).
+// Launch helpers: every kernel's launch (`launch`, and the wait each kernel begins with), and for the
+// element-wise kernels grid-stride loops over int64 counts, a grid no larger than the device can keep
+// busy, and never a zero-size grid (callers return early on n == 0).
 #pragma once
 
 #include <cstdint>
@@ -18,10 +19,48 @@ inline unsigned blocks_for(int64_t n, int threads = kThreads) {
   return unsigned(b < kMaxBlocks ? (b > 0 ? b : 1) : kMaxBlocks);
 }
 
+// DP_CUDA_PDL (kernels/cuda/cuda_ops.cpp): whether kernels are launched programmatically dependent
+// (below); 0, the default, or 1, read once per process.
+bool programmatic();
+
 }  // namespace dp::cuda
 
 #if defined(__CUDACC__)
+#include <string>
+#include <utility>
+
 namespace dp::cuda {
+
+// Programmatic dependent launch (compute capability 9.0 on; DP_CUDA_PDL=1, programmatic()): a
+// kernel so launched may begin as soon as the blocks of the kernel before it on the stream are all
+// gone, not once that kernel is complete and its memory flushed, which hides a launch's latency between
+// two dependent kernels (in a graph too, as a programmatic edge). Every dp kernel therefore begins by
+// waiting here for the kernel before it and its memory, before it reads or writes anything: a no-op
+// without the launch attribute, and before sm_90 (CUTLASS's wait_on_dependent_grids, Triton's
+// gdc_wait). Nothing is overlapped but the launch: no kernel signals its dependents early.
+__device__ __forceinline__ void await_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, shared, stream>>>(args...) through cudaLaunchKernelEx, with the launch
+// attribute above where programmatic(); a bad configuration is reported here, naming the kernel.
+template <class... Params, class... Args>
+void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared, cudaStream_t stream,
+            Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = shared, config.stream = stream;
+  config.attrs = &attribute, config.numAttrs = programmatic() ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw_failure("CUDA", (std::string("launch of ") + name).c_str(), cudaGetErrorString(err), __FILE__, __LINE__);
+  }
+}
 
 // A deterministic reduction over blocks (the threadFenceReduction pattern of CUDA's samples): thread
 // 0 of each block writes its block's partials, then asks this; it is true in the last block to finish,

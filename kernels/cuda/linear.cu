@@ -9,6 +9,7 @@ namespace {
 
 // y (N, OUT) = b broadcast over rows
 __global__ void broadcast_rows_kernel(int64_t total, int out, const float* b, float* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, total) { y[i] = b[i % out]; }
 }
 
@@ -19,6 +20,7 @@ __global__ void broadcast_rows_kernel(int64_t total, int out, const float* b, fl
 // memory: 11 to 13 us a call on an H200, for 256 rows.)
 constexpr int kSumRows = 256;
 __global__ void column_sums_kernel(int n, int out, const float* dy, float* db) {
+  cuda::await_previous();
   __shared__ float tile[kSumRows][32];
   const int c0 = int(blockIdx.x) * 32, lane = int(threadIdx.x) % 32;
   float acc = 0.0f;
@@ -53,6 +55,7 @@ constexpr int kFewOutputs = 16;
 // take contiguous slices of the rows, each summed in order, then the slices are added in order:
 // every weight's sum a fixed tree over the N rows. Neighbouring lanes read neighbouring floats of x.
 __global__ void few_outputs_dw_kernel(int n, int in, int out, const float* x, const float* dy, float* dw) {
+  cuda::await_previous();
   constexpr int kWarps = cuda::kThreads / 32;
   __shared__ float sums[kWarps][32];
   const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
@@ -76,6 +79,7 @@ __global__ void few_outputs_dw_kernel(int n, int in, int out, const float* x, co
 
 // dx (N, IN) = dy W: dx[r, i] adds dy[r, o] W[o, i] in o's order.
 __global__ void few_outputs_dx_kernel(int n, int in, int out, const float* dy, const float* w, float* dx) {
+  cuda::await_previous();
   DP_GRID_STRIDE(e, int64_t(n) * in) {
     const int64_t r = e / in;
     const int i = int(e % in);
@@ -90,8 +94,8 @@ __global__ void few_outputs_dx_kernel(int n, int in, int out, const float* dy, c
 void CudaOps::linear_forward(int n, int in, int out, const float* x, const float* w, const float* b, float* y) {
   const int64_t total = int64_t(n) * out;  // y (N, OUT)
   if (total == 0) return;
-  broadcast_rows_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, out, b, y);
-  DP_CUDA_LAUNCH_CHECK("broadcast_rows_kernel");
+  cuda::launch("broadcast_rows_kernel", broadcast_rows_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_,
+               total, out, b, y);
   gemm(false, true, n, out, in, 1.0f, x, w, 1.0f, y);
 }
 
@@ -105,19 +109,19 @@ void CudaOps::linear_backward(int n, int in, int out, const float* x, const floa
   if (!few) {
     gemm(lane, true, false, out, in, n, 1.0f, dy, x, 0.0f, dw);  // dw (OUT, IN) = dy^T x; zero when n == 0
   } else if (weights > 0) {
-    few_outputs_dw_kernel<<<unsigned((weights + 31) / 32), cuda::kThreads, 0, lane.stream>>>(n, in, out, x, dy, dw);
-    DP_CUDA_LAUNCH_CHECK("few_outputs_dw_kernel");
+    cuda::launch("few_outputs_dw_kernel", few_outputs_dw_kernel, unsigned((weights + 31) / 32), cuda::kThreads, 0,
+                 lane.stream, n, in, out, x, dy, dw);
   }
   if (out > 0) {
-    column_sums_kernel<<<unsigned((out + 31) / 32), cuda::kThreads, 0, lane.stream>>>(n, out, dy, db);  // db (OUT)
-    DP_CUDA_LAUNCH_CHECK("column_sums_kernel");
+    cuda::launch("column_sums_kernel", column_sums_kernel, unsigned((out + 31) / 32), cuda::kThreads, 0, lane.stream, n,
+                 out, dy, db);  // db (OUT)
   }
   if (!dx) return;
   if (!few) {
     gemm(false, false, n, in, out, 1.0f, dy, w, 0.0f, dx);  // dx (N, IN) = dy W
   } else if (inputs > 0) {
-    few_outputs_dx_kernel<<<cuda::blocks_for(inputs), cuda::kThreads, 0, stream_>>>(n, in, out, dy, w, dx);
-    DP_CUDA_LAUNCH_CHECK("few_outputs_dx_kernel");
+    cuda::launch("few_outputs_dx_kernel", few_outputs_dx_kernel, cuda::blocks_for(inputs), cuda::kThreads, 0, stream_,
+                 n, in, out, dy, w, dx);
   }
   join();
 }

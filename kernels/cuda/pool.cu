@@ -12,6 +12,7 @@ namespace {
 // One thread per output: y (N*C, OH, OW) from x (N*C, H, W).
 __global__ void avgpool_forward_kernel(int64_t total, int h, int w, int k, int oh, int ow, float inv, const float* x,
                                        float* y) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, total) {
     const int64_t plane = i / (int64_t(oh) * ow);
     const int r = int(i % (int64_t(oh) * ow)), oi = r / ow, oj = r % ow;
@@ -26,6 +27,7 @@ __global__ void avgpool_forward_kernel(int64_t total, int h, int w, int k, int o
 // One thread per input pixel: dx (N*C, H, W); pixels past the last full window get zero.
 __global__ void avgpool_backward_kernel(int64_t total, int h, int w, int k, int oh, int ow, float inv, const float* dy,
                                         float* dx) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, total) {
     const int64_t plane = i / (int64_t(h) * w);
     const int r = int(i % (int64_t(h) * w)), oi = r / w / k, oj = r % w / k;
@@ -36,6 +38,7 @@ __global__ void avgpool_backward_kernel(int64_t total, int h, int w, int k, int 
 // One thread per output; argmax holds the index within the (H, W) plane, first maximum wins.
 __global__ void maxpool_forward_kernel(int64_t total, int h, int w, int k, int oh, int ow, const float* x, float* y,
                                        int32_t* argmax) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, total) {
     const int64_t plane = i / (int64_t(oh) * ow);
     const int r = int(i % (int64_t(oh) * ow)), oi = r / ow, oj = r % ow;
@@ -55,6 +58,7 @@ __global__ void maxpool_forward_kernel(int64_t total, int h, int w, int k, int o
 // 0.0f + dy reproduces the CPU's zero-then-accumulate exactly (including the sign of zero).
 __global__ void maxpool_backward_kernel(int64_t total, int h, int w, int k, int oh, int ow, const float* dy,
                                         const int32_t* argmax, float* dx) {
+  cuda::await_previous();
   DP_GRID_STRIDE(i, total) {
     const int64_t plane = i / (int64_t(h) * w);
     const int r = int(i % (int64_t(h) * w)), oi = r / w / k, oj = r % w / k;
@@ -72,33 +76,29 @@ __global__ void maxpool_backward_kernel(int64_t total, int h, int w, int k, int 
 void CudaOps::avgpool_forward(const PoolShape& s, const float* x, float* y) {
   const int64_t total = int64_t(s.n) * s.c * s.out_h() * s.out_w();
   if (total == 0) return;
-  avgpool_forward_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(
-      total, s.h, s.w, s.k, s.out_h(), s.out_w(), 1.0f / float(s.k * s.k), x, y);
-  DP_CUDA_LAUNCH_CHECK("avgpool_forward_kernel");
+  cuda::launch("avgpool_forward_kernel", avgpool_forward_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_,
+               total, s.h, s.w, s.k, s.out_h(), s.out_w(), 1.0f / float(s.k * s.k), x, y);
 }
 
 void CudaOps::avgpool_backward(const PoolShape& s, const float* dy, float* dx) {
   const int64_t total = int64_t(s.n) * s.c * s.h * s.w;
   if (total == 0) return;
-  avgpool_backward_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(
-      total, s.h, s.w, s.k, s.out_h(), s.out_w(), 1.0f / float(s.k * s.k), dy, dx);
-  DP_CUDA_LAUNCH_CHECK("avgpool_backward_kernel");
+  cuda::launch("avgpool_backward_kernel", avgpool_backward_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_,
+               total, s.h, s.w, s.k, s.out_h(), s.out_w(), 1.0f / float(s.k * s.k), dy, dx);
 }
 
 void CudaOps::maxpool_forward(const PoolShape& s, const float* x, float* y, int32_t* argmax) {
   const int64_t total = int64_t(s.n) * s.c * s.out_h() * s.out_w();
   if (total == 0) return;
-  maxpool_forward_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, s.h, s.w, s.k, s.out_h(),
-                                                                                  s.out_w(), x, y, argmax);
-  DP_CUDA_LAUNCH_CHECK("maxpool_forward_kernel");
+  cuda::launch("maxpool_forward_kernel", maxpool_forward_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_,
+               total, s.h, s.w, s.k, s.out_h(), s.out_w(), x, y, argmax);
 }
 
 void CudaOps::maxpool_backward(const PoolShape& s, const float* dy, const int32_t* argmax, float* dx) {
   const int64_t total = int64_t(s.n) * s.c * s.h * s.w;
   if (total == 0) return;
-  maxpool_backward_kernel<<<cuda::blocks_for(total), cuda::kThreads, 0, stream_>>>(total, s.h, s.w, s.k, s.out_h(),
-                                                                                   s.out_w(), dy, argmax, dx);
-  DP_CUDA_LAUNCH_CHECK("maxpool_backward_kernel");
+  cuda::launch("maxpool_backward_kernel", maxpool_backward_kernel, cuda::blocks_for(total), cuda::kThreads, 0, stream_,
+               total, s.h, s.w, s.k, s.out_h(), s.out_w(), dy, argmax, dx);
 }
 
 }  // namespace dp

@@ -22,6 +22,7 @@ constexpr unsigned kAll = 0xffffffffu;
 
 __global__ void softmax_xent_kernel(int n, int classes, const float* logits, const int32_t* labels, float scale,
                                     float* dlogits, float* stats, CudaOps::Scratch* scratch) {
+  cuda::await_previous();
   __shared__ float warp_loss[kRowsPerBlock];
   __shared__ float warp_correct[kRowsPerBlock];
   __shared__ bool last;
@@ -78,9 +79,8 @@ void CudaOps::softmax_xent(int n, int classes, const float* logits, const int32_
   if (n == 0 || classes == 0) return;  // stats += 0
   const int rows_blocks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
   const unsigned blocks = unsigned(rows_blocks < kReduceBlocks ? rows_blocks : kReduceBlocks);
-  softmax_xent_kernel<<<blocks, cuda::kThreads, 0, stream_>>>(n, classes, logits, labels, scale, dlogits, stats,
-                                                              scratch_);
-  DP_CUDA_LAUNCH_CHECK("softmax_xent_kernel");
+  cuda::launch("softmax_xent_kernel", softmax_xent_kernel, blocks, cuda::kThreads, 0, stream_, n, classes, logits,
+               labels, scale, dlogits, stats, scratch_);
 }
 
 }  // namespace dp
