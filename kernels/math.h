@@ -76,6 +76,22 @@ DP_HD float activate_grad(float y, float dy) {
   if constexpr (A == Activation::relu) return relu_grad(y, dy);
   return sigmoid_grad(y, dy);
 }
+// The fused conv op's way back for one pixel of the convolution's output: its share of its pooling
+// window's gradient (*window_grad times inv = 1 / k^2; null for a pixel no window holds) through the
+// activation's derivative at its output y. Every kernel that works it out calls this, so all give its bits.
+template <Activation A>
+DP_HD float act_pool_grad(float y, const float* window_grad, float inv) {
+  return activate_grad<A>(y, window_grad ? *window_grad * inv : 0.0f);
+}
+
+// f.template operator()<A>() for the activation a: where a kernel's template names it.
+template <class F>
+void with_activation(Activation a, F&& f) {
+  if (a == Activation::relu)
+    f.template operator()<Activation::relu>();
+  else
+    f.template operator()<Activation::sigmoid>();
+}
 
 // PyTorch's clip_grad_norm_ (torch.nn.utils): the gradient is multiplied by
 //   min(1, max_norm / (||g||_2 + 1e-6)),

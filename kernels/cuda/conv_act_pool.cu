@@ -81,8 +81,8 @@ __global__ void act_pool_backward_rows_kernel(int total, int n, cuda::Divider pi
     channels.divmod(plane, img, ch);
     ow.divmod(q, yy, xx);
     const int wi = k.div(yy), wj = k.div(xx);
-    const float g = wi < ph && wj < pw ? dy_pool[(int64_t(plane) * ph + wi) * pw + wj] * inv : 0.0f;
-    dyt[(int64_t(ch) * n + img) * pixels.divisor() + q] = math::activate_grad<A>(y_act[i], g);
+    const float* window = wi < ph && wj < pw ? dy_pool + (int64_t(plane) * ph + wi) * pw + wj : nullptr;
+    dyt[(int64_t(ch) * n + img) * pixels.divisor() + q] = math::act_pool_grad<A>(y_act[i], window, inv);
   }
 }
 
@@ -106,8 +106,8 @@ __global__ void act_pool_backward_rows_db_kernel(int n, int k, cuda::Divider pix
     pixels.divmod(int(j), img, q);
     ow.divmod(q, yy, xx);
     const int wi = window.div(yy), wj = window.div(xx), plane = img * k + sl.ch;
-    const float g = wi < ph && wj < pw ? dy_pool[(int64_t(plane) * ph + wi) * pw + wj] * inv : 0.0f;
-    const float v = math::activate_grad<A>(y_act[int64_t(plane) * p + q], g);
+    const float* cell = wi < ph && wj < pw ? dy_pool + (int64_t(plane) * ph + wi) * pw + wj : nullptr;
+    const float v = math::act_pool_grad<A>(y_act[int64_t(plane) * p + q], cell, inv);
     dyt[sl.ch * per_channel + j] = v;
     acc = math::add_rn(acc, v);
   }
@@ -144,12 +144,10 @@ void CudaOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, c
   const unsigned blocks = unsigned((planes + per_block - 1) / per_block);
   const cuda::Divider by_pixels(pixels), by_channels(s.k), by_pooled(std::max(pooled, 1)), by_pw(std::max(ow / k, 1));
   const float inv = 1.0f / float(k * k);  // as avgpool_forward
-  if (a == Activation::relu)
-    cuda::launch("bias_act_pool_kernel", bias_act_pool_kernel<Activation::relu>, blocks, cuda::kThreads, tile_bytes,
-                 stream_, planes, per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
-  else
-    cuda::launch("bias_act_pool_kernel", bias_act_pool_kernel<Activation::sigmoid>, blocks, cuda::kThreads, tile_bytes,
-                 stream_, planes, per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
+  math::with_activation(a, [&]<Activation A>() {
+    cuda::launch("bias_act_pool_kernel", bias_act_pool_kernel<A>, blocks, cuda::kThreads, tile_bytes, stream_, planes,
+                 per_block, by_pixels, by_channels, by_pooled, by_pw, ow, k, inv, b, y_act, y_pool);
+  });
 }
 
 void CudaOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
@@ -157,18 +155,17 @@ void CudaOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, 
                                        float* db, float* workspace) {
   if (!indexable(s))
     return Ops::conv2d_act_pool_backward(s, a, k, x, w, y_act, dy_pool, scratch, dx, dw, db, workspace);
+  if (s.n == 0) return conv_backward(s, x, w, scratch, /*rows*/ true, dx, dw, db, workspace);
+  const ConvPlan& p = plan(s);
   // A first layer of few taps (lenet's conv1): dw and db read dy_pool and y_act themselves, so dy's rows
   // (a pass over the layer's output each way: 14 MB for lenet's conv1 at batch 256) are never written.
-  if (s.n > 0 && !dx && plan(s).direct)
-    return direct_act_pool_filter_grad(s, a, k, x, y_act, dy_pool, dw, db, workspace);
-  if (s.n == 0) return conv_backward(s, x, w, scratch, /*rows*/ true, dx, dw, db, workspace);
+  if (!dx && p.direct) return direct_act_pool_filter_grad(s, a, k, x, y_act, dy_pool, dw, db, workspace);
   // scratch: dy's rows; on the im2col path db too, through its partials at the workspace's start
-  const ConvPlan& p = plan(s);
   const bool with_db = !p.direct && !p.implicit;
   const int oh = s.out_h(), ow = s.out_w(), total = s.n * s.k * oh * ow;
   const cuda::Divider by_pixels(oh * ow), by_channels(s.k), by_ow(ow), by_k(k);
   const float inv = 1.0f / float(k * k);
-  auto run = [&]<Activation A>() {
+  math::with_activation(a, [&]<Activation A>() {
     if (with_db)
       cuda::launch("act_pool_backward_rows_db_kernel", act_pool_backward_rows_db_kernel<A>, unsigned(s.k) * kBiasSlices,
                    cuda::kThreads, 0, stream_, s.n, s.k, by_pixels, by_ow, by_k, oh / k, ow / k, inv, y_act, dy_pool,
@@ -177,11 +174,7 @@ void CudaOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, 
       cuda::launch("act_pool_backward_rows_kernel", act_pool_backward_rows_kernel<A>, cuda::blocks_for(total),
                    cuda::kThreads, 0, stream_, total, s.n, by_pixels, by_channels, by_ow, by_k, oh / k, ow / k, inv,
                    y_act, dy_pool, scratch);
-  };
-  if (a == Activation::relu)
-    run.template operator()<Activation::relu>();
-  else
-    run.template operator()<Activation::sigmoid>();
+  });
   conv_backward(s, x, w, scratch, /*rows*/ true, dx, dw, with_db ? nullptr : db, workspace);
 }
 

@@ -206,7 +206,7 @@ void CudaOps::direct_forward(const ConvShape& s, const float* x, const float* w,
 
 bool CudaOps::direct_act_pool(const ConvShape& s, int window) {
   return window == cuda::direct::kWindow && s.col_rows() <= cuda::direct::kWindowTaps && s.out_h() % window == 0 &&
-         s.out_w() % window == 0 && direct(s);
+         s.out_w() % window == 0;
 }
 
 void CudaOps::direct_act_pool_forward(const ConvShape& s, Activation a, const float* x, const float* w, const float* b,
@@ -216,18 +216,16 @@ void CudaOps::direct_act_pool_forward(const ConvShape& s, Activation a, const fl
   const unsigned blocks = unsigned((windows + kWindowThreads - 1) / kWindowThreads);
   const size_t shared = sizeof(float) * size_t(s.k) * size_t(crs + 1);
   const cuda::Divider by_cells(cells), by_pw(pw);
-  auto run = [&]<int kMax, Activation A>() {
-    cuda::launch("direct_act_pool_forward_kernel", direct_act_pool_forward_kernel<kMax, A>, blocks, kWindowThreads,
-                 shared, stream_, windows, s, by_cells, by_pw, x, w, b, y_act, y_pool);
-  };
-  if (crs <= 9 && a == Activation::relu)  // 1 x 3 x 3, lenet's conv1
-    run.template operator()<9, Activation::relu>();
-  else if (crs <= 9)
-    run.template operator()<9, Activation::sigmoid>();
-  else if (a == Activation::relu)
-    run.template operator()<cuda::direct::kWindowTaps, Activation::relu>();
-  else
-    run.template operator()<cuda::direct::kWindowTaps, Activation::sigmoid>();
+  math::with_activation(a, [&]<Activation A>() {
+    auto run = [&]<int kMax>() {
+      cuda::launch("direct_act_pool_forward_kernel", direct_act_pool_forward_kernel<kMax, A>, blocks, kWindowThreads,
+                   shared, stream_, windows, s, by_cells, by_pw, x, w, b, y_act, y_pool);
+    };
+    if (crs <= 9)  // 1 x 3 x 3, lenet's conv1
+      run.template operator()<9>();
+    else
+      run.template operator()<cuda::direct::kWindowTaps>();
+  });
 }
 
 void CudaOps::direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
@@ -244,14 +242,10 @@ void CudaOps::direct_act_pool_filter_grad(const ConvShape& s, Activation a, int 
                                           float* workspace) {
   const int oh = s.out_h(), ow = s.out_w();
   const float inv = 1.0f / float(window * window);  // as conv_act_pool.cu's backward
-  auto run = [&]<Activation A>() {
+  math::with_activation(a, [&]<Activation A>() {
     const cuda::direct::DyActPool<A> dy{y_act, dy_pool, s.k, oh * ow, window, oh / window, ow / window, inv};
     filter_grad(stream_, s, x, dy, dw, db, workspace);
-  };
-  if (a == Activation::relu)
-    run.template operator()<Activation::relu>();
-  else
-    run.template operator()<Activation::sigmoid>();
+  });
 }
 
 }  // namespace dp

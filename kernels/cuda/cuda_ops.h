@@ -167,8 +167,8 @@ class CudaOps final : public Ops {
   void direct_filter_grad(const ConvShape& s, const float* x, const float* dy, bool rows, float* dw, float* db,
                           float* workspace);
   // The fused op's forward pass in one kernel (conv_direct.cu, direct_taps.h's forward_window) for a
-  // direct shape of at most 16 taps whose output 2 x 2 windows tile (lenet's conv1): the convolution's
-  // output is neither written nor read back.
+  // shape of at most 16 taps whose output 2 x 2 windows tile (direct_act_pool; lenet's conv1), where its
+  // plan is direct: the convolution's output is neither written nor read back.
   static bool direct_act_pool(const ConvShape& s, int window);
   void direct_act_pool_forward(const ConvShape& s, Activation a, const float* x, const float* w, const float* b,
                                float* y_act, float* y_pool);

@@ -97,8 +97,8 @@ struct DyActPool {
   }
   DP_HD float at(DyColumn c, int ch, int n) const {
     const int plane = n * k + ch;
-    const float g = c.cell >= 0 ? dy_pool[plane * ph * pw + c.cell] * inv : 0.0f;
-    return math::activate_grad<A>(y_act[plane * p + c.q], g);
+    return math::act_pool_grad<A>(y_act[plane * p + c.q], c.cell >= 0 ? dy_pool + plane * ph * pw + c.cell : nullptr,
+                                  inv);
   }
 };
 
