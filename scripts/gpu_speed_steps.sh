@@ -204,15 +204,16 @@ s_stalls() {
 # A CUDA setting against its default, both the same kernels on the same data (compiled, not yet run on
 # a GPU): the op, graph, run-ahead and three-steps-against-the-CPU cases under it, then --graphs runs
 # each way, 3 alternated rounds: images/s (paired median), test accuracy, and the weights, which must be
-# the same bits. $1 names the step's files, $2=$3 is the setting, $2=$4 the default. (ncu serialises
-# kernels: its kernel times could show neither setting's gain.)
+# the same bits. $1 names the step's files, $2 is the setting, $3 the default, each one or more
+# VAR=value words. (ncu serialises kernels: its kernel times could show neither setting's gain.)
 variant() {
   need dp_tests || return $?
   need dp_train || return $?
-  local name=$1 on="$2=$3" off="$2=$4" rc=0 speed same
+  local name=$1 on=$2 off=$3 rc=0 speed same
   local cases='cuda: ops: *,cuda: graphs: *,cuda: run-ahead: *,cuda: three LeNet steps*'
   [ $dry = 1 ] && cases='ops: conv2d*,ops: linear*'  # the CPU build reads neither: the script's logic alone
-  run "${dp_env[@]}" "$on" "$build/dp_tests" "--test-case=$cases" || rc=$?
+  # shellcheck disable=SC2086  # the settings are words
+  run "${dp_env[@]}" $on "$build/dp_tests" "--test-case=$cases" || rc=$?
   KEY="cases: $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
   alternate "$name" "--graphs --save $out/$name-on.st" "--graphs --save $out/$name-off.st" "$on" "$off" || rc=$?
   speed=$(paired "$name" "$on" "$off")
@@ -226,11 +227,15 @@ variant() {
 
 # The weight gradients on a second stream (DP_CUDA_STREAMS=2: each linear layer's and im2col-path
 # convolution's dw and db beside its dx) against one, the default.
-s_streams() { variant streams DP_CUDA_STREAMS 2 1; }
+s_streams() { variant streams DP_CUDA_STREAMS=2 DP_CUDA_STREAMS=1; }
 
 # Programmatic dependent launches (DP_CUDA_PDL=1, kernels/cuda/launch.h: each kernel may start as the
 # blocks of the one before it end, waiting for it first) against ordinary ones, the default.
-s_pdl() { variant pdl DP_CUDA_PDL 1 0; }
+s_pdl() { variant pdl DP_CUDA_PDL=1 DP_CUDA_PDL=0; }
+
+# Both at once against neither: what the two give together (a kernel of the second stream launched
+# programmatically after its fork's event wait, say), the step the defaults would take if both gain.
+s_both() { variant both "DP_CUDA_STREAMS=2 DP_CUDA_PDL=1" "DP_CUDA_STREAMS=1 DP_CUDA_PDL=0"; }
 
 # dp's implicit-GEMM convolutions (DP_CUDA_CONV=implicit: lenet's conv2 forward, dw and db without
 # cuDNN, im2col or cuBLAS; compiled, not yet run on a GPU) against the library path (the default): the
