@@ -273,13 +273,13 @@ TEST_CASE("graphs: dp_train --graphs trains as without it, bit for bit, and repo
 }
 
 // An environment variable's two values train the same bits, eager and captured in a graph; a third is
-// refused, naming the accepted ones (`accepted`, a piece of the message).
+// refused, naming the accepted ones (`accepted`, a piece of the message). `shape`: the model's options.
 void check_same_bits_either_way(const char* variable, const char* off, const char* on, const char* wrong,
-                                const char* accepted) {
+                                const char* accepted, const std::string& shape = "--batch 64") {
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 300, 40);
-  const std::string base = std::string(DP_TRAIN_BIN) + " --backend cuda --gpus 0 --data " + dir.path.string() +
-                           " --batch 64 --quiet --seed 4";
+  const std::string base = std::string(DP_TRAIN_BIN) + " --backend cuda --gpus 0 --data " + dir.path.string() + " " +
+                           shape + " --quiet --seed 4";
   for (const char* value : {off, on})
     for (bool graphs : {false, true}) {
       const std::string tag = std::string(value) + (graphs ? "-graphs" : "-eager");
@@ -302,12 +302,14 @@ void check_same_bits_either_way(const char* variable, const char* off, const cha
 
 // DP_CUDA_STREAMS=2 (kernels/cuda/cuda_ops.h): lenet's conv2, fc1 and fc2 compute dw and db on a second
 // stream while dx runs on the first, joined before each op returns: eager and captured in a graph,
-// the weights must be the bits of one stream's. A value other than 1 or 2 is refused, naming both.
+// the weights must be the bits of one stream's. At width 4 and batch 256 conv2's backward pass takes
+// 94 images a chunk (kernels/cuda/conv_plan.cpp), so the chunks, in which dw is summed, must be one
+// lane's too. A value other than 1 or 2 is refused, naming both.
 TEST_CASE(
     "cuda: graphs: the weight gradients on a second stream train the bits of one stream, eager and "
     "in graphs" *
     doctest::skip(!dp::test::cuda_available())) {
-  check_same_bits_either_way("DP_CUDA_STREAMS", "1", "2", "3", "use 1");
+  check_same_bits_either_way("DP_CUDA_STREAMS", "1", "2", "3", "use 1", "--width 4 --batch 256");
 }
 
 // DP_CUDA_PDL=1 (kernels/cuda/launch.h): every kernel launched programmatically dependent on the one

@@ -23,6 +23,7 @@
 // (CudaOps::conv_choices) and a shape that needed one gets a warning on stderr, once per process.
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -34,8 +35,9 @@
 namespace dp {
 namespace {
 
-// Largest workspace one algorithm may ask for when the caller is about to allocate it; twice that with
-// two lanes, whose backward pass keeps two column matrices (plan_backward).
+// Largest workspace one algorithm may ask for when the caller is about to allocate it. Two lanes'
+// backward pass keeps a second column matrix on top (plan_backward), not a larger limit: every choice,
+// and the images a chunk takes, are then one lane's, so the same sums in the same order.
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;
 
 std::string describe(const ConvShape& s) {
@@ -154,20 +156,26 @@ void choose_own(ConvChoice& c, const char* algo, size_t workspace_bytes) {
 // then the workspace holds those and dw's partials, nothing more. Otherwise dx, and dw where the plan
 // has no kernel of its own for it, are dp's im2col path (see conv_backward), over as many images at
 // a time as the limit holds past the partials and 32-bit indices reach: per image, dy's rows and the
-// im2col, and with two lanes (CudaOps::streams_wanted) dx's transpose of it beside, as both lanes use them at once.
-void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, bool implicit_dx, bool two_lanes) {
+// im2col. With two lanes (CudaOps::streams_wanted) dx's transpose of it lies beside, as both lanes use
+// them at once: as many images as one lane's limit gives (the same chunks, so dw's sums in the same
+// order), their second matrix within `capacity`, all the workspace may hold.
+void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, size_t capacity, bool implicit_dx, bool two_lanes) {
   const size_t weight_bytes = sizeof(float) * size_t(s.k) * size_t(s.col_rows());
   p.implicit_dx = p.implicit && implicit_dx && weight_bytes <= limit;
   if (p.implicit_dx) return choose_own(p.choices[1], "DP_IMPLICIT_GEMM", weight_bytes);
   p.side_dw = two_lanes && !p.direct && !p.implicit;  // the im2col path's dw: conv_backward
-  const size_t copies = p.side_dw ? 2 : 1;
-  const size_t image_floats = size_t(s.out_h()) * s.out_w() * (copies * size_t(s.col_rows()) + size_t(s.k));
+  const size_t pixels = size_t(s.out_h()) * s.out_w(), crs = size_t(s.col_rows());
+  const size_t image_floats = pixels * (crs + size_t(s.k)),
+               lanes_floats = image_floats + (p.side_dw ? pixels * crs : 0);
   const size_t index_cap = size_t(INT32_MAX) / std::max(image_floats, size_t(s.c) * s.h * s.w);
   const size_t partial_bytes = p.bias_floats * sizeof(float), image_bytes = image_floats * sizeof(float);
-  if (partial_bytes + image_bytes > limit || index_cap == 0)
-    throw no_fit("chunk of the backward pass (the partials, an image's rows and im2col)", s, limit);
-  p.backward_images = int(std::min({size_t(s.n), (limit - partial_bytes) / image_bytes, index_cap}));
-  p.bwd_data_bytes = p.bwd_filter_bytes = partial_bytes + image_bytes * size_t(p.backward_images);
+  const size_t lanes_bytes = lanes_floats * sizeof(float);
+  if (partial_bytes + lanes_bytes > capacity || partial_bytes + image_bytes > limit || index_cap == 0)
+    throw no_fit("chunk of the backward pass (the partials, an image's rows and im2col)", s,
+                 partial_bytes + lanes_bytes > capacity ? capacity : limit);
+  p.backward_images = int(std::min(
+      {size_t(s.n), (limit - partial_bytes) / image_bytes, (capacity - partial_bytes) / lanes_bytes, index_cap}));
+  p.bwd_data_bytes = p.bwd_filter_bytes = partial_bytes + lanes_bytes * size_t(p.backward_images);
   choose_own(p.choices[1], "DP_IM2COL_GEMM", p.bwd_filter_bytes);
   if (!p.direct && !p.implicit) choose_own(p.choices[2], "DP_IM2COL_GEMM", p.bwd_filter_bytes);
 }
@@ -181,7 +189,10 @@ size_t ConvPlan::workspace_floats() const {
   return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
 }
 
-ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
+// `capacity`: the bytes the plan's workspace may take in all (SIZE_MAX when it is being sized); each
+// algorithm within kMaxWorkspaceBytes of it.
+ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t capacity) {
+  const size_t limit = std::min(kMaxWorkspaceBytes, capacity);
   auto p = std::make_unique<ConvPlan>();
   const int oh = s.out_h(), ow = s.out_w();
   p->x = cuda::make_tensor_desc(s.n, s.c, s.h, s.w);
@@ -232,7 +243,7 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit) {
       throw no_fit("cuDNN forward algorithm", s, limit);
   }
 
-  plan_backward(*p, s, limit, implicit_dx(s), two_lanes());
+  plan_backward(*p, s, limit, capacity, implicit_dx(s), two_lanes());
   warn_fallback(*p, describe(s));
 
   auto& slot = plans_[ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}];
@@ -261,7 +272,7 @@ size_t CudaOps::conv2d_workspace_floats(const ConvShape& s) {
   std::lock_guard lock(conv_mu_);
   auto it = plans_.find(ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
   const size_t floats =
-      (it != plans_.end() ? *it->second : make_plan(s, kMaxWorkspaceBytes * (two_lanes() ? 2 : 1))).workspace_floats();
+      (it != plans_.end() ? *it->second : make_plan(s, std::numeric_limits<size_t>::max())).workspace_floats();
   auto [b, fresh] = budget_floats_.try_emplace(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}, floats);
   if (!fresh) b->second = std::min(b->second, floats);
   return floats;

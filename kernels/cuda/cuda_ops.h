@@ -152,7 +152,7 @@ class CudaOps final : public Ops {
   // The plan for s, made on first use, or again when its workspace exceeds the smallest one
   // conv2d_workspace_floats has handed out for s's geometry (see conv2d.cu).
   ConvPlan& plan(const ConvShape& s);
-  ConvPlan& make_plan(const ConvShape& s, size_t limit_bytes);
+  ConvPlan& make_plan(const ConvShape& s, size_t capacity_bytes);
   // Shapes with at most kDirectTaps taps per output (C KH KW) and kDirectWeights weights (the forward
   // pass keeps them in shared memory; their partials, below, stay within 35 MB) run their forward pass
   // and their dw and db on conv_direct.cu's kernels, dw and db through kDirectSlices partials per channel
