@@ -218,6 +218,8 @@ variant() {
   alternate "$name" "--graphs --save $out/$name-on.st" "--graphs --save $out/$name-off.st" "$on" "$off" || rc=$?
   speed=$(paired "$name" "$on" "$off")
   [ -n "$speed" ] || BAD="${BAD:+$BAD; }the runs' logs give no images/s"
+  # a capture that failed trains eagerly, the same bits: none launched is a failure (so is its warning)
+  case "$speed" in *"; 0 graph launches"*) BAD="${BAD:+$BAD; }no step ran as a graph with $on" ;; esac
   same=$(same_tensors "$out/$name-on.st" "$out/$name-off.st")
   [ "$same" = same ] || BAD="${BAD:+$BAD; }$on changed the weights (or no checkpoint: '$same')"
   KEY="$KEY; $speed; weights $same"

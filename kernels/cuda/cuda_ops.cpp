@@ -10,6 +10,28 @@
 
 namespace dp {
 
+namespace {
+
+// DP_CUDA_PDL=1 needs the GPU's support (compute capability 9.0) and kernels that wait for the one
+// before them (compiled for compute_90 on: launch.h's await_previous).
+void refuse_programmatic_unless_supported() {
+  const int device = cuda::current_device();
+  int major = 0, minor = 0;
+  DP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  DP_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (major < 9)
+    throw UsageError("DP_CUDA_PDL=1: programmatic dependent launch needs compute capability 9.0 or later, and cuda:" +
+                     std::to_string(device) + " has " + std::to_string(major) + "." + std::to_string(minor) +
+                     "; unset it or use 0");
+  if (const int ptx = cuda::kernels_ptx_version(); ptx < 90)
+    throw UsageError("DP_CUDA_PDL=1: dp's kernels run on cuda:" + std::to_string(device) + " from compute_" +
+                     std::to_string(ptx) +
+                     " code, which cannot wait for the kernel before them (griddepcontrol, compute_90 on); "
+                     "build with 90 in CMAKE_CUDA_ARCHITECTURES, or unset DP_CUDA_PDL");
+}
+
+}  // namespace
+
 CudaOps::CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn, Scratch* scratch, Lane side)
     : stream_(stream),
       cublas_(cublas),
@@ -17,19 +39,8 @@ CudaOps::CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn
       side_(side.stream ? side : Lane{stream, cublas}),
       scratch_(scratch),
       flag_(&scratch->flag) {
-  implicit_wanted();           // a DP_CUDA_CONV it does not know fails here, before any step
-  if (cuda::programmatic()) {  // and DP_CUDA_PDL=1 on a GPU without it
-    const int device = cuda::current_device();
-    int major = 0, minor = 0;
-    DP_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    DP_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    if (major < 9)
-      throw UsageError(
-          "DP_CUDA_PDL=1: programmatic dependent launch needs compute capability 9.0 or later, and "
-          "cuda:" +
-          std::to_string(device) + " has " + std::to_string(major) + "." + std::to_string(minor) +
-          "; unset it or use 0");
-  }
+  implicit_wanted();  // a DP_CUDA_CONV it does not know fails here, before any step
+  if (cuda::programmatic()) refuse_programmatic_unless_supported();  // before any step, too
   if (two_lanes()) forked_ = cuda::make_event(), joined_ = cuda::make_event();
   DP_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(Scratch), stream_));  // xent_done starts at 0
 }

@@ -186,4 +186,13 @@ void CudaOps::clip_scale(int64_t n, const float* sum_squares, float max_norm, fl
                max_norm, x);
 }
 
+namespace cuda {
+
+int kernels_ptx_version() {
+  cudaFuncAttributes attributes{};
+  DP_CUDA_CHECK(cudaFuncGetAttributes(&attributes, sgd_kernel));
+  return attributes.ptxVersion;
+}
+
+}  // namespace cuda
 }  // namespace dp

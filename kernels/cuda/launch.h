@@ -23,6 +23,11 @@ inline unsigned blocks_for(int64_t n, int threads = kThreads) {
 // (below); 0, the default, or 1, read once per process.
 bool programmatic();
 
+// The virtual architecture (major x 10 + minor) dp's kernels run from on the current device, as
+// cudaFuncGetAttributes' ptxVersion gives it for one of them (all are built with the same flags):
+// below 90, await_previous() below compiled to nothing, so DP_CUDA_PDL=1 would race.
+int kernels_ptx_version();
+
 }  // namespace dp::cuda
 
 #if defined(__CUDACC__)
