@@ -306,8 +306,10 @@ DP_OPS_TEST("conv2d_act_pool: the fused op gives the bits of conv2d, the activat
                               {.n = 4, .c = 2, .h = 8, .w = 7, .k = 6, .kh = 3, .kw = 2, .pad = 1},
                               // an output of one row: the window is larger than the plane, nothing pooled
                               {.n = 3, .c = 2, .h = 3, .w = 6, .k = 5, .kh = 3, .kw = 3},
-                              // a plane larger than CUDA's tile of shared memory (it runs the three ops forward)
-                              {.n = 2, .c = 1, .h = 112, .w = 112, .k = 2, .kh = 3, .kw = 3, .pad = 1}};
+                              // planes larger than CUDA's tile of shared memory: 9 taps, one kernel
+                              // forward (it needs no tile); 27, the three ops forward
+                              {.n = 2, .c = 1, .h = 112, .w = 112, .k = 2, .kh = 3, .kw = 3, .pad = 1},
+                              {.n = 2, .c = 3, .h = 112, .w = 112, .k = 2, .kh = 3, .kw = 3, .pad = 1}};
   for (const ConvShape& s : shapes)
     for (Activation act : {Activation::relu, Activation::sigmoid})
       for (bool with_dx : {false, true}) check_fused(be, s, act, with_dx);

@@ -116,6 +116,7 @@ __global__ void act_pool_backward_rows_db_kernel(int n, int k, cuda::Divider pix
   if (threadIdx.x == 0) last = cuda::last_block_done(done);
   __syncthreads();
   if (!last) return;
+  __threadfence();  // every thread reads other blocks' partials, not only the one whose count said so
   for (int ch = int(threadIdx.x); ch < k; ch += int(blockDim.x)) db[ch] = cuda::bias::total(partial, ch);
 }
 
@@ -135,10 +136,12 @@ void CudaOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, c
   const int oh = s.out_h(), ow = s.out_w(), pixels = oh * ow;
   const int per_block = std::max(1, kPoolTilePixels / pixels), pooled = (oh / k) * (ow / k);
   const size_t tile_bytes = sizeof(float) * size_t(per_block) * size_t(pixels);
+  // one kernel (no tile: any plane), where the taps are few and the windows tile the output
+  if (pooled > 0 && direct_act_pool(s, k) && plan(s).direct)
+    return direct_act_pool_forward(s, a, x, w, b, y_act, y_pool);
   // a plane larger than a tile, or a window larger than the plane (nothing pooled): the three ops
   if (tile_bytes > kMaxPoolTileBytes || pooled == 0 || !indexable(s))
     return Ops::conv2d_act_pool_forward(s, a, k, x, w, b, y_act, y_pool, workspace);
-  if (direct_act_pool(s, k) && plan(s).direct) return direct_act_pool_forward(s, a, x, w, b, y_act, y_pool);
   const int planes = s.n * s.k;
   convolve(s, x, w, y_act, workspace);
   const unsigned blocks = unsigned((planes + per_block - 1) / per_block);

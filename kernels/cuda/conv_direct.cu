@@ -214,7 +214,8 @@ void CudaOps::direct_act_pool_forward(const ConvShape& s, Activation a, const fl
   const int pw = s.out_w() / cuda::direct::kWindow, cells = s.out_h() / cuda::direct::kWindow * pw;
   const int windows = s.n * cells, crs = int(s.col_rows());
   const unsigned blocks = unsigned((windows + kWindowThreads - 1) / kWindowThreads);
-  const size_t shared = sizeof(float) * size_t(s.k) * size_t(crs + 1);
+  const size_t shared = sizeof(float) * size_t(s.k) * size_t(crs + 1);  // the weights, then the biases
+  static_assert(2 * CudaOps::kDirectWeights * sizeof(float) <= 48 * 1024, "within what a kernel may take unasked");
   const cuda::Divider by_cells(cells), by_pw(pw);
   math::with_activation(a, [&]<Activation A>() {
     auto run = [&]<int kMax>() {

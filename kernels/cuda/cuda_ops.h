@@ -66,7 +66,8 @@ class CudaOps final : public Ops {
  public:
   // Device memory the ops keep between calls: all_finite's answer, and softmax_xent's and
   // sum_squares' per-block partial sums with the count of blocks done (the last block adds them up in
-  // block order), and that count for the fused conv's db.
+  // block order), and that count for the fused conv's db. A count serves one grid at a time: each of
+  // these kernels runs on the compute stream alone, never on the side lane.
   static constexpr int kBiasSlices = 32;     // a convolution's db: partial sums per channel (conv2d.cu)
   static constexpr int kReduceBlocks = 128;  // softmax_xent's and sum_squares' grids at most; their blocks loop
   struct Scratch {

@@ -191,3 +191,5 @@ DP_HD void forward_window(const ConvShape& s, const Taps& taps, Divider cells, D
 }
 
 }  // namespace dp::cuda::direct
+
+#undef DP_UNROLL
