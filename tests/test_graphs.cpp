@@ -302,7 +302,7 @@ void check_same_bits_either_way(const char* variable, const char* off, const cha
   CHECK(refused.output.find(accepted) != std::string::npos);
 }
 
-// DP_CUDA_STREAMS=2 (kernels/cuda/cuda_ops.h): lenet's conv2, fc1 and fc2 compute dw and db on a second
+// DP_CUDA_STREAMS=2 (kernels/cuda/cuda_ops.h): lenet's conv2 and fc1 compute dw and db on a second
 // stream while dx runs on the first, joined before each op returns: eager and captured in a graph,
 // the weights must be the bits of one stream's. At width 4 and batch 256 conv2's backward pass takes
 // 94 images a chunk (kernels/cuda/conv_plan.cpp), so the chunks, in which dw is summed, must be one

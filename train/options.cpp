@@ -45,8 +45,9 @@ Environment:
          on CUDA, the convolutions of many taps (lenet's conv2; first layers have kernels of their own):
          cuDNN and cuBLAS (default), or dp's implicit GEMMs (slower on an H200: docs/gpu.md)
   DP_CUDA_STREAMS=1|2
-         on CUDA, 2 computes the weight gradients of linear layers and of convolutions of many taps on a
-         second stream while the input gradient runs on the first (default 1; not yet run on a GPU)
+         on CUDA, 2 computes the weight gradients of linear layers of over 16 outputs and of convolutions
+         of many taps on a second stream while the input gradient runs on the first (default 1; not yet
+         run on a GPU)
   DP_CUDA_PDL=0|1
          on CUDA, 1 launches each kernel programmatically dependent on the one before it, so that it
          starts as that one's blocks end (compute capability 9.0 on; default 0; not yet run on a GPU)

@@ -92,10 +92,11 @@ class CudaOps final : public Ops {
   cudaStream_t stream() const { return stream_; }
   // DP_CUDA_STREAMS (read once): 1, the default, or 2; any other value is a UsageError, from the
   // device's start (CudaDevice::open). With 2 the device gives its ops a side lane, and the backward
-  // pass of a linear layer and of a convolution on the im2col path computes dw and db there while dx
-  // is computed on the stream: the two need nothing of each other but dy. Each op joins the lanes
-  // before it returns, so the ops stay in stream order. The same kernels on the same data: the same
-  // bits. Not the default: compiled, not yet run on a GPU (docs/gpu.md).
+  // pass of a linear layer (but one of few outputs: one kernel, linear.cu) and of a convolution on the
+  // im2col path computes dw and db there while dx is computed on the stream: the two need nothing of
+  // each other but dy. Each op joins the lanes before it returns, so the ops stay in stream order. The
+  // same kernels on the same data: the same bits. Not the default: compiled, not yet run on a GPU
+  // (docs/gpu.md).
   static int streams_wanted();
   bool two_lanes() const { return side_.stream != stream_; }
 
