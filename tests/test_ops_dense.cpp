@@ -112,45 +112,47 @@ DP_OPS_TEST("gemm: k = 0 is an empty sum: C = beta C, and 0 when beta = 0 even o
 
 DP_OPS_TEST("linear: forward and backward against the reference, with n = 0 and without dx") {
   // Up to 16 outputs: CUDA's kernels for layers of few outputs (kernels/cuda/linear.cu); 17 and 40: its
-  // cuBLAS path. 300 rows: more than CUDA's column sums stage at once (256).
-  const int in = 37;
+  // cuBLAS path. 300 rows: more than CUDA's column sums stage at once (256). Inputs: none (y = b), 37,
+  // and 128 (LeNet's fc2: four a lane of CUDA's forward warp); no outputs: dx is an empty sum, zero.
   uint32_t seed = 200;
-  const std::pair<int, int> sizes[] = {{13, 11}, {1, 11},   {0, 11},   {13, 40}, {1, 40},
-                                       {0, 40},  {300, 16}, {300, 17}, {300, 40}};  // (n, out)
-  for (const auto& size : sizes) {
-    const int n = size.first, out = size.second;  // plain variables: the lambdas below capture them
-    CAPTURE(n);
-    CAPTURE(out);
-    const Vec x = random_floats(size_t(n) * in, seed++, -1, 1);    // (N, IN)
-    const Vec w = random_floats(size_t(out) * in, seed++, -1, 1);  // (OUT, IN)
-    const Vec b = random_floats(size_t(out), seed++, -1, 1);       // (OUT)
-    const Vec dy = random_floats(size_t(n) * out, seed++, -1, 1);  // (N, OUT)
-    Mem gx = be.put(x), gw = be.put(w), gb = be.put(b), gdy = be.put(dy);
-    Mem gy = be.out(size_t(n) * out), gdx = be.out(x.size()), gdw = be.out(w.size()), gdb = be.out(b.size());
-    Mem gdw2 = be.out(w.size()), gdb2 = be.out(b.size());
-    be.run([&](Ops& ops) {
-      ops.linear_forward(n, in, out, gx.f(), gw.f(), gb.f(), gy.f());
-      ops.linear_backward(n, in, out, gx.f(), gw.f(), gdy.f(), gdx.f(), gdw.f(), gdb.f());
-      ops.linear_backward(n, in, out, gx.f(), gw.f(), gdy.f(), nullptr, gdw2.f(), gdb2.f());
-    });
-    Vec bias_rows(size_t(n) * out);  // y = x W^T + b is a GEMM onto C = b broadcast over the rows
-    for (int i = 0; i < n; ++i) std::copy(b.begin(), b.end(), bias_rows.begin() + i * out);
-    check_close("y", be.get(gy), gemm_oracle(false, true, n, out, in, 1.0f, x, w, 1.0f, bias_rows, false),
-                gamma_bound(in + 2, gemm_oracle(false, true, n, out, in, 1.0f, x, w, 1.0f, bias_rows, true)));
-    const Vec none(w.size(), 0.0f);
-    const DVec dw = gemm_oracle(true, false, out, in, n, 1.0f, dy, x, 0.0f, none, false);
-    const DVec dw_tol = gamma_bound(n + 2, gemm_oracle(true, false, out, in, n, 1.0f, dy, x, 0.0f, none, true));
-    check_close("dw", be.get(gdw), dw, dw_tol);
-    check_close("dw without dx", be.get(gdw2), dw, dw_tol);
-    const Vec no_dx(x.size(), 0.0f);
-    check_close("dx", be.get(gdx), gemm_oracle(false, false, n, in, out, 1.0f, dy, w, 0.0f, no_dx, false),
-                gamma_bound(out + 2, gemm_oracle(false, false, n, in, out, 1.0f, dy, w, 0.0f, no_dx, true)));
-    // db: the rows summed in order on every backend, so the float reference's bits.
-    Vec db(b.size()), dw_f(w.size());
-    cpu::linear_backward<float>(n, in, out, x.data(), w.data(), dy.data(), nullptr, dw_f.data(), db.data());
-    check_same_bits("db", be.get(gdb), db);
-    check_same_bits("db without dx", be.get(gdb2), db);
-  }
+  const std::pair<int, int> sizes[] = {{13, 11}, {1, 11},   {0, 11},   {13, 40},  {1, 40},
+                                       {0, 40},  {300, 16}, {300, 17}, {300, 40}, {13, 0}};  // (n, out)
+  for (const int in : {37, 0, 128})
+    for (const auto& size : sizes) {
+      const int n = size.first, out = size.second;  // plain variables: the lambdas below capture them
+      CAPTURE(in);
+      CAPTURE(n);
+      CAPTURE(out);
+      const Vec x = random_floats(size_t(n) * in, seed++, -1, 1);    // (N, IN)
+      const Vec w = random_floats(size_t(out) * in, seed++, -1, 1);  // (OUT, IN)
+      const Vec b = random_floats(size_t(out), seed++, -1, 1);       // (OUT)
+      const Vec dy = random_floats(size_t(n) * out, seed++, -1, 1);  // (N, OUT)
+      Mem gx = be.put(x), gw = be.put(w), gb = be.put(b), gdy = be.put(dy);
+      Mem gy = be.out(size_t(n) * out), gdx = be.out(x.size()), gdw = be.out(w.size()), gdb = be.out(b.size());
+      Mem gdw2 = be.out(w.size()), gdb2 = be.out(b.size());
+      be.run([&](Ops& ops) {
+        ops.linear_forward(n, in, out, gx.f(), gw.f(), gb.f(), gy.f());
+        ops.linear_backward(n, in, out, gx.f(), gw.f(), gdy.f(), gdx.f(), gdw.f(), gdb.f());
+        ops.linear_backward(n, in, out, gx.f(), gw.f(), gdy.f(), nullptr, gdw2.f(), gdb2.f());
+      });
+      Vec bias_rows(size_t(n) * out);  // y = x W^T + b is a GEMM onto C = b broadcast over the rows
+      for (int i = 0; i < n; ++i) std::copy(b.begin(), b.end(), bias_rows.begin() + i * out);
+      check_close("y", be.get(gy), gemm_oracle(false, true, n, out, in, 1.0f, x, w, 1.0f, bias_rows, false),
+                  gamma_bound(in + 2, gemm_oracle(false, true, n, out, in, 1.0f, x, w, 1.0f, bias_rows, true)));
+      const Vec none(w.size(), 0.0f);
+      const DVec dw = gemm_oracle(true, false, out, in, n, 1.0f, dy, x, 0.0f, none, false);
+      const DVec dw_tol = gamma_bound(n + 2, gemm_oracle(true, false, out, in, n, 1.0f, dy, x, 0.0f, none, true));
+      check_close("dw", be.get(gdw), dw, dw_tol);
+      check_close("dw without dx", be.get(gdw2), dw, dw_tol);
+      const Vec no_dx(x.size(), 0.0f);
+      check_close("dx", be.get(gdx), gemm_oracle(false, false, n, in, out, 1.0f, dy, w, 0.0f, no_dx, false),
+                  gamma_bound(out + 2, gemm_oracle(false, false, n, in, out, 1.0f, dy, w, 0.0f, no_dx, true)));
+      // db: the rows summed in order on every backend, so the float reference's bits.
+      Vec db(b.size()), dw_f(w.size());
+      cpu::linear_backward<float>(n, in, out, x.data(), w.data(), dy.data(), nullptr, dw_f.data(), db.data());
+      check_same_bits("db", be.get(gdb), db);
+      check_same_bits("db without dx", be.get(gdb2), db);
+    }
 }
 
 // ---- softmax cross-entropy --------------------------------------------------------------------------

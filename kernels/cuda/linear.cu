@@ -77,13 +77,16 @@ __global__ void few_outputs_forward_kernel(int n, int in, int out, const float* 
       for (int o = 0; o < kFewOutputs; ++o)
         if (o < out) acc[o] = fmaf(xv, w[int64_t(o) * in + i], acc[o]);
     }
+    float mine = 0.0f;  // lane o's output (every lane ends a butterfly with the warp's sum)
 #pragma unroll
     for (int o = 0; o < kFewOutputs; ++o) {
+      if (o >= out) break;  // the same for the whole warp
       float sum = acc[o];
 #pragma unroll
       for (int step = 16; step > 0; step /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, step);
-      if (o < out && lane == 0) y[int64_t(r) * out + o] = sum + b[o];
+      if (lane == o) mine = sum;
     }
+    if (lane < out) y[int64_t(r) * out + lane] = mine + b[lane];
   }
 }
 
