@@ -231,8 +231,8 @@ variant() {
 # convolution's dw and db beside its dx) against one, the default.
 s_streams() { variant streams DP_CUDA_STREAMS=2 DP_CUDA_STREAMS=1; }
 
-# Programmatic dependent launches (DP_CUDA_PDL=1, kernels/cuda/launch.h: each kernel may start as the
-# blocks of the one before it end, waiting for it first) against ordinary ones, the default.
+# Programmatic dependent launches (DP_CUDA_PDL=1, kernels/cuda/launch.h: each kernel's blocks launched
+# while the one before it runs, waiting for it first) against ordinary ones, the default.
 s_pdl() { variant pdl DP_CUDA_PDL=1 DP_CUDA_PDL=0; }
 
 # Both at once against neither: what the two give together (a kernel of the second stream launched

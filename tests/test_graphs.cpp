@@ -315,7 +315,8 @@ TEST_CASE(
 }
 
 // DP_CUDA_PDL=1 (kernels/cuda/launch.h): every kernel launched programmatically dependent on the one
-// before it, waiting for it before anything else; in a graph the edges between them are programmatic.
+// before it, waiting for it before anything else, then letting the next launch; in a graph the edges
+// between them are programmatic.
 // The same kernels on the same data: the bits of ordinary launches. A value other than 0 or 1 is refused.
 TEST_CASE("cuda: graphs: programmatic dependent launches train the bits of ordinary ones, eager and in graphs" *
           doctest::skip(!dp::test::cuda_available())) {

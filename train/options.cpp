@@ -49,8 +49,9 @@ Environment:
          of many taps on a second stream while the input gradient runs on the first (default 1; not yet
          run on a GPU)
   DP_CUDA_PDL=0|1
-         on CUDA, 1 launches each kernel programmatically dependent on the one before it, so that it
-         starts as that one's blocks end (compute capability 9.0 on; default 0; not yet run on a GPU)
+         on CUDA, 1 launches each kernel programmatically dependent on the one before it, so that its
+         blocks launch while that one runs and wait for it (compute capability 9.0 on; default 0; not
+         yet run on a GPU)
   DP_GRACE_SECONDS=S
          seconds a signalled run gets to finish its step and save before it exits anyway (default 10)
 

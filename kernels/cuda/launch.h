@@ -37,15 +37,19 @@ int kernels_ptx_version();
 namespace dp::cuda {
 
 // Programmatic dependent launch (compute capability 9.0 on; DP_CUDA_PDL=1, programmatic()): a
-// kernel so launched may begin as soon as the blocks of the kernel before it on the stream are all
-// gone, not once that kernel is complete and its memory flushed, which hides a launch's latency between
-// two dependent kernels (in a graph too, as a programmatic edge). Every dp kernel therefore begins by
-// waiting here for the kernel before it and its memory, before it reads or writes anything: a no-op
-// without the launch attribute, and before sm_90 (CUTLASS's wait_on_dependent_grids, Triton's
-// gdc_wait). Nothing is overlapped but the launch: no kernel signals its dependents early.
+// kernel so launched may begin before the kernel before it on the stream is complete and its memory
+// flushed: as soon as every block of that kernel has signalled (griddepcontrol.launch_dependents) or
+// ended. This hides a launch's latency between two dependent kernels (in a graph too, as a
+// programmatic edge). Every dp kernel therefore begins here: it waits for the kernel before it and that
+// one's memory (griddepcontrol.wait, CUTLASS's wait_on_dependent_grids, Triton's gdc_wait) before it
+// reads or writes anything, then signals, so that the next kernel's blocks are launched and waiting
+// while this one runs, which they may, as they wait in turn. A no-op without the launch attribute, and
+// before sm_90. At most two kernels are in flight: the running one and the next, waiting. Nothing
+// else overlaps: the same operations in the same order, the same bits.
 __device__ __forceinline__ void await_previous() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
 
