@@ -37,7 +37,8 @@ namespace {
 
 // Largest workspace one algorithm may ask for when the caller is about to allocate it. Two lanes'
 // backward pass keeps a second column matrix on top (plan_backward), not a larger limit: every choice,
-// and the images a chunk takes, are then one lane's, so the same sums in the same order.
+// and the images a chunk takes, are then one lane's, so the same sums in the same order. A plan made
+// again within a smaller workspace (CudaOps::plan) likewise takes one lane's limit, kept beside it.
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;
 
 std::string describe(const ConvShape& s) {
@@ -158,7 +159,8 @@ void choose_own(ConvChoice& c, const char* algo, size_t workspace_bytes) {
 // a time as the limit holds past the partials and 32-bit indices reach: per image, dy's rows and the
 // im2col. With two lanes (CudaOps::streams_wanted) dx's transpose of it lies beside, as both lanes use
 // them at once: as many images as one lane's limit gives (the same chunks, so dw's sums in the same
-// order), their second matrix within `capacity`, all the workspace may hold.
+// order), their second matrix within `capacity`, all the workspace may hold. (A batch larger than the
+// workspace was sized for, whose forward pass needs the most, may find room for fewer: other chunks.)
 void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, size_t capacity, bool implicit_dx, bool two_lanes) {
   const size_t weight_bytes = sizeof(float) * size_t(s.k) * size_t(s.col_rows());
   p.implicit_dx = p.implicit && implicit_dx && weight_bytes <= limit;
@@ -176,6 +178,7 @@ void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, size_t capacit
   p.backward_images = int(std::min(
       {size_t(s.n), (limit - partial_bytes) / image_bytes, (capacity - partial_bytes) / lanes_bytes, index_cap}));
   p.bwd_data_bytes = p.bwd_filter_bytes = partial_bytes + lanes_bytes * size_t(p.backward_images);
+  p.side_bytes = (lanes_bytes - image_bytes) * size_t(p.backward_images);
   choose_own(p.choices[1], "DP_IM2COL_GEMM", p.bwd_filter_bytes);
   if (!p.direct && !p.implicit) choose_own(p.choices[2], "DP_IM2COL_GEMM", p.bwd_filter_bytes);
 }
@@ -188,11 +191,15 @@ size_t ConvPlan::workspace_floats() const {
   size_t most = std::max({fwd_bytes, bwd_data_bytes, bwd_filter_bytes});
   return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
 }
+size_t ConvPlan::lane_floats() const {
+  size_t most = std::max({fwd_bytes, bwd_data_bytes - side_bytes, bwd_filter_bytes - side_bytes});
+  return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
+}
 
-// `capacity`: the bytes the plan's workspace may take in all (SIZE_MAX when it is being sized); each
-// algorithm within kMaxWorkspaceBytes of it.
-ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t capacity) {
-  const size_t limit = std::min(kMaxWorkspaceBytes, capacity);
+// `capacity`: the bytes the plan's workspace may take in all (SIZE_MAX when it is being sized);
+// `limit`, one lane's: every algorithm and chunk within it, and within kMaxWorkspaceBytes.
+ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit_bytes, size_t capacity) {
+  const size_t limit = std::min({kMaxWorkspaceBytes, limit_bytes, capacity});
   auto p = std::make_unique<ConvPlan>();
   const int oh = s.out_h(), ow = s.out_w();
   p->x = cuda::make_tensor_desc(s.n, s.c, s.h, s.w);
@@ -254,28 +261,33 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t capacity) {
 // Every caller has allocated at least the smallest workspace handed out for this geometry (the
 // engine asks with its largest batch and runs smaller ones; another network on the same device may
 // have asked with a different batch). A plan whose algorithms need more than that is made again
-// within it, so no execution can overrun any caller's workspace.
+// within it, so no execution can overrun any caller's workspace; its choices within what one lane's
+// workspace would have been (the same choices with two lanes as with one).
 ConvPlan& CudaOps::plan(const ConvShape& s) {
   std::lock_guard lock(conv_mu_);
-  auto b = budget_floats_.find(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
-  if (b == budget_floats_.end())  // a workspace of unknown size: it may not even hold db's partials
+  auto b = budgets_.find(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
+  if (b == budgets_.end())  // a workspace of unknown size: it may not even hold db's partials
     throw DeviceError(cuda::current_device(), describe(s) + " runs, but conv2d_workspace_floats was never asked " +
                                                   "about its geometry, at any batch size");
-  const size_t budget = b->second;
+  const Budget budget = b->second;
   auto it = plans_.find(ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
-  if (it != plans_.end() && it->second->workspace_floats() <= budget) return *it->second;
-  return make_plan(s, budget * sizeof(float));
+  if (it != plans_.end() && it->second->workspace_floats() <= budget.floats &&
+      it->second->lane_floats() <= budget.lane_floats)
+    return *it->second;
+  return make_plan(s, budget.lane_floats * sizeof(float), budget.floats * sizeof(float));
 }
 
 size_t CudaOps::conv2d_workspace_floats(const ConvShape& s) {
   if (s.n == 0) return 0;
   std::lock_guard lock(conv_mu_);
   auto it = plans_.find(ShapeKey{s.n, s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad});
-  const size_t floats =
-      (it != plans_.end() ? *it->second : make_plan(s, std::numeric_limits<size_t>::max())).workspace_floats();
-  auto [b, fresh] = budget_floats_.try_emplace(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}, floats);
-  if (!fresh) b->second = std::min(b->second, floats);
-  return floats;
+  const ConvPlan& p =
+      it != plans_.end() ? *it->second : make_plan(s, kMaxWorkspaceBytes, std::numeric_limits<size_t>::max());
+  const Budget asked{p.workspace_floats(), p.lane_floats()};
+  auto [b, fresh] = budgets_.try_emplace(GeometryKey{s.c, s.h, s.w, s.k, s.kh, s.kw, s.pad}, asked);
+  if (!fresh)
+    b->second = {std::min(b->second.floats, asked.floats), std::min(b->second.lane_floats, asked.lane_floats)};
+  return asked.floats;
 }
 
 std::vector<ConvChoice> CudaOps::conv_choices() const {

@@ -51,8 +51,10 @@ struct ConvPlan {
   int slices = 0;                     // an implicit dw's partials: implicit_slices, or fewer to fit the workspace
   bool implicit_dx = false;           // and dx (CudaOps::implicit_dx)
   bool side_dw = false;               // dw and db on the side lane, dx's columns apart (conv2d.cu)
+  size_t side_bytes = 0;              // of the backward pass's bytes, dx's columns apart (side_dw)
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
+  size_t lane_floats() const;  // what one lane would need: the same, less side_bytes
 };
 
 namespace cuda {
@@ -154,7 +156,8 @@ class CudaOps final : public Ops {
   // The plan for s, made on first use, or again when its workspace exceeds the smallest one
   // conv2d_workspace_floats has handed out for s's geometry (see conv2d.cu).
   ConvPlan& plan(const ConvShape& s);
-  ConvPlan& make_plan(const ConvShape& s, size_t capacity_bytes);
+  // Every choice within limit_bytes (at most 64 MiB), the workspace within capacity_bytes (conv_plan.cpp).
+  ConvPlan& make_plan(const ConvShape& s, size_t limit_bytes, size_t capacity_bytes);
   // Shapes with at most kDirectTaps taps per output (C KH KW) and kDirectWeights weights (the forward
   // pass keeps them in shared memory; their partials, below, stay within 35 MB) run their forward pass
   // and their dw and db on conv_direct.cu's kernels, dw and db through kDirectSlices partials per channel
@@ -224,7 +227,10 @@ class CudaOps final : public Ops {
   cuda::Event forked_, joined_;  // fork's and join's, with a second lane
   mutable std::mutex conv_mu_;
   std::map<ShapeKey, std::unique_ptr<ConvPlan>> plans_;
-  std::map<GeometryKey, size_t> budget_floats_;
+  struct Budget {
+    size_t floats, lane_floats;  // the smallest workspace handed out, and the smallest one lane would need
+  };
+  std::map<GeometryKey, Budget> budgets_;
   Scratch* scratch_;
   int32_t* flag_;  // &scratch_->flag: all_finite's answer
 };
