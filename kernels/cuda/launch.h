@@ -43,9 +43,10 @@ namespace dp::cuda {
 // programmatic edge). Every dp kernel therefore begins here: it waits for the kernel before it and that
 // one's memory (griddepcontrol.wait, CUTLASS's wait_on_dependent_grids, Triton's gdc_wait) before it
 // reads or writes anything, then signals, so that the next kernel's blocks are launched and waiting
-// while this one runs, which they may, as they wait in turn. A no-op without the launch attribute, and
-// before sm_90. At most two kernels are in flight: the running one and the next, waiting. Nothing
-// else overlaps: the same operations in the same order, the same bits.
+// once all of this one's have started (in its last wave), which they may, as they wait in turn. A
+// no-op without the launch attribute, and before sm_90. At most two kernels of a stream are in
+// flight: the running one and the next, waiting. Nothing else overlaps: the same operations in the
+// same order, the same bits.
 __device__ __forceinline__ void await_previous() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
