@@ -187,12 +187,10 @@ void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, size_t capacit
 
 // The forward algorithm and the backward pass use the workspace one after the other on the stream. The
 // backward pass's bytes count its partials, but for an implicit dx's (its flipped weights' bytes alone).
-size_t ConvPlan::workspace_floats() const {
-  size_t most = std::max({fwd_bytes, bwd_data_bytes, bwd_filter_bytes});
-  return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
-}
-size_t ConvPlan::lane_floats() const {
-  size_t most = std::max({fwd_bytes, bwd_data_bytes - side_bytes, bwd_filter_bytes - side_bytes});
+size_t ConvPlan::workspace_floats() const { return floats_less(0); }
+size_t ConvPlan::lane_floats() const { return floats_less(side_bytes); }
+size_t ConvPlan::floats_less(size_t side) const {
+  size_t most = std::max({fwd_bytes, bwd_data_bytes - side, bwd_filter_bytes - side});
   return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
 }
 

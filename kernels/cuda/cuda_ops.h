@@ -54,7 +54,8 @@ struct ConvPlan {
   size_t side_bytes = 0;              // of the backward pass's bytes, dx's columns apart (side_dw)
   std::array<ConvChoice, 3> choices;  // forward, backward-data, backward-filter
   size_t workspace_floats() const;
-  size_t lane_floats() const;  // what one lane would need: the same, less side_bytes
+  size_t lane_floats() const;             // what one lane would need: the same, less side_bytes
+  size_t floats_less(size_t side) const;  // the workspace, less `side` of the backward pass's bytes
 };
 
 namespace cuda {

@@ -166,8 +166,8 @@ void CudaOps::linear_forward(int n, int in, int out, const float* x, const float
 // stream meanwhile.
 void CudaOps::linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx,
                               float* dw, float* db) {
-  const int64_t weights = int64_t(out) * in, inputs = int64_t(n) * in;
   if (out > 0 && out <= kFewOutputs) {
+    const int64_t weights = int64_t(out) * in, inputs = int64_t(n) * in;
     const int dw_blocks = int((weights + 31) / 32), db_blocks = (out + 31) / 32;
     const int dx_blocks = dx && inputs > 0 ? int(std::min<int64_t>(cuda::blocks_for(inputs), kFewOutputsDxBlocks)) : 0;
     cuda::launch("few_outputs_backward_kernel", few_outputs_backward_kernel,
