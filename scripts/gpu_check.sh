@@ -31,6 +31,8 @@
 #             3 alternated rounds; the weights must be the same bits
 #   pdl       DP_CUDA_PDL=1 (programmatic dependent launches, not the default) likewise against ordinary ones
 #   both      DP_CUDA_STREAMS=2 and DP_CUDA_PDL=1 together, likewise against neither
+#   fuse      the fused kernels (the default) likewise against DP_CUDA_FUSE=0 (the kernels they replace),
+#             whose weights differ in the last bits: the test accuracies must lie within 0.01
 #   implicit  DP_CUDA_CONV=implicit (dp's implicit-GEMM convolutions, not the default): the convolution,
 #             graph and CPU-matching cases and the plans' choices under it, its step's kernels under
 #             ncu, and --graphs runs against the library path, 3 alternated rounds
@@ -72,12 +74,14 @@
 # (less 20 s for the summary and the tarball); a step with under 30 s left is skipped, and the summary
 # and tarball are written all the same. On a machine lent for calls of at most 10 minutes and 15 minutes
 # in all, its start included: one call with `--deadline 545 --only env,configure,build,cuda,train,
-# profile,stalls,streams,pdl,both,torch,graphs,run-ahead,sanitize` (298 s on an H200, 2026-11-28, without
-# the profile's second timing, about 20 s, and the stalls, streams, pdl and both steps, under a minute each
-# by estimate, so the deadline may cut sanitize; and about 40 s to start the machine), given back at once; the minutes left are for a
-# second call on a fresh machine after a fix, with what the fix touches and the steps left out (implicit and nccl, measured before;
-# verify-*, compare, skew, comm, prefetch: 20 s together). ctest and readme (the CPU cases, the
-# README's two-GPU commands) belong to a longer loan.
+# profile,stalls,streams,pdl,both,fuse,torch,graphs,run-ahead,sanitize` (298 s on an H200, 2026-11-28,
+# without the profile's second timing, about 20 s, and the stalls, streams, pdl, both and fuse steps,
+# under a minute each by estimate, so the deadline may cut run-ahead and sanitize; and about 40 s to
+# start the machine), given back at once; the minutes left are for a second call on a fresh machine
+# after a fix, with what the fix touches and the steps left out (implicit and nccl, measured before;
+# verify-*, compare, skew, comm, prefetch: 20 s together). Where a fused kernel fails its `cuda: ops:`
+# case, the second call can run the rest with DP_CUDA_FUSE=0 in the environment (every dp run inherits
+# it). ctest and readme (the CPU cases, the README's two-GPU commands) belong to a longer loan.
 #
 # --cpu-dry-run runs the same steps on a machine without a GPU (CPU-only build, --backend cpu, small
 # sizes, the GPU entry expected Skipped), so the script's own logic can be tested anywhere.
@@ -116,7 +120,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 fatal() { echo "gpu_check.sh: $*" >&2; exit 2; }
-steps="env configure build cuda train profile stalls streams pdl both implicit torch verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl ctest readme sanitize"
+steps="env configure build cuda train profile stalls streams pdl both fuse implicit torch verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl ctest readme sanitize"
 [[ "$deadline" =~ ^[0-9]+$ ]] || fatal "--deadline: '$deadline' is not a whole number of seconds"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ] && [ -z "$tarball" ]; then tarball=$OUT/gpu-check.tar.gz; fi
 for s in ${only//,/ } ${skip//,/ }; do
@@ -216,7 +220,7 @@ fi
 # --- steps --------------------------------------------------------------------------------------------
 names=() codes=() statuses=() seconds=() keys=()
 n=0 failed=0 skipped=0
-warn_steps=" train profile stalls streams pdl both implicit verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl "  # dp's own runs
+warn_steps=" train profile stalls streams pdl both fuse implicit verify-scatter verify-allreduce compare skew comm prefetch graphs run-ahead nccl "  # dp's own runs
 selected() {
   [ -n "$only" ] && [[ ",$only," != *",$1,"* ]] && return 1
   [ -n "$skip" ] && [[ ",$skip," == *",$1,"* ]] && return 1
@@ -299,6 +303,7 @@ step stalls 180 s_stalls
 step streams 300 s_streams
 step pdl 300 s_pdl
 step both 300 s_both
+step fuse 300 s_fuse
 step implicit 300 s_implicit
 step torch 600 s_torch
 step verify-scatter 300 s_verify_scatter

@@ -269,7 +269,7 @@ TEST_CASE("dp_train --help: options in groups, then the exit codes, the environm
   for (const char* words :
        {"Exit codes:", "non-finite loss", "130 SIGINT", "143 SIGTERM", "129 SIGHUP",
         "DP_CPU_KERNELS=reference|avx2|avx512", "DP_CUDA_CONV=library|implicit", "DP_CUDA_STREAMS=1|2",
-        "DP_CUDA_PDL=0|1", "DP_GRACE_SECONDS", "(default 10)", "dp_train --gpus 0,1 --batch 256",
+        "DP_CUDA_PDL=0|1", "DP_CUDA_FUSE=1|0", "DP_GRACE_SECONDS", "(default 10)", "dp_train --gpus 0,1 --batch 256",
         "--sync allreduce --bucket-kb", "--save ck.st && dp_train --eval --load ck.st"}) {
     CAPTURE(words);
     CHECK(r.output.find(words, at) != std::string::npos);  // after the options

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -164,6 +165,27 @@ inline void check_same_tensors(const std::string& got_path, const std::string& w
   for (auto& name : want.order) {
     CAPTURE(name);
     CHECK(got.tensors.at(name).data == want.tensors.at(name).data);
+  }
+}
+
+// The F32 tensors of two checkpoints, each value within `within` of the other's.
+inline void check_close_tensors(const std::string& got_path, const std::string& want_path, double within) {
+  INFO("got " << got_path << ", want " << want_path);
+  SafeTensors got = read_safetensors(got_path), want = read_safetensors(want_path);
+  REQUIRE(got.order == want.order);
+  for (auto& name : want.order) {
+    const Tensor &a = got.tensors.at(name), &b = want.tensors.at(name);
+    if (b.dtype != "F32") continue;
+    CAPTURE(name);
+    REQUIRE(a.data.size() == b.data.size());
+    std::vector<float> x(a.data.size() / sizeof(float)), y(x.size());
+    std::memcpy(x.data(), a.data.data(), a.data.size());
+    std::memcpy(y.data(), b.data.data(), b.data.size());
+    double worst = 0;
+    for (size_t i = 0; i < x.size(); ++i)
+      if (const double d = std::fabs(double(x[i]) - double(y[i])); !(d <= worst)) worst = d;  // a NaN stays
+    CAPTURE(worst);
+    CHECK((std::isfinite(worst) && worst <= within));
   }
 }
 

@@ -52,6 +52,10 @@ Environment:
          on CUDA, 1 launches each kernel programmatically dependent on the one before it, so that its
          blocks launch while that one runs and wait for it (compute capability 9.0 on; default 0; not
          yet run on a GPU)
+  DP_CUDA_FUSE=1|0
+         on CUDA, 0 runs the passes dp fuses into one kernel each (a first convolution with its
+         activation and pooling, a linear layer of at most 16 outputs, a convolution's bias gradient)
+         on separate kernels, to measure the fusion (default 1; the fused kernels not yet run on a GPU)
   DP_GRACE_SECONDS=S
          seconds a signalled run gets to finish its step and save before it exits anyway (default 10)
 

@@ -137,7 +137,7 @@ void CudaOps::conv2d_act_pool_forward(const ConvShape& s, Activation a, int k, c
   const int per_block = std::max(1, kPoolTilePixels / pixels), pooled = (oh / k) * (ow / k);
   const size_t tile_bytes = sizeof(float) * size_t(per_block) * size_t(pixels);
   // one kernel (no tile: any plane), where the taps are few and the windows tile the output
-  if (pooled > 0 && direct_act_pool(s, k) && plan(s).direct)
+  if (pooled > 0 && fuse_wanted() && direct_act_pool(s, k) && plan(s).direct)
     return direct_act_pool_forward(s, a, x, w, b, y_act, y_pool);
   // a plane larger than a tile, or a window larger than the plane (nothing pooled): the three ops
   if (tile_bytes > kMaxPoolTileBytes || pooled == 0 || !indexable(s))
@@ -162,9 +162,10 @@ void CudaOps::conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, 
   const ConvPlan& p = plan(s);
   // A first layer of few taps (lenet's conv1): dw and db read dy_pool and y_act themselves, so dy's rows
   // (a pass over the layer's output each way: 14 MB for lenet's conv1 at batch 256) are never written.
-  if (!dx && p.direct) return direct_act_pool_filter_grad(s, a, k, x, y_act, dy_pool, dw, db, workspace);
+  if (!dx && p.direct && fuse_wanted())
+    return direct_act_pool_filter_grad(s, a, k, x, y_act, dy_pool, dw, db, workspace);
   // scratch: dy's rows; on the im2col path db too, through its partials at the workspace's start
-  const bool with_db = !p.direct && !p.implicit;
+  const bool with_db = !p.direct && !p.implicit && fuse_wanted();
   const int oh = s.out_h(), ow = s.out_w(), total = s.n * s.k * oh * ow;
   const cuda::Divider by_pixels(oh * ow), by_channels(s.k), by_ow(ow), by_k(k);
   const float inv = 1.0f / float(k * k);

@@ -39,7 +39,8 @@ CudaOps::CudaOps(cudaStream_t stream, cublasHandle_t cublas, cudnnHandle_t cudnn
       side_(side.stream ? side : Lane{stream, cublas}),
       scratch_(scratch),
       flag_(&scratch->flag) {
-  implicit_wanted();  // a DP_CUDA_CONV it does not know fails here, before any step
+  implicit_wanted();  // a DP_CUDA_CONV or DP_CUDA_FUSE it does not know fails here, before any step
+  fuse_wanted();
   if (cuda::programmatic()) refuse_programmatic_unless_supported();  // before any step, too
   if (two_lanes()) forked_ = cuda::make_event(), joined_ = cuda::make_event();
   DP_CUDA_CHECK(cudaMemsetAsync(scratch_, 0, sizeof(Scratch), stream_));  // xent_done starts at 0
@@ -60,7 +61,7 @@ int env_choice(const char* name, std::initializer_list<const char*> choices, con
   throw UsageError(std::string(name) + ": '" + v + "' " + refusal);
 }
 
-// Read once per process, as DP_CUDA_STREAMS and DP_CUDA_CONV.
+// Read once per process, as DP_CUDA_STREAMS, DP_CUDA_FUSE and DP_CUDA_CONV.
 bool programmatic() {
   static const bool wanted =
       env_choice("DP_CUDA_PDL", {"0", "1"},
@@ -77,6 +78,15 @@ int CudaOps::streams_wanted() {
       1 + cuda::env_choice("DP_CUDA_STREAMS", {"1", "2"},
                            "is not a number of streams for the backward pass; use 1 (one stream, the default) or 2 "
                            "(the weight gradients on a second one), or unset it");
+  return wanted;
+}
+
+// Read once per process.
+bool CudaOps::fuse_wanted() {
+  static const bool wanted =
+      cuda::env_choice("DP_CUDA_FUSE", {"1", "0"},
+                       "is not a choice of kernels; use 1 (the passes dp fuses as one kernel each, the default) or "
+                       "0 (on the kernels each took before), or unset it") == 0;
   return wanted;
 }
 

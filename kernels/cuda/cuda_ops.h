@@ -95,13 +95,21 @@ class CudaOps final : public Ops {
   cudaStream_t stream() const { return stream_; }
   // DP_CUDA_STREAMS (read once): 1, the default, or 2; any other value is a UsageError, from the
   // device's start (CudaDevice::open). With 2 the device gives its ops a side lane, and the backward
-  // pass of a linear layer (but one of few outputs: one kernel, linear.cu) and of a convolution on the
-  // im2col path computes dw and db there while dx is computed on the stream: the two need nothing of
-  // each other but dy. Each op joins the lanes before it returns, so the ops stay in stream order. The
-  // same kernels on the same data: the same bits. Not the default: compiled, not yet run on a GPU
-  // (docs/gpu.md).
+  // pass of a linear layer (but one of few outputs: one kernel, linear.cu, fuse_wanted) and of a
+  // convolution on the im2col path computes dw and db there while dx is computed on the stream: the two
+  // need nothing of each other but dy. Each op joins the lanes before it returns, so the ops stay in
+  // stream order. The same kernels on the same data: the same bits. Not the default: compiled, not yet
+  // run on a GPU (docs/gpu.md).
   static int streams_wanted();
   bool two_lanes() const { return side_.stream != stream_; }
+  // DP_CUDA_FUSE (read once): 1, the default, runs as one kernel each the passes dp fuses so: the
+  // forward pass of a first convolution of few taps with its activation and pooling (direct_act_pool)
+  // and its dw and db (direct_act_pool_filter_grad), dy's rows with db (a convolution on the im2col
+  // path, conv_act_pool.cu), and a linear layer of few outputs each way (linear.cu); 0 runs them on the
+  // kernels each did before (the same bits, but the few-outputs forward: within the GEMM's bound), so
+  // that what fusing gains is measured in one run (scripts/gpu_speed_steps.sh's fuse step) and a wrong
+  // fused kernel can be told apart. Any other value is a UsageError, from the constructor.
+  static bool fuse_wanted();
 
   void gemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, const float* b, float beta,
             float* c) override;

@@ -1,6 +1,6 @@
 // nn.Linear: y = x W^T + b, W stored (out, in). Twin of kernels/cpu/linear.cpp; the GEMMs are the
 // row-major cuBLAS wrapper, the bias and its gradient kernels here; a layer of few outputs (LeNet's
-// last) runs each way on one kernel of its own.
+// last) runs each way on one kernel of its own (CudaOps::fuse_wanted).
 #include <algorithm>
 
 #include "kernels/cuda/cuda_ops.h"
@@ -152,7 +152,7 @@ __global__ void few_outputs_backward_kernel(int n, int in, int out, const float*
 void CudaOps::linear_forward(int n, int in, int out, const float* x, const float* w, const float* b, float* y) {
   const int64_t total = int64_t(n) * out;  // y (N, OUT)
   if (total == 0) return;
-  if (out <= kFewOutputs) {
+  if (out <= kFewOutputs && fuse_wanted()) {
     cuda::launch("few_outputs_forward_kernel", few_outputs_forward_kernel, cuda::blocks_for(int64_t(n) * 32),
                  cuda::kThreads, 0, stream_, n, in, out, x, w, b, y);  // a warp a row
     return;
@@ -162,11 +162,11 @@ void CudaOps::linear_forward(int n, int in, int out, const float* x, const float
   gemm(false, true, n, out, in, 1.0f, x, w, 1.0f, y);
 }
 
-// A layer of few outputs: one kernel. Others: dw and db on the side lane (streams_wanted), dx on the
-// stream meanwhile.
+// A layer of few outputs: one kernel (but under DP_CUDA_FUSE=0). Others: dw and db on the side lane (streams_wanted),
+// dx on the stream meanwhile.
 void CudaOps::linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx,
                               float* dw, float* db) {
-  if (out > 0 && out <= kFewOutputs) {
+  if (out > 0 && out <= kFewOutputs && fuse_wanted()) {
     const int64_t weights = int64_t(out) * in, inputs = int64_t(n) * in;
     const int dw_blocks = int((weights + 31) / 32), db_blocks = (out + 31) / 32;
     const int dx_blocks = dx && inputs > 0 ? int(std::min<int64_t>(cuda::blocks_for(inputs), kFewOutputsDxBlocks)) : 0;
