@@ -31,8 +31,8 @@
 #             3 alternated rounds; the weights must be the same bits
 #   pdl       DP_CUDA_PDL=1 (programmatic dependent launches, not the default) likewise against ordinary ones
 #   both      DP_CUDA_STREAMS=2 and DP_CUDA_PDL=1 together, likewise against neither
-#   fuse      the fused kernels (the default) likewise against DP_CUDA_FUSE=0 (the kernels they replace),
-#             whose weights differ in the last bits: the test accuracies must lie within 0.01
+#   fuse      DP_CUDA_FUSE=0 (the kernels the fused passes replace) likewise against the fused ones (the
+#             default); fc2's forward differs in the last bits: the test accuracies must lie within 0.01
 #   implicit  DP_CUDA_CONV=implicit (dp's implicit-GEMM convolutions, not the default): the convolution,
 #             graph and CPU-matching cases and the plans' choices under it, its step's kernels under
 #             ncu, and --graphs runs against the library path, 3 alternated rounds

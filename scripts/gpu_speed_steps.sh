@@ -205,9 +205,9 @@ s_stalls() {
 # a GPU): the op, graph, run-ahead and three-steps-against-the-CPU cases under it, then --graphs runs
 # each way, 3 alternated rounds: images/s (paired median), test accuracy, and the weights, which must be
 # the same bits. $1 names the step's files, $2 is the setting, $3 the default, each one or more
-# VAR=value words; $4 "close" where the two differ in the last bits: the weights are reported, and the
-# first rounds' test accuracies must lie within 0.01. (ncu serialises kernels: its kernel times could
-# show neither setting's gain.)
+# VAR=value words (the cases run under $2); $4 "close" where the two differ in the last bits: the
+# weights are reported, and the first rounds' test accuracies must lie within 0.01. (ncu serialises
+# kernels: its kernel times could show neither setting's gain.)
 variant() {
   need dp_tests || return $?
   need dp_train || return $?
@@ -224,11 +224,12 @@ variant() {
   case "$speed" in *"; 0 graph launches"*) BAD="${BAD:+$BAD; }no step ran as a graph with $on" ;; esac
   same=$(same_tensors "$out/$name-on.st" "$out/$name-off.st")
   if [ "$bits" = close ]; then
-    gap=$("$py" -c 'import json, sys; a, b = (json.load(open(f))["test_accuracy"] for f in sys.argv[1:]); print(abs(a - b))' \
+    gap=$("$py" -c 'import json, sys; a, b = (json.load(open(f))["test_accuracy"] for f in sys.argv[1:]); print("%.4f" % abs(a - b))' \
       "$out/$name-on-1.json" "$out/$name-off-1.json" 2> /dev/null)
     "$py" -c 'import sys; sys.exit(not float(sys.argv[1]) <= 0.01)' "${gap:-nan}" 2> /dev/null ||
-      BAD="${BAD:+$BAD; }$on and $off: test accuracies ${gap:-not read} apart (0.01 at most)"
-    same="${same:-unread} (last bits may differ), accuracies ${gap:-unread} apart"
+      BAD="${BAD:+$BAD; }test accuracies with $on and $off: ${gap:+$gap apart (0.01 at most)}${gap:-a report missing}"
+    [ -n "$same" ] || BAD="${BAD:+$BAD; }no checkpoint of $on or $off"
+    same="${same:-unread} (the last bits may differ), test accuracies ${gap:-unread} apart"
   else
     [ "$same" = same ] || BAD="${BAD:+$BAD; }$on changed the weights (or no checkpoint: '$same')"
   fi
@@ -249,9 +250,9 @@ s_pdl() { variant pdl DP_CUDA_PDL=1 DP_CUDA_PDL=0; }
 # programmatically after its fork's event wait, say), the step the defaults would take if both gain.
 s_both() { variant both "DP_CUDA_STREAMS=2 DP_CUDA_PDL=1" "DP_CUDA_STREAMS=1 DP_CUDA_PDL=0"; }
 
-# The passes fused into one kernel each (the default) against the kernels they replace (DP_CUDA_FUSE=0:
-# lenet's conv1 forward and dw, conv2's db, fc2 each way): what fusing gains, side by side.
-s_fuse() { variant fuse DP_CUDA_FUSE=1 DP_CUDA_FUSE=0 close; }
+# The kernels the fused passes replace (DP_CUDA_FUSE=0: lenet's conv1 forward and dw, conv2's db, fc2
+# each way; the cases run under it) against the fused ones, the default: what fusing gains, side by side.
+s_fuse() { variant fuse DP_CUDA_FUSE=0 DP_CUDA_FUSE=1 close; }
 
 # dp's implicit-GEMM convolutions (DP_CUDA_CONV=implicit: lenet's conv2 forward, dw and db without
 # cuDNN, im2col or cuBLAS; compiled, not yet run on a GPU) against the library path (the default): the

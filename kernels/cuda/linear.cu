@@ -128,6 +128,16 @@ __device__ void few_outputs_dx_blocks(int block, int blocks, int n, int in, int 
   }
 }
 
+// Each part as a kernel of its own (DP_CUDA_FUSE=0; column_sums_kernel above): what the one below replaced.
+__global__ void few_outputs_dw_kernel(int n, int in, int out, const float* x, const float* dy, float* dw) {
+  cuda::await_previous();
+  few_outputs_dw_block(int(blockIdx.x), n, in, out, x, dy, dw);
+}
+__global__ void few_outputs_dx_kernel(int n, int in, int out, const float* dy, const float* w, float* dx) {
+  cuda::await_previous();
+  few_outputs_dx_blocks(int(blockIdx.x), int(gridDim.x), n, in, out, dy, w, dx);
+}
+
 // The backward pass of a layer of few outputs in one launch: its first `dw_blocks` blocks compute dw,
 // the next `db_blocks` db (column_sums_block), the last `dx_blocks` dx, each part as its own kernel
 // would (the same bits), side by side rather than one after another. Every branch is a whole block's.
@@ -162,12 +172,14 @@ void CudaOps::linear_forward(int n, int in, int out, const float* x, const float
   gemm(false, true, n, out, in, 1.0f, x, w, 1.0f, y);
 }
 
-// A layer of few outputs: one kernel (but under DP_CUDA_FUSE=0). Others: dw and db on the side lane (streams_wanted),
-// dx on the stream meanwhile.
+// A layer of few outputs: one kernel (fuse_wanted). Others, and such a layer under DP_CUDA_FUSE=0 on the
+// three kernels that one does side by side: dw and db on the side lane (streams_wanted), dx on the
+// stream meanwhile.
 void CudaOps::linear_backward(int n, int in, int out, const float* x, const float* w, const float* dy, float* dx,
                               float* dw, float* db) {
-  if (out > 0 && out <= kFewOutputs && fuse_wanted()) {
-    const int64_t weights = int64_t(out) * in, inputs = int64_t(n) * in;
+  const bool few = out > 0 && out <= kFewOutputs;
+  const int64_t weights = int64_t(out) * in, inputs = int64_t(n) * in;
+  if (few && fuse_wanted()) {
     const int dw_blocks = int((weights + 31) / 32), db_blocks = (out + 31) / 32;
     const int dx_blocks = dx && inputs > 0 ? int(std::min<int64_t>(cuda::blocks_for(inputs), kFewOutputsDxBlocks)) : 0;
     cuda::launch("few_outputs_backward_kernel", few_outputs_backward_kernel,
@@ -177,12 +189,20 @@ void CudaOps::linear_backward(int n, int in, int out, const float* x, const floa
   }
   if (dx) fork();
   const Lane lane = dx ? side_ : main();
-  gemm(lane, true, false, out, in, n, 1.0f, dy, x, 0.0f, dw);  // dw (OUT, IN) = dy^T x; zero when n == 0
+  if (!few)
+    gemm(lane, true, false, out, in, n, 1.0f, dy, x, 0.0f, dw);  // dw (OUT, IN) = dy^T x; zero when n == 0
+  else if (weights > 0)
+    cuda::launch("few_outputs_dw_kernel", few_outputs_dw_kernel, unsigned((weights + 31) / 32), cuda::kThreads, 0,
+                 lane.stream, n, in, out, x, dy, dw);
   if (out > 0)
     cuda::launch("column_sums_kernel", column_sums_kernel, unsigned((out + 31) / 32), cuda::kThreads, 0, lane.stream, n,
                  out, dy, db);  // db (OUT)
   if (!dx) return;
-  gemm(false, false, n, in, out, 1.0f, dy, w, 0.0f, dx);  // dx (N, IN) = dy W; zero when out == 0
+  if (!few)
+    gemm(false, false, n, in, out, 1.0f, dy, w, 0.0f, dx);  // dx (N, IN) = dy W; zero when out == 0
+  else if (inputs > 0)
+    cuda::launch("few_outputs_dx_kernel", few_outputs_dx_kernel, cuda::blocks_for(inputs), cuda::kThreads, 0, stream_,
+                 n, in, out, dy, w, dx);
   join();
 }
 
