@@ -296,10 +296,7 @@ void check_same_bits_either_way(const char* variable, const char* off, const cha
     return (dir.path / (value + how + ".safetensors")).string();
   };
   for (const char* value : {off, on}) dp::test::check_same_tensors(path(value, "-graphs"), path(value, "-eager"));
-  if (within > 0)
-    dp::test::check_close_tensors(path(on, "-eager"), path(off, "-eager"), within);
-  else
-    dp::test::check_same_tensors(path(on, "-eager"), path(off, "-eager"));
+  dp::test::check_same_tensors(path(on, "-eager"), path(off, "-eager"), within);
 
   const dp::test::CommandResult refused =
       dp::test::run_command(std::string(variable) + "=" + wrong + " " + base + " --steps 1");
