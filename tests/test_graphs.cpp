@@ -275,19 +275,31 @@ TEST_CASE("graphs: dp_train --graphs trains as without it, bit for bit, and repo
 // An environment variable's two values train the same bits, eager and captured in a graph; a third is
 // refused, naming the accepted ones (`accepted`, a piece of the message). `shape`: the model's options.
 // `within` > 0: the two values' weights need only lie that close (each value's graphs its eager bits).
-void check_same_bits_either_way(const char* variable, const char* off, const char* on, const char* wrong,
-                                const char* accepted, const std::string& shape = "--batch 64", double within = 0) {
+// `also`: other variables every run is given ("NAME=value ...").
+struct EitherWay {
+  const char* variable;
+  const char* off;
+  const char* on;
+  const char* wrong;
+  const char* accepted;
+  std::string shape = "--batch 64";
+  double within = 0;
+  std::string also;
+};
+
+void check_same_bits_either_way(const EitherWay& w) {
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 300, 40);
   const std::string base = std::string(DP_TRAIN_BIN) + " --backend cuda --gpus 0 --data " + dir.path.string() + " " +
-                           shape + " --quiet --seed 4";
-  for (const char* value : {off, on})
+                           w.shape + " --quiet --seed 4";
+  const auto with = [&](const char* value) { return w.also + " " + w.variable + "=" + value + " " + base; };
+  for (const char* value : {w.off, w.on})
     for (bool graphs : {false, true}) {
       const std::string tag = std::string(value) + (graphs ? "-graphs" : "-eager");
       const dp::test::CommandResult r =
-          dp::test::run_command(std::string(variable) + "=" + value + " " + base + (graphs ? " --graphs" : "") +
-                                " --epochs 2 --save " + (dir.path / (tag + ".safetensors")).string());
-      INFO(variable << "=" << tag << ": " << r.output);
+          dp::test::run_command(with(value) + (graphs ? " --graphs" : "") + " --epochs 2 --save " +
+                                (dir.path / (tag + ".safetensors")).string());
+      INFO(w.also << " " << std::string(w.variable) << "=" << tag << ": " << r.output);
       REQUIRE(r.exit_code == 0);
       // a capture that failed would train eagerly, the same bits, with this warning (engine/step_graph.cpp)
       CHECK(r.output.find("dp: warning:") == std::string::npos);
@@ -295,14 +307,13 @@ void check_same_bits_either_way(const char* variable, const char* off, const cha
   const auto path = [&](const std::string& value, const char* how) {
     return (dir.path / (value + how + ".safetensors")).string();
   };
-  for (const char* value : {off, on}) dp::test::check_same_tensors(path(value, "-graphs"), path(value, "-eager"));
-  dp::test::check_same_tensors(path(on, "-eager"), path(off, "-eager"), within);
+  for (const char* value : {w.off, w.on}) dp::test::check_same_tensors(path(value, "-graphs"), path(value, "-eager"));
+  dp::test::check_same_tensors(path(w.on, "-eager"), path(w.off, "-eager"), w.within);
 
-  const dp::test::CommandResult refused =
-      dp::test::run_command(std::string(variable) + "=" + wrong + " " + base + " --steps 1");
+  const dp::test::CommandResult refused = dp::test::run_command(with(w.wrong) + " --steps 1");
   CHECK(refused.exit_code == 2);
-  CHECK(refused.output.find(std::string(variable) + ": '" + wrong + "'") != std::string::npos);
-  CHECK(refused.output.find(accepted) != std::string::npos);
+  CHECK(refused.output.find(std::string(w.variable) + ": '" + w.wrong + "'") != std::string::npos);
+  CHECK(refused.output.find(w.accepted) != std::string::npos);
 }
 
 // DP_CUDA_STREAMS=2 (kernels/cuda/cuda_ops.h): lenet's conv2 and fc1 compute dw and db on a second
@@ -314,7 +325,7 @@ TEST_CASE(
     "cuda: graphs: the weight gradients on a second stream train the bits of one stream, eager and "
     "in graphs" *
     doctest::skip(!dp::test::cuda_available())) {
-  check_same_bits_either_way("DP_CUDA_STREAMS", "1", "2", "3", "use 1", "--width 4 --batch 256");
+  check_same_bits_either_way({"DP_CUDA_STREAMS", "1", "2", "3", "use 1", "--width 4 --batch 256"});
 }
 
 // DP_CUDA_PDL=1 (kernels/cuda/launch.h): every kernel launched programmatically dependent on the one
@@ -323,7 +334,7 @@ TEST_CASE(
 // The same kernels on the same data: the bits of ordinary launches. A value other than 0 or 1 is refused.
 TEST_CASE("cuda: graphs: programmatic dependent launches train the bits of ordinary ones, eager and in graphs" *
           doctest::skip(!dp::test::cuda_available())) {
-  check_same_bits_either_way("DP_CUDA_PDL", "0", "1", "2", "use 0");
+  check_same_bits_either_way({"DP_CUDA_PDL", "0", "1", "2", "use 0"});
 }
 
 // DP_CUDA_FUSE=0 (kernels/cuda/cuda_ops.h): lenet's conv1 and fc2 passes and conv2's bias gradient on the
@@ -332,5 +343,12 @@ TEST_CASE("cuda: graphs: programmatic dependent launches train the bits of ordin
 // gradient of any layer moves some by more). A value other than 1 or 0 is refused.
 TEST_CASE("cuda: graphs: the fused kernels train as the kernels they replace, eager and in graphs" *
           doctest::skip(!dp::test::cuda_available())) {
-  check_same_bits_either_way("DP_CUDA_FUSE", "1", "0", "2", "use 1", "--batch 64", 1e-4);
+  check_same_bits_either_way({"DP_CUDA_FUSE", "1", "0", "2", "use 1", "--batch 64", 1e-4});
+}
+
+// Under DP_CUDA_FUSE=0 the second stream takes other work: fc2's dw and db (the column sums) and
+// conv2's bias gradient after dy's rows. Where each runs changes no sum's order: one stream's bits.
+TEST_CASE("cuda: graphs: under DP_CUDA_FUSE=0 the weight gradients on a second stream train the bits of one" *
+          doctest::skip(!dp::test::cuda_available())) {
+  check_same_bits_either_way({"DP_CUDA_STREAMS", "1", "2", "3", "use 1", "--width 4 --batch 256", 0, "DP_CUDA_FUSE=0"});
 }
