@@ -22,28 +22,8 @@
 #             kernel of a 10-step and a 30-step run; their difference over 20 is one step, without the
 #             start, cuDNN's planning and the evaluation; caches flushed before each kernel (ncu's
 #             default), then again kept as the kernel before left them (--cache-control none)
-#   stalls    why the longest kernels take their time: ncu's sections (throughput against peak, occupancy,
-#             warp states, memory) over one step's launches of the profile step's 8 longest, 10 steps in;
-#             per kernel its SM throughput, occupancy and longest warp stalls (scripts/ncu_stalls.py), and
-#             the report (stalls.ncu-rep) with ncu's advice
-#   streams   DP_CUDA_STREAMS=2 (each layer's weight gradients on a second stream, not the default): the
-#             op, graph, run-ahead and CPU-matching cases under it, and --graphs runs against one stream,
-#             3 alternated rounds; the weights must be the same bits
-#   pdl       DP_CUDA_PDL=1 (programmatic dependent launches, not the default) likewise against ordinary ones
-#   both      DP_CUDA_STREAMS=2 and DP_CUDA_PDL=1 together, likewise against neither
-#   fuse      DP_CUDA_FUSE=0 (the kernels the fused passes replace) likewise against the fused ones (the
-#             default); fc2's forward differs in the last bits: the test accuracies must lie within 0.01
-#   implicit  DP_CUDA_CONV=implicit (dp's implicit-GEMM convolutions, not the default): the convolution,
-#             graph and CPU-matching cases and the plans' choices under it, its step's kernels under
-#             ncu, and --graphs runs against the library path, 3 alternated rounds
 #   torch     PyTorch training the same LeNet at the same batch and epochs on the same GPU: eager, then
 #             torch.compile(mode="reduce-overhead") (CUDA graphs; compile time apart)
-#   verify-scatter, verify-allreduce
-#             dp_train --backend cuda --gpus 0,0 --allow-shared-device --verify --steps 20
-#   compare, skew, comm
-#             dp_bench on --gpus 0,0 --allow-shared-device --backend cuda
-#   prefetch  dp_train --gpus 0 --steps 2000 with and without --no-prefetch, 3 alternated rounds:
-#             images/s and the load phase (ms a step), the copy stream's gain
 #   graphs    dp_train --gpus 0 --steps 2000 with and without --graphs, 3 alternated rounds: images/s,
 #             the host's time a step (--log's host_ms: enqueueing, waiting for the GPU, between two
 #             steps), the graph launches the report counts (none fails the step), test accuracy of
@@ -52,6 +32,31 @@
 #   run-ahead dp_train --gpus 0 --steps 2000 with --run-ahead and --no-run-ahead, with --graphs and eager,
 #             3 alternated rounds each, no --log: images/s (paired medians), the steps started ahead
 #             (none fails the step) and the first round's weights, which must be the same bits
+#   sanitize  compute-sanitizer memcheck over the "cuda: ops:" cases, synccheck over those and the
+#             "cuda:" cases of the step graphs, memcheck over the convolution cases under DP_CUDA_CONV=implicit
+#             and racecheck over the implicit GEMMs' case
+#   stalls    why the longest kernels take their time: ncu's sections (throughput against peak, occupancy,
+#             warp states, memory) over one step's launches of the profile step's 8 longest, 10 steps in;
+#             per kernel its SM throughput, occupancy and longest warp stalls (scripts/ncu_stalls.py), and
+#             the report (stalls.ncu-rep) with ncu's advice
+#   fuse      DP_CUDA_FUSE=0 (the kernels the fused passes replace): the op, graph, run-ahead and
+#             CPU-matching cases under it, and --graphs runs against the fused ones (the default), 3
+#             alternated rounds; fc2's forward differs in the last bits: the test accuracies (all 10,000
+#             test images) must lie within 0.01
+#   streams   DP_CUDA_STREAMS=2 (each layer's weight gradients on a second stream, not the default): the
+#             op, graph, run-ahead and CPU-matching cases under it, and --graphs runs against one stream,
+#             3 alternated rounds; the weights must be the same bits
+#   pdl       DP_CUDA_PDL=1 (programmatic dependent launches, not the default) likewise against ordinary ones
+#   both      DP_CUDA_STREAMS=2 and DP_CUDA_PDL=1 together, likewise against neither
+#   implicit  DP_CUDA_CONV=implicit (dp's implicit-GEMM convolutions, not the default): the convolution,
+#             graph and CPU-matching cases and the plans' choices under it, its step's kernels under
+#             ncu, and --graphs runs against the library path, 3 alternated rounds
+#   verify-scatter, verify-allreduce
+#             dp_train --backend cuda --gpus 0,0 --allow-shared-device --verify --steps 20
+#   compare, skew, comm
+#             dp_bench on --gpus 0,0 --allow-shared-device --backend cuda
+#   prefetch  dp_train --gpus 0 --steps 2000 with and without --no-prefetch, 3 alternated rounds:
+#             images/s and the load phase (ms a step), the copy stream's gain
 #   nccl      NCCL on the one GPU (the test build's dp_train, DP_TEST_NCCL=always): a one-rank clique,
 #             NCCL asked for a GPU named twice (the fallback), two ranks on it (NCCL_MULTI_RANK_GPU_ENABLE=1,
 #             2.30 and later); what carried the collectives each time; fails if the one-rank run was not NCCL;
@@ -59,9 +64,6 @@
 #   ctest     the rest of the test suite (neither "cuda:" nor the README check)
 #   readme    the README check (every build/dp_* line of README.md and docs/*.md at small sizes); its
 #             commands name two GPUs, so on one it is skipped (counted as such, never as passed)
-#   sanitize  compute-sanitizer memcheck over the "cuda: ops:" cases, synccheck over those and the
-#             "cuda:" cases of the step graphs, memcheck over the convolution cases under DP_CUDA_CONV=implicit
-#             and racecheck over the implicit GEMMs' case
 # A step whose dp_train/dp_bench prints a "warning:" (a cuDNN fallback, say) fails, as does one whose
 # key number cannot be read from its own output.
 # NCCL across processes on distinct GPUs (mpirun -np 2 dp_train --gpus ...) needs two GPUs: no step
@@ -71,17 +73,21 @@
 # cannot run the check at all (no nvidia-smi, nvcc or kit).
 #
 # --deadline SECONDS: the whole run's budget from its start. Each step's limit is cut to what is left
-# (less 20 s for the summary and the tarball); a step with under 30 s left is skipped, and the summary
-# and tarball are written all the same. On a machine lent for calls of at most 10 minutes and 15 minutes
-# in all, its start included: one call with `--deadline 545 --only env,configure,build,cuda,train,
-# profile,stalls,streams,pdl,both,fuse,torch,graphs,run-ahead,sanitize` (298 s on an H200, 2026-11-28,
-# without the profile's second timing, about 20 s, and the stalls, streams, pdl, both and fuse steps,
-# under a minute each by estimate, so the deadline may cut run-ahead and sanitize; and about 40 s to
-# start the machine), given back at once; the minutes left are for a second call on a fresh machine
-# after a fix, with what the fix touches and the steps left out (implicit and nccl, measured before;
-# verify-*, compare, skew, comm, prefetch: 20 s together). Where a fused kernel fails its `cuda: ops:`
-# case, the second call can run the rest with DP_CUDA_FUSE=0 in the environment (every dp run inherits
-# it). ctest and readme (the CPU cases, the README's two-GPU commands) belong to a longer loan.
+# (less 20 s for the summary and the tarball), each command of a step is given what is left of that
+# limit (a step of many commands, one of them hung, ends within it); a step with under 30 s left is
+# skipped, and the summary and tarball are written all the same. On a machine lent for calls of at most
+# 10 minutes and 15 minutes in all, its start included: one call with `--deadline 545 --only env,
+# configure,build,cuda,train,profile,torch,graphs,run-ahead,sanitize,stalls,fuse,streams,pdl,both`
+# (the steps up to sanitize took 298 s on an H200, 2026-11-28, the profile's second timing, about 20 s,
+# aside; stalls and the four settings, never run, about a minute each by estimate, so the deadline may
+# cut pdl and both; and about 40 s to start the machine). What it cut, at once while the machine is
+# warm (its build kept): a second call with the minutes left (`--deadline` about 240 s, `--only` the
+# steps cut), then give the machine back. Where a step failed, the second call runs what the fix
+# touches instead: on a fresh machine the build comes first (configure,build). Where a fused kernel
+# fails its `cuda: ops:` case, the second call can run the rest with DP_CUDA_FUSE=0 in the environment
+# (every dp run inherits it). Left out of both: implicit and nccl (measured before), verify-*, compare,
+# skew, comm, prefetch (20 s together); ctest and readme (the CPU cases, the README's two-GPU
+# commands) belong to a longer loan.
 #
 # --cpu-dry-run runs the same steps on a machine without a GPU (CPU-only build, --backend cpu, small
 # sizes, the GPU entry expected Skipped), so the script's own logic can be tested anywhere.
@@ -207,7 +213,9 @@ if [ $dry = 0 ] && [ $link_data = 1 ] && [ ! -e /usr/share/datasets/fashion-mnis
 fi
 
 mkdir -p "$out" || fatal "cannot create $out"
-rm -f "$out"/[0-9][0-9]-*.log "$out"/*.json "$out"/summary.txt "$out"/gpu_check.log "$out"/LastTest.log
+# what an earlier call on a warm machine left, so that no step reads another call's files
+rm -f "$out"/[0-9][0-9]-*.log "$out"/*.json "$out"/*.jsonl "$out"/*.st "$out"/*.csv "$out"/*.ncu-rep \
+  "$out"/summary.txt "$out"/gpu_check.log "$out"/LastTest.log
 exec > >(tee "$out/gpu_check.log") 2>&1
 tee_pid=$!
 echo "gpu_check.sh: $([ $dry = 1 ] && echo "CPU DRY RUN (no GPU used)" || echo "GPU check, sm_$arch"); kit $kit; build $build; output $out"
@@ -268,9 +276,10 @@ step() {
   KEY="" BAD="" SKIP=""
   echo "== [$n] $name (limit ${limit}s) -> ${log#"$here"/}"
   t0=$(date +%s)
-  LIMIT=$limit LOG=$log "$fn" > "$log" 2>&1
+  LIMIT=$limit STEP_END=$((t0 + limit)) LOG=$log "$fn" > "$log" 2>&1
   rc=$?
-  [ $rc = 124 ] && BAD="timed out after ${limit}s${BAD:+; $BAD}"
+  # 124: a command cut at the limit; past it, one cut or one not run (a step's last command's code wins)
+  if [ $rc = 124 ] || [ $(($(date +%s) - t0)) -ge "$limit" ]; then BAD="timed out after ${limit}s${BAD:+; $BAD}"; fi
   if [[ "$warn_steps" == *" $name "* ]] && grep -qE '^dp(_train|_bench)?: warning:' "$log"; then
     BAD="${BAD:+$BAD; }a warning: $(grep -m1 -E '^dp(_train|_bench)?: warning:' "$log" | cut -c1-100)"
   fi
@@ -281,7 +290,17 @@ step() {
   record "$name" "$rc" $status "$(($(date +%s) - t0))" "$KEY${BAD:+${KEY:+; }$BAD}"
   if [ $status = FAIL ]; then tail -n 15 "$log" | sed 's/^/   | /'; fi
 }
-run() { echo "\$ $*"; timeout --kill-after=15 "$LIMIT" "${nice[@]}" "$@"; }
+# Each command gets what is left of its step's limit (STEP_END), so a step of many commands, a hung
+# one among them, ends within its limit and --deadline holds; none starts with under 5 s left (124).
+run() {
+  local left=$((STEP_END - $(date +%s)))
+  echo "\$ $*"
+  if [ $left -lt 5 ]; then
+    echo "(not run: the step's ${LIMIT} s are spent)"
+    return 124
+  fi
+  timeout --kill-after=5 "$left" "${nice[@]}" "$@"
+}
 need() {  # binary: present, or say the build failed
   [ -x "$build/$1" ] && return 0
   echo "$build/$1 does not exist: the build step failed or did not run"
@@ -299,25 +318,25 @@ step build 1800 s_build
 step cuda 600 s_cuda
 step train 600 s_train
 step profile 300 s_profile
+step torch 600 s_torch
+step graphs 600 s_graphs
+step run-ahead 600 s_run_ahead
+step sanitize 900 s_sanitize
 step stalls 180 s_stalls
+step fuse 300 s_fuse
 step streams 300 s_streams
 step pdl 300 s_pdl
 step both 300 s_both
-step fuse 300 s_fuse
 step implicit 300 s_implicit
-step torch 600 s_torch
 step verify-scatter 300 s_verify_scatter
 step verify-allreduce 300 s_verify_allreduce
 step compare 600 s_compare
 step skew 300 s_skew
 step comm 600 s_comm
 step prefetch 600 s_prefetch
-step graphs 600 s_graphs
-step run-ahead 600 s_run_ahead
 step nccl 300 s_nccl
 step ctest 1800 s_ctest
 step readme 900 s_readme
-step sanitize 900 s_sanitize
 
 # --- summary ----------------------------------------------------------------------------------------
 {
