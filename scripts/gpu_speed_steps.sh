@@ -208,19 +208,19 @@ s_stalls() {
 # VAR=value words (the cases run under $2); $4 "close" where the two differ in the last bits: the
 # weights are reported, and the first rounds' test accuracies, on all 10,000 test images, must lie
 # within 0.01 (two trainings that part in the last bits disagree on several percent of the images, say
-# 7%: on 1,000 the gap's standard deviation would be about 0.008, on 10,000 about 0.003). (ncu serialises kernels: its kernel
-# times could show neither setting's gain.)
+# 7%: on 1,000 the gap's standard deviation would be about 0.008, on 10,000 about 0.003). (ncu
+# serialises kernels: its kernel times could show neither setting's gain.)
 variant() {
   need dp_tests || return $?
   need dp_train || return $?
-  local name=$1 on=$2 off=$3 bits=${4:-bits} rc=0 speed same gap tests=1000
+  local name=$1 on=$2 off=$3 bits=${4:-bits} rc=0 speed same gap tests=""  # "": alternate's default
   [ "$bits" = close ] && tests=0
   local cases='cuda: ops: *,cuda: graphs: *,cuda: run-ahead: *,cuda: three LeNet steps*'
   [ $dry = 1 ] && cases='ops: conv2d*,ops: linear*'  # the CPU build reads neither: the script's logic alone
   # shellcheck disable=SC2086  # the settings are words
   run "${dp_env[@]}" $on "$build/dp_tests" "--test-case=$cases" || rc=$?
   KEY="cases: $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
-  alternate "$name" "--graphs --save $out/$name-on.st" "--graphs --save $out/$name-off.st" "$on" "$off" $tests ||
+  alternate "$name" "--graphs --save $out/$name-on.st" "--graphs --save $out/$name-off.st" "$on" "$off" "$tests" ||
     rc=$?
   speed=$(paired "$name" "$on" "$off")
   [ -n "$speed" ] || BAD="${BAD:+$BAD; }the runs' logs give no images/s"
