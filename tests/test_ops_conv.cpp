@@ -199,6 +199,9 @@ DP_OPS_TEST("conv2d: against the reference on LeNet's layers, odd, padded and ra
   // More output pixels than CUDA's direct dw has threads for a group of channels (64 x 256): a
   // thread takes several pixels, each over every image.
   check_conv(be, {.n = 2, .c = 1, .h = 140, .w = 130, .k = 3, .kh = 3, .kw = 3, .pad = 1}, 181);
+  // CUDA's plan: the direct kernels' partials (3.7 MiB) fit its workspace's 64 MiB but not beside the
+  // chunk of one image dx's path takes (62.6 MiB); the im2col path's partials are fewer and do.
+  if (be.is_cuda()) check_conv(be, {.n = 1, .c = 1, .h = 190, .w = 190, .k = 455, .kh = 3, .kw = 3}, 191);
   std::mt19937_64 gen(99);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); };
   for (uint32_t trial = 0; trial < 24; ++trial) {
@@ -239,8 +242,9 @@ DP_OPS_TEST("conv2d: the bound is sharp enough to catch a wrong index") {
   CHECK(err > 100 * allowed);
 }
 
-// The fused op against conv2d, the activation and 2x2 pooling run one after another, bit for bit.
-// `queried`: the batch the workspace is sized for, as in check_conv.
+// The fused op against conv2d, the activation and 2x2 pooling run one after another, bit for bit
+// (CUDA's dx and dw in chunks of images: within twice the bound, below). `queried`: the batch the
+// workspace is sized for, as in check_conv.
 void check_fused(Backend& be, const ConvShape& s, Activation act, bool with_dx, int queried = -1) {
   INFO(describe(s));
   const std::string activation = act == Activation::relu ? "relu" : "sigmoid";
@@ -252,10 +256,10 @@ void check_fused(Backend& be, const ConvShape& s, Activation act, bool with_dx, 
   const uint32_t seed = uint32_t(s.c * 100 + s.h);
   ConvShape qs = s;
   qs.n = queried < 0 ? s.n : queried;
-  Mem x = be.put(random_floats(size_t(in_size(s)), seed, -1, 1)),
-      w = be.put(random_floats(size_t(w_size(s)), seed + 1, -1, 1)),
-      b = be.put(random_floats(size_t(s.k), seed + 2, -1, 1)),
-      dp = be.put(random_floats(size_t(pooled), seed + 3, -1, 1)), ws = be.workspace(qs);
+  const Vec hx = random_floats(size_t(in_size(s)), seed, -1, 1), hw = random_floats(size_t(w_size(s)), seed + 1, -1, 1),
+            hb = random_floats(size_t(s.k), seed + 2, -1, 1);
+  Mem x = be.put(hx), w = be.put(hw), b = be.put(hb), dp = be.put(random_floats(size_t(pooled), seed + 3, -1, 1)),
+      ws = be.workspace(qs);
   // the three ops
   Mem y = be.out(size_t(out)), a = be.out(size_t(out)), p = be.out(size_t(pooled)), g = be.out(size_t(out)),
       dy = be.out(size_t(out)), dx = be.out(size_t(in_size(s))), dw = be.out(size_t(w_size(s))),
@@ -277,9 +281,24 @@ void check_fused(Backend& be, const ConvShape& s, Activation act, bool with_dx, 
   });
   check_same_bits("y_act", be.get(fa), be.get(a));
   check_same_bits("y_pool", be.get(fp), be.get(p));
-  if (with_dx) check_same_bits("dx", be.get(fdx), be.get(dx));
-  check_same_bits("dw", be.get(fdw), be.get(dw));
   check_same_bits("db", be.get(fdb), be.get(db));
+  if (be.is_cuda() && qs.n < s.n) {
+    // In chunks of images the fused op's GEMMs read dy's rows inside the whole batch's block (leading
+    // dimension N OH OW, a chunk's start aligned to 4 bytes only), the three ops' in a chunk's own: cuBLAS
+    // may choose another kernel there, so another order of the same sums. dx and dw are each within
+    // the summation-order bound of the exact sums, so within twice it of each other.
+    const ConvOracle o = conv_oracle(s, hx, hw, hb, be.get(dy));
+    const Roundings k = roundings(be, s);
+    auto twice = [](std::vector<double> bound) {
+      for (double& t : bound) t *= 2;
+      return bound;
+    };
+    if (with_dx) check_close("dx", be.get(fdx), be.get(dx), twice(gamma_bound(k.dx, o.dx_abs)));
+    check_close("dw", be.get(fdw), be.get(dw), twice(gamma_bound(k.dw, o.dw_abs)));
+  } else {
+    if (with_dx) check_same_bits("dx", be.get(fdx), be.get(dx));
+    check_same_bits("dw", be.get(fdw), be.get(dw));
+  }
   be.get(ws);
   be.get(scratch);
 }
@@ -314,7 +333,8 @@ DP_OPS_TEST("conv2d_act_pool: the fused op gives the bits of conv2d, the activat
     for (Activation act : {Activation::relu, Activation::sigmoid})
       for (bool with_dx : {false, true}) check_fused(be, s, act, with_dx);
   // CUDA's backward pass in chunks of images (a workspace sized for 6 images, 37 run: several chunks,
-  // the last a partial one), where the fused op's GEMMs read a block of dy's rows as wide as the whole batch.
+  // the last a partial one), where the fused op's GEMMs read a block of dy's rows as wide as the whole batch
+  // (dx and dw there within twice the bound: check_fused).
   // The CPU backends size their buffers by the batch asked about, so only CUDA runs more.
   if (be.is_cuda())
     for (bool with_dx : {false, true}) {

@@ -112,11 +112,11 @@ DP_OPS_TEST("gemm: k = 0 is an empty sum: C = beta C, and 0 when beta = 0 even o
 
 DP_OPS_TEST("linear: forward and backward against the reference, with n = 0 and without dx") {
   // Up to 16 outputs: CUDA's kernels for layers of few outputs (kernels/cuda/linear.cu); 17 and 40: its
-  // cuBLAS path. 300 rows: more than CUDA's column sums stage at once (256). Inputs: none (y = b), 37,
+  // cuBLAS path. 300 rows: more than CUDA's column sums stage at once (256); 256 exactly. Inputs: none (y = b), 37,
   // and 128 (LeNet's fc2: four a lane of CUDA's forward warp); no outputs: dx is an empty sum, zero.
   uint32_t seed = 200;
-  const std::pair<int, int> sizes[] = {{13, 11}, {1, 11},   {0, 11},   {13, 40},  {1, 40},
-                                       {0, 40},  {300, 16}, {300, 17}, {300, 40}, {13, 0}};  // (n, out)
+  const std::pair<int, int> sizes[] = {{13, 11},  {1, 11},   {0, 11},   {13, 40},  {1, 40}, {0, 40},
+                                       {300, 16}, {300, 17}, {300, 40}, {256, 10}, {13, 0}};  // (n, out)
   for (const int in : {37, 0, 128})
     for (const auto& size : sizes) {
       const int n = size.first, out = size.second;  // plain variables: the lambdas below capture them
