@@ -13,15 +13,19 @@ namespace dp {
 // cuBLAS otherwise allocates its workspace as it likes (per graph, with cudaMallocAsync, since CUDA
 // 12.2), and picks its GEMM kernels by the workspace it has: one buffer, booked, for every engine's
 // steps, eager or graphs alike, so that the two run the same kernels (tests/test_graphs.cpp holds them
-// to the same bits). 32 MiB: cuBLAS's recommendation for Hopper.
+// to the same bits). 32 MiB: cuBLAS's recommendation for Hopper. The side lane's GEMMs run beside the
+// stream's: a buffer of its own. Each is kept once cuBLAS has it, so where one failed (a --device-memory
+// cap), a later engine's call gives what is still missing.
 void CudaDevice::prepare_steps() {
-  if (cublas_workspace_) return;
-  cublas_workspace_ = alloc(kCublasWorkspaceBytes, Category::workspace);
   DeviceGuard guard(id());
-  DP_CUBLAS_CHECK(cublasSetWorkspace(cublas_.get(), cublas_workspace_.data(), kCublasWorkspaceBytes));
-  if (!side_cublas_) return;
-  side_cublas_workspace_ = alloc(kCublasWorkspaceBytes, Category::workspace);  // the lanes' GEMMs run at once
-  DP_CUBLAS_CHECK(cublasSetWorkspace(side_cublas_.get(), side_cublas_workspace_.data(), kCublasWorkspaceBytes));
+  auto give = [this](cublasHandle_t handle, Buffer& kept) {
+    if (kept) return;
+    Buffer buffer = alloc(kCublasWorkspaceBytes, Category::workspace);
+    DP_CUBLAS_CHECK(cublasSetWorkspace(handle, buffer.data(), kCublasWorkspaceBytes));
+    kept = std::move(buffer);
+  };
+  give(cublas_.get(), cublas_workspace_);
+  if (side_cublas_) give(side_cublas_.get(), side_cublas_workspace_);
 }
 
 void CudaDevice::begin_capture() {

@@ -247,7 +247,7 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
                    s.k, int(pixels), int(r), dy + n0 * s.k * pixels, chunk_space);
       dyt = chunk_space, ld = r;
     }
-    if (split) fork();
+    Forked forked(*this, split);
     if (im2col_dw) {
       if (n0 == 0 && db) bias_grad(dw_lane.stream, s, rows, dy, workspace, db);  // none: done (conv_act_pool.cu)
       im2col(dw_lane.stream, s, int(r), x + n0 * image, col);
@@ -258,7 +258,7 @@ void CudaOps::conv_backward(const ConvShape& s, const float* x, const float* w, 
       gemm_ld(main(), true, false, int(crs), int(r), s.k, 1.0f, w, int(crs), dyt, int(ld), 0.0f, cols);
       col2im(stream_, s, int(r), int(nb), cols, dx + n0 * image);
     }
-    if (split) join();  // before the next chunk's dyt and col take their places
+    forked.join();  // before the next chunk's dyt and col take their places
   }
 }
 

@@ -152,6 +152,11 @@ void choose_own(ConvChoice& c, const char* algo, size_t workspace_bytes) {
   c.deterministic = c.strict = true;
 }
 
+// The im2col path's chunk of one image: dy's rows and the im2col.
+size_t image_floats(const ConvShape& s) {
+  return size_t(s.out_h()) * size_t(s.out_w()) * (size_t(s.col_rows()) + size_t(s.k));
+}
+
 // The backward pass's choices once the forward's are made. dx is an implicit GEMM where the plan's
 // dw is one, the shape allows it (`implicit_dx`, CudaOps::implicit_dx) and the flipped weights fit:
 // then the workspace holds those and dw's partials, nothing more. Otherwise dx, and dw where the plan
@@ -167,10 +172,9 @@ void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, size_t capacit
   if (p.implicit_dx) return choose_own(p.choices[1], "DP_IMPLICIT_GEMM", weight_bytes);
   p.side_dw = two_lanes && !p.direct && !p.implicit;  // the im2col path's dw: conv_backward
   const size_t pixels = size_t(s.out_h()) * s.out_w(), crs = size_t(s.col_rows());
-  const size_t image_floats = pixels * (crs + size_t(s.k)),
-               lanes_floats = image_floats + (p.side_dw ? pixels * crs : 0);
-  const size_t index_cap = size_t(INT32_MAX) / std::max(image_floats, size_t(s.c) * s.h * s.w);
-  const size_t partial_bytes = p.bias_floats * sizeof(float), image_bytes = image_floats * sizeof(float);
+  const size_t image = image_floats(s), lanes_floats = image + (p.side_dw ? pixels * crs : 0);
+  const size_t index_cap = size_t(INT32_MAX) / std::max(image, size_t(s.c) * s.h * s.w);
+  const size_t partial_bytes = p.bias_floats * sizeof(float), image_bytes = image * sizeof(float);
   const size_t lanes_bytes = lanes_floats * sizeof(float);
   if (partial_bytes + lanes_bytes > capacity || partial_bytes + image_bytes > limit || index_cap == 0)
     throw no_fit("chunk of the backward pass (the partials, an image's rows and im2col)", s,
@@ -224,7 +228,9 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit_bytes, size_t capa
     p->choices[i].pass = passes[i];
   }
 
-  p->direct = direct(s) && direct_partial_floats(s) * sizeof(float) <= limit;  // its partials fit
+  // The direct kernels where their partials fit, and beside them the chunk of an image dx's path needs
+  // (plan_backward): the im2col path's partials are fewer, so it may fit where they do not.
+  p->direct = direct(s) && (direct_partial_floats(s) + image_floats(s)) * sizeof(float) <= limit;
   if (!p->direct && implicit(s)) {  // as many of the slices wanted as fit: a larger batch than the workspace
     const size_t fit = limit / (implicit_partial_floats(s, 1) * sizeof(float));  // was sized for may have fewer
     p->slices = int(std::min(size_t(implicit_slices(s)), fit));

@@ -4,7 +4,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kernels/cuda/launch.h"
 
@@ -101,6 +103,17 @@ void CudaOps::join() {
   if (!two_lanes()) return;
   DP_CUDA_CHECK(cudaEventRecord(joined_.get(), side_.stream));
   DP_CUDA_CHECK(cudaStreamWaitEvent(stream_, joined_.get(), 0));
+}
+
+void CudaOps::Forked::join() {
+  if (CudaOps* ops = std::exchange(ops_, nullptr)) ops->join();
+}
+
+CudaOps::Forked::~Forked() {
+  try {
+    join();
+  } catch (const std::exception&) {  // an error of its own while another one unwinds: that one is thrown
+  }
 }
 
 }  // namespace dp

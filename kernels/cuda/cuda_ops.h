@@ -228,6 +228,22 @@ class CudaOps final : public Ops {
   // neither does anything without a side lane, whose work is then the stream's, in order.
   void fork();
   void join();
+  // fork() where `on`, and join() on every way out of the scope: an error's too, so that what the
+  // stream frees after it is ordered after the side lane's work, and a capture ends joined. join()
+  // on the way out without an error, so that its own errors are thrown.
+  class Forked {
+   public:
+    Forked(CudaOps& ops, bool on) : ops_(on ? &ops : nullptr) {
+      if (ops_) ops_->fork();
+    }
+    Forked(const Forked&) = delete;
+    Forked& operator=(const Forked&) = delete;
+    ~Forked();
+    void join();
+
+   private:
+    CudaOps* ops_;
+  };
 
   cudaStream_t stream_;
   cublasHandle_t cublas_;

@@ -79,7 +79,11 @@ void launch(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, 
 // it is ready for the next launch (it starts zeroed: CudaOps' constructor clears its scratch).
 __device__ inline bool last_block_done(unsigned* done) {
   __threadfence();  // this block's partials are visible to every block before the count says so
-  return atomicInc(done, gridDim.x - 1) == gridDim.x - 1;
+  const bool last = atomicInc(done, gridDim.x - 1) == gridDim.x - 1;
+  // and the last block reads the others' after it: the samples' volatile loads alone are not
+  // ordered after the count in PTX's memory model, a fence on this side too makes them so
+  if (last) __threadfence();
+  return last;
 }
 
 }  // namespace dp::cuda

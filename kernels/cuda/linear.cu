@@ -187,7 +187,7 @@ void CudaOps::linear_backward(int n, int in, int out, const float* x, const floa
                  db, dw_blocks, db_blocks, dx_blocks);
     return;
   }
-  if (dx) fork();
+  Forked forked(*this, dx != nullptr);
   const Lane lane = dx ? side_ : main();
   if (!few)
     gemm(lane, true, false, out, in, n, 1.0f, dy, x, 0.0f, dw);  // dw (OUT, IN) = dy^T x; zero when n == 0
@@ -203,7 +203,7 @@ void CudaOps::linear_backward(int n, int in, int out, const float* x, const floa
   else if (inputs > 0)
     cuda::launch("few_outputs_dx_kernel", few_outputs_dx_kernel, cuda::blocks_for(inputs), cuda::kThreads, 0, stream_,
                  n, in, out, dy, w, dx);
-  join();
+  forked.join();
 }
 
 }  // namespace dp
