@@ -91,8 +91,9 @@ class Device {
   static constexpr int kUploadSlots = 2;
   virtual void upload_ahead(int slot, void* dst, const void* src_host, size_t bytes) = 0;
   virtual void await_upload(int slot) = 0;
-  // Waits for the copy stream alone (only copies run there: it cannot hang) and never throws: what a
-  // failed step calls before the host memory of the batches it staged may go.
+  // Waits for the uploads ahead and never throws: what a failed step calls before the host memory of
+  // the batches it staged may go. On CUDA the copy stream's copies follow the compute stream's work,
+  // which may wait for a dead peer's NCCL kernels: there it gives up after the collective timeout.
   virtual void finish_uploads() noexcept = 0;
   // Page-locks the host memory [p, p + bytes) for uploads from it until the returned handle goes
   // away: on CUDA (cudaHostRegister, for every GPU of the process) an upload from it is then one DMA

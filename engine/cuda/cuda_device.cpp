@@ -106,6 +106,16 @@ cuda::CublasHandle make_cublas(cudaStream_t stream) {
   return owned;
 }
 
+// Host memory neither page-locked nor registered (cudaHostRegister); memory CUDA cannot tell counts as such.
+bool pageable(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return a.type == cudaMemoryTypeUnregistered;
+}
+
 }  // namespace
 
 void CudaDevice::open() {
@@ -119,6 +129,9 @@ void CudaDevice::open() {
   void* slots = nullptr;
   DP_CUDA_CHECK(cudaMallocHost(&slots, kDownloadSlots * kDownloadBytes));
   downloads_ = cuda::PinnedHost(slots);
+  void* bounce = nullptr;
+  DP_CUDA_CHECK(cudaMallocHost(&bounce, kBounceBytes));
+  bounce_ = cuda::PinnedHost(bounce);
   cublas_ = make_cublas(stream_.get());
   CudaOps::Lane side{};  // none, unless DP_CUDA_STREAMS=2 (CudaOps::streams_wanted)
   if (CudaOps::streams_wanted() == 2) {
@@ -174,6 +187,7 @@ void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
   refuse_while_capturing(capturing(), "an upload from host memory");
   if (bytes == 0) return;
   DeviceGuard guard(id());
+  if (pageable(src_host)) wait_stream(stream_.get());
   DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream_.get()));
 }
 
@@ -198,14 +212,6 @@ void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
   DeviceGuard guard(id());
   std::lock_guard lock(bounce_mu_);
   const size_t chunk = std::min(bytes, kBounceBytes);
-  if (bounce_bytes_ < chunk) {
-    bounce_.reset();
-    bounce_bytes_ = 0;
-    void* p = nullptr;
-    DP_CUDA_CHECK(cudaMallocHost(&p, chunk));
-    bounce_ = cuda::PinnedHost(p);
-    bounce_bytes_ = chunk;
-  }
   for (size_t done = 0; done < bytes; done += chunk) {
     const size_t n = std::min(chunk, bytes - done);
     DP_CUDA_CHECK(
@@ -311,10 +317,28 @@ void CudaDevice::await_upload(int slot) {
   DP_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), uploaded_[slot].get(), 0));
 }
 
+// The copy stream's uploads are ordered after the compute stream's work (upload_ahead), NCCL's kernels
+// perhaps, which a failure that did not abort the communicators yet may leave waiting: so within the
+// watch's deadline, whatever the abort flag says (the uploads must be done before their memory goes).
 void CudaDevice::finish_uploads() noexcept {
   if (!copy_stream_) return;
   DeviceGuard guard(id());
-  DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(copy_stream_.get()));
+  std::shared_ptr<const Watch> watch;
+  {
+    std::lock_guard lock(watch_mu_);
+    watch = watch_;
+  }
+  if (!watch) {  // no NCCL: the compute stream's work ends
+    DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(copy_stream_.get()));
+    return;
+  }
+  try {
+    cudaStream_t copies = copy_stream_.get();
+    poll_until([copies] { return stream_idle(copies); }, [] { return false; }, Deadline::after(watch->timeout), id(),
+               [] { return std::string("the uploads ahead, behind the compute stream's work"); });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dp: %s: %s\n", name().c_str(), e.what());
+  }
 }
 
 void CudaDevice::set_watch(std::shared_ptr<const Watch> watch) {

@@ -36,11 +36,13 @@ class CudaDevice final : public Device {
   ~CudaDevice() override;
 
   Ops& ops() override;
-  // Host memory may be pageable: the copy is then staged by the driver (slower, and the driver may
-  // wait for the stream); pinned memory would make it truly asynchronous. Either way the host buffer
-  // must stay untouched until synchronize(), as the Device contract says.
+  // Host memory may be pageable: the copy is then staged by the driver (slower), which may wait in
+  // the driver for the stream's work before it, NCCL's kernels perhaps, past any --timeout: so the
+  // stream is waited for first (polled, below). From pinned memory the copy is truly asynchronous.
+  // Either way the host buffer must stay untouched until synchronize(), as the Device contract says.
   void upload(void* dst, const void* src_host, size_t bytes) override;
-  // Through a page-locked bounce buffer of this device (at most kBounceBytes, copied in chunks), then
+  // Through a page-locked bounce buffer of this device (kBounceBytes, made by open(): a page-locked
+  // allocation or free may wait for the whole device, behind NCCL's kernels; copied in chunks), then
   // out: a copy into pageable memory returns only when it is done, after everything before it on the
   // stream (an NCCL all-reduce waiting for a dead peer, say), so the thread would sit in the driver
   // past any --timeout. Into page-locked memory the copy is asynchronous and the wait polls (below).
@@ -148,9 +150,8 @@ class CudaDevice final : public Device {
   Buffer scratch_;  // CudaOps::Scratch, lent to ops_
   std::unique_ptr<CudaOps> ops_;
   std::mutex bounce_mu_;     // downloads from several threads take turns
-  cuda::PinnedHost bounce_;  // download's page-locked landing place, grown on demand
-  size_t bounce_bytes_ = 0;
-  cuda::Event ready_;  // recorded on stream_ when a peer wants to wait for this device
+  cuda::PinnedHost bounce_;  // download's page-locked landing place
+  cuda::Event ready_;        // recorded on stream_ when a peer wants to wait for this device
   // The thread capturing a step graph (none: not capturing); what it may not do then throws.
   std::atomic<std::thread::id> capture_thread_{};
   bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
