@@ -3,12 +3,16 @@
 // step drops what was staged; a loader that fails while an upload is in flight frees nothing under it.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <vector>
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/host_pages.h"
 #include "tests/backends.h"
 #include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
@@ -64,11 +68,18 @@ void check_prefetch(const std::string& kind, int n) {
       const int64_t without = ref_devs[r]->ledger().snapshot().current[int(Category::inputs)];
       CHECK(with == (sync != "scatter" || r == 0 ? 2 * without : without));
     }
-    std::vector<std::vector<float>> host_x(3);
-    std::vector<std::vector<int32_t>> host_y(3);
+    // Page-locked, as the loader's: on CUDA an upload from pageable memory is copied out before the
+    // call returns, so a copy ordered wrongly would never be caught reading the NaN written below.
+    std::vector<PageVector<float>> host_x(3, PageVector<float>(size_t(B) * 784));
+    std::vector<PageVector<int32_t>> host_y(3, PageVector<int32_t>(size_t(B)));
+    std::vector<std::shared_ptr<void>> locks;
+    for (int i = 0; i < 3; ++i) {
+      locks.push_back(e.pin_host(host_x[size_t(i)].data(), host_x[size_t(i)].size() * sizeof(float)));
+      locks.push_back(e.pin_host(host_y[size_t(i)].data(), host_y[size_t(i)].size() * sizeof(int32_t)));
+    }
     auto stage = [&](int s) {
-      host_x[size_t(s % 3)] = data.x[size_t(s)];
-      host_y[size_t(s % 3)] = data.y[size_t(s)];
+      std::copy(data.x[size_t(s)].begin(), data.x[size_t(s)].end(), host_x[size_t(s % 3)].begin());
+      std::copy(data.y[size_t(s)].begin(), data.y[size_t(s)].end(), host_y[size_t(s % 3)].begin());
       e.stage(host_x[size_t(s % 3)].data(), host_y[size_t(s % 3)].data(), sizes[size_t(s)]);
     };
     stage(0);
@@ -95,14 +106,17 @@ void check_prefetch(const std::string& kind, int n) {
 // A device's copy stream: two uploads ahead, into both slots, each held back 200 ms (a slow copy
 // engine); after await_upload(0) the compute stream's copy of slot 0's buffer reads the bytes uploaded
 // (32 MiB: a copy still running would be caught reading a part, one not started reading none); after
-// synchronize() the host memory of both may change.
+// synchronize() the host memory of both may change. Page-locked: from pageable memory CUDA copies
+// the bytes out before upload_ahead returns, and nothing could be caught.
 void check_upload_ahead(Device& d) {
   const dp::failpoint::SlowUploads slow({&d}, std::chrono::milliseconds(200));
   const int64_t n = int64_t(8) << 20;
   const size_t bytes = size_t(n) * sizeof(float);
-  std::vector<float> a(static_cast<size_t>(n)), b(a.size()), got(a.size());
+  PageVector<float> a(static_cast<size_t>(n)), b(a.size());
+  std::vector<float> got(a.size());
+  const std::shared_ptr<void> lock_a = d.pin_host(a.data(), bytes), lock_b = d.pin_host(b.data(), bytes);
   for (int64_t i = 0; i < n; ++i) a[size_t(i)] = float(i), b[size_t(i)] = -float(i);
-  const std::vector<float> b_sent = b;
+  const std::vector<float> a_sent(a.begin(), a.end()), b_sent(b.begin(), b.end());
   d.run([&] {
      Buffer da = d.alloc_floats(n, Category::inputs), db = d.alloc_floats(n, Category::inputs);
      Buffer out = d.alloc_floats(n, Category::workspace);
@@ -111,7 +125,7 @@ void check_upload_ahead(Device& d) {
      d.await_upload(0);
      d.copy(out.data(), da.data(), bytes);
      d.download(got.data(), out.data(), bytes);
-     CHECK(got == a);
+     CHECK(got == a_sent);
      d.synchronize();
      std::fill(b.begin(), b.end(), std::numeric_limits<float>::quiet_NaN());
      d.download(got.data(), db.data(), bytes);

@@ -188,7 +188,7 @@ std::string NcclProcessCommunicator::exchange_id(const Deadline& deadline) {
             " (NCCL ranks each GPU once: give each process its own GPUs, e.g. CUDA_VISIBLE_DEVICES per local rank)");
     }
   }
-  return why.empty() ? "" : "NCCL across processes cannot start: " + why;
+  return why.empty() ? "" : "NCCL across processes could not start: " + why;
 }
 
 std::string NcclProcessCommunicator::init_rank(int rank, const Deadline& deadline) {

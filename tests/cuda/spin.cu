@@ -24,7 +24,11 @@ SpinFlag::SpinFlag() {
   DP_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device), p, 0));
 }
 
-SpinFlag::~SpinFlag() { DP_CUDA_CHECK_PRINT(cudaFreeHost(const_cast<int*>(host))); }
+// Released first, so that a test leaving by an error ends its kernel too (the free waits for the GPU).
+SpinFlag::~SpinFlag() {
+  release();
+  DP_CUDA_CHECK_PRINT(cudaFreeHost(const_cast<int*>(host)));
+}
 
 void spin_on(cudaStream_t stream, const SpinFlag& flag, double max_seconds) {
   spin_kernel<<<1, 1, 0, stream>>>(flag.device, static_cast<long long>(max_seconds * 1e9));
