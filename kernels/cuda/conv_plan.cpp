@@ -156,6 +156,7 @@ void choose_own(ConvChoice& c, const char* algo, size_t workspace_bytes) {
 size_t image_floats(const ConvShape& s) {
   return size_t(s.out_h()) * size_t(s.out_w()) * (size_t(s.col_rows()) + size_t(s.k));
 }
+size_t weight_bytes(const ConvShape& s) { return sizeof(float) * size_t(s.k) * size_t(s.col_rows()); }
 
 // The backward pass's choices once the forward's are made. dx is an implicit GEMM where the plan's
 // dw is one, the shape allows it (`implicit_dx`, CudaOps::implicit_dx) and the flipped weights fit:
@@ -167,9 +168,8 @@ size_t image_floats(const ConvShape& s) {
 // order), their second matrix within `capacity`, all the workspace may hold. (A batch larger than the
 // workspace was sized for, whose forward pass needs the most, may find room for fewer: other chunks.)
 void plan_backward(ConvPlan& p, const ConvShape& s, size_t limit, size_t capacity, bool implicit_dx, bool two_lanes) {
-  const size_t weight_bytes = sizeof(float) * size_t(s.k) * size_t(s.col_rows());
-  p.implicit_dx = p.implicit && implicit_dx && weight_bytes <= limit;
-  if (p.implicit_dx) return choose_own(p.choices[1], "DP_IMPLICIT_GEMM", weight_bytes);
+  p.implicit_dx = p.implicit && implicit_dx && weight_bytes(s) <= limit;
+  if (p.implicit_dx) return choose_own(p.choices[1], "DP_IMPLICIT_GEMM", weight_bytes(s));
   p.side_dw = two_lanes && !p.direct && !p.implicit;  // the im2col path's dw: conv_backward
   const size_t pixels = size_t(s.out_h()) * s.out_w(), crs = size_t(s.col_rows());
   const size_t image = image_floats(s), lanes_floats = image + (p.side_dw ? pixels * crs : 0);
@@ -228,11 +228,15 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit_bytes, size_t capa
     p->choices[i].pass = passes[i];
   }
 
-  // The direct kernels where their partials fit, and beside them the chunk of an image dx's path needs
-  // (plan_backward): the im2col path's partials are fewer, so it may fit where they do not.
-  p->direct = direct(s) && (direct_partial_floats(s) + image_floats(s)) * sizeof(float) <= limit;
-  if (!p->direct && implicit(s)) {  // as many of the slices wanted as fit: a larger batch than the workspace
-    const size_t fit = limit / (implicit_partial_floats(s, 1) * sizeof(float));  // was sized for may have fewer
+  // dp's own kernels where their partials fit, and beside them the chunk of an image dx's im2col path
+  // needs (plan_backward; an implicit dx needs none: its flipped weights take the partials' place):
+  // the im2col path's partials are fewer, so it may fit where they do not. Implicit GEMMs take as many
+  // of the slices wanted as fit (a larger batch than the workspace was sized for may have fewer).
+  const size_t image_bytes = image_floats(s) * sizeof(float);
+  p->direct = direct(s) && direct_partial_floats(s) * sizeof(float) + image_bytes <= limit;
+  if (!p->direct && implicit(s)) {
+    const size_t beside = implicit_dx(s) && weight_bytes(s) <= limit ? 0 : image_bytes;
+    const size_t fit = limit > beside ? (limit - beside) / (implicit_partial_floats(s, 1) * sizeof(float)) : 0;
     p->slices = int(std::min(size_t(implicit_slices(s)), fit));
     p->implicit = p->slices > 0;
   }
