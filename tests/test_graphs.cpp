@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "tests/backends.h"
 #include "tests/failpoint/failpoints.h"
 #include "tests/util.h"
+#include "train/checkpoint.h"
 
 using namespace dp;
 using dp::test::Batches;
@@ -274,8 +276,11 @@ TEST_CASE("graphs: dp_train --graphs trains as without it, bit for bit, and repo
 
 // An environment variable's two values train the same bits, eager and captured in a graph; a third is
 // refused, naming the accepted ones (`accepted`, a piece of the message). `shape`: the model's options.
-// `within` > 0: the two values' weights need only lie that close (each value's graphs its eager bits).
-// `also`: other variables every run is given ("NAME=value ...").
+// `within` > 0: the two values' weights need only lie that close (each value's graphs its eager bits),
+// and must differ somewhere: a variable that changed no kernel would train the same bits. `also`: other
+// variables every run is given ("NAME=value ..."). `more_workspace`: bytes of workspace the value `on`
+// books beyond `off` at least (a second stream's cuBLAS workspace): what shows the value took effect
+// where the bits are the same by design.
 struct EitherWay {
   const char* variable;
   const char* off;
@@ -285,7 +290,32 @@ struct EitherWay {
   std::string shape = "--batch 64";
   double within = 0;
   std::string also;
+  int64_t more_workspace = 0;
 };
+
+// The second stream's cuBLAS workspace (CudaDevice::kCublasWorkspaceBytes), booked as workspace.
+constexpr int64_t kSideWorkspace = int64_t(32) << 20;
+
+// That the value `on` took effect: other bits (within > 0), or more workspace booked.
+void check_took_effect(const EitherWay& w, const std::filesystem::path& dir) {
+  const auto file = [&](const char* value, const char* ext) {
+    return (dir / (std::string(value) + "-eager" + ext)).string();
+  };
+  if (w.within > 0) {
+    const SafeTensors on = read_safetensors(file(w.on, ".safetensors")),
+                      off = read_safetensors(file(w.off, ".safetensors"));
+    bool differ = false;
+    for (const std::string& name : off.order) differ = differ || on.tensors.at(name).data != off.tensors.at(name).data;
+    CHECK_MESSAGE(differ, std::string(w.variable) << "=" << std::string(w.on) << " trained the same bits as "
+                                                  << std::string(w.off) << ": it changed no kernel");
+  }
+  if (w.more_workspace > 0) {
+    auto workspace = [&](const char* value) {
+      return dp::test::read_json(file(value, ".json"))["devices"][0]["category_peaks"]["workspace"].get<int64_t>();
+    };
+    CHECK(workspace(w.on) - workspace(w.off) >= w.more_workspace);
+  }
+}
 
 void check_same_bits_either_way(const EitherWay& w) {
   dp::test::TempDir dir;
@@ -296,9 +326,9 @@ void check_same_bits_either_way(const EitherWay& w) {
   for (const char* value : {w.off, w.on})
     for (bool graphs : {false, true}) {
       const std::string tag = std::string(value) + (graphs ? "-graphs" : "-eager");
-      const dp::test::CommandResult r =
-          dp::test::run_command(with(value) + (graphs ? " --graphs" : "") + " --epochs 2 --save " +
-                                (dir.path / (tag + ".safetensors")).string());
+      const dp::test::CommandResult r = dp::test::run_command(
+          with(value) + (graphs ? " --graphs" : "") + " --epochs 2 --save " +
+          (dir.path / (tag + ".safetensors")).string() + " --report " + (dir.path / (tag + ".json")).string());
       INFO(w.also << " " << std::string(w.variable) << "=" << tag << ": " << r.output);
       REQUIRE(r.exit_code == 0);
       // a capture that failed would train eagerly, the same bits, with this warning (engine/step_graph.cpp)
@@ -309,6 +339,7 @@ void check_same_bits_either_way(const EitherWay& w) {
   };
   for (const char* value : {w.off, w.on}) dp::test::check_same_tensors(path(value, "-graphs"), path(value, "-eager"));
   dp::test::check_same_tensors(path(w.on, "-eager"), path(w.off, "-eager"), w.within);
+  check_took_effect(w, dir.path);
 
   const dp::test::CommandResult refused = dp::test::run_command(with(w.wrong) + " --steps 1");
   CHECK(refused.exit_code == 2);
@@ -325,7 +356,13 @@ TEST_CASE(
     "cuda: graphs: the weight gradients on a second stream train the bits of one stream, eager and "
     "in graphs" *
     doctest::skip(!dp::test::cuda_available())) {
-  check_same_bits_either_way({"DP_CUDA_STREAMS", "1", "2", "3", "use 1", "--width 4 --batch 256"});
+  check_same_bits_either_way({.variable = "DP_CUDA_STREAMS",
+                              .off = "1",
+                              .on = "2",
+                              .wrong = "3",
+                              .accepted = "use 1",
+                              .shape = "--width 4 --batch 256",
+                              .more_workspace = kSideWorkspace});
 }
 
 // DP_CUDA_PDL=1 (kernels/cuda/launch.h): every kernel launched programmatically dependent on the one
@@ -350,5 +387,12 @@ TEST_CASE("cuda: graphs: the fused kernels train as the kernels they replace, ea
 // conv2's bias gradient after dy's rows. Where each runs changes no sum's order: one stream's bits.
 TEST_CASE("cuda: graphs: under DP_CUDA_FUSE=0 the weight gradients on a second stream train the bits of one" *
           doctest::skip(!dp::test::cuda_available())) {
-  check_same_bits_either_way({"DP_CUDA_STREAMS", "1", "2", "3", "use 1", "--width 4 --batch 256", 0, "DP_CUDA_FUSE=0"});
+  check_same_bits_either_way({.variable = "DP_CUDA_STREAMS",
+                              .off = "1",
+                              .on = "2",
+                              .wrong = "3",
+                              .accepted = "use 1",
+                              .shape = "--width 4 --batch 256",
+                              .also = "DP_CUDA_FUSE=0",
+                              .more_workspace = kSideWorkspace});
 }
