@@ -34,7 +34,8 @@
 #             (none fails the step) and the first round's weights, which must be the same bits
 #   sanitize  compute-sanitizer memcheck over the "cuda: ops:" cases, synccheck over those and the
 #             "cuda:" cases of the step graphs, memcheck over the convolution cases under DP_CUDA_CONV=implicit
-#             and racecheck over the implicit GEMMs' case
+#             and racecheck over the implicit GEMMs' case (the test process alone), and synccheck over 6
+#             steps of dp_train --graphs under DP_CUDA_STREAMS=2 DP_CUDA_PDL=1
 #   stalls    why the longest kernels take their time: ncu's sections (throughput against peak, occupancy,
 #             warp states, memory) over one step's launches of the profile step's 8 longest, 10 steps in;
 #             per kernel its SM throughput, occupancy and longest warp stalls (scripts/ncu_stalls.py), and

@@ -266,7 +266,10 @@ s_sanitize() {
   # memcheck over the kernels; synccheck over them and the step graphs (their captures and launches);
   # memcheck over the convolutions again under DP_CUDA_CONV=implicit (dp's implicit GEMMs), and
   # racecheck (shared memory's hazards) over the implicit GEMMs' own case; memcheck over the
-  # convolutions and linear layers under DP_CUDA_STREAMS=2 (a second column matrix in the workspace)
+  # convolutions and linear layers under DP_CUDA_STREAMS=2 (a second column matrix in the workspace).
+  # The test process alone (the settings' graph cases start 20 dp_train runs, each minutes under a
+  # tool); then synccheck over a few steps of one dp_train in graphs under DP_CUDA_STREAMS=2 and
+  # DP_CUDA_PDL=1: the lanes' fork and join and the programmatic edges, captured and launched.
   local rc=0 tool cases conv streams
   for tool in memcheck synccheck memcheck-implicit racecheck-implicit memcheck-streams; do
     cases='cuda: ops: *' conv=library streams=1
@@ -275,10 +278,13 @@ s_sanitize() {
     [ $tool = racecheck-implicit ] && cases='cuda: implicit GEMM*' conv=implicit
     [ $tool = memcheck-streams ] && cases='cuda: ops: conv2d*,cuda: ops: linear*' streams=2
     run "${dp_env[@]}" DP_CUDA_CONV=$conv DP_CUDA_STREAMS=$streams "$cs" --tool "${tool%-*}" --error-exitcode 99 \
-      "$build/dp_tests" "--test-case=$cases" || rc=$?
+      --target-processes application-only "$build/dp_tests" "--test-case=$cases" || rc=$?
     KEY="${KEY:+$KEY; }$tool: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
     KEY="$KEY, $(grep -oE 'test cases: *[0-9]+ *\| *[0-9]+ passed *\| *[0-9]+ failed' "$LOG" | tail -1)"
   done
+  run "${dp_env[@]}" DP_CUDA_STREAMS=2 DP_CUDA_PDL=1 "$cs" --tool synccheck --error-exitcode 99 \
+    "$build/dp_train" --backend $backend --gpus 0 --data "$data" --graphs --steps 6 --limit-test 1000 || rc=$?
+  KEY="$KEY; synccheck-both: $(grep -oE 'ERROR SUMMARY: [0-9]+ errors?' "$LOG" | tail -1)"
   return $rc
 }
 
