@@ -69,8 +69,8 @@ class Ops {
     avgpool_forward(conv_pool_shape(s, k), y_act, y_pool);
   }
   // Its backward from dy_pool (N, K, OH/k, OW/k), with dx, dw, db as conv2d_backward. scratch
-  // (N, K, OH, OW) holds the convolution's output gradient in the default (the CPU backend does not
-  // need it).
+  // (N, K, OH, OW) holds the convolution's output gradient in the default and on CUDA (its rows there);
+  // the fast CPU backends need none (null).
   virtual void conv2d_act_pool_backward(const ConvShape& s, Activation a, int k, const float* x, const float* w,
                                         const float* y_act, const float* dy_pool, float* scratch, float* dx, float* dw,
                                         float* db, float* workspace) {
