@@ -91,6 +91,9 @@ class Engine {
   // counts) wants none in flight: std::logic_error otherwise. steps(), optimizer_steps() and
   // batches_tracked() count the started steps.
   static constexpr int kStepsInFlight = Device::kDownloadSlots;
+  // Two steps in flight never share an upload slot (staged batches alternate them): a step graph's
+  // timing marks are its slot's.
+  static_assert(kStepsInFlight <= Device::kUploadSlots);
   void start_step();
   StepResult finish_step();
   int in_flight() const { return int(started_.size()); }
