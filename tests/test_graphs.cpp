@@ -347,6 +347,18 @@ void check_same_bits_either_way(const EitherWay& w) {
   CHECK(refused.output.find(w.accepted) != std::string::npos);
 }
 
+// DP_CUDA_STREAMS' two values at width 4 and batch 256 (below), with `also`.
+EitherWay two_streams(const std::string& also) {
+  return {.variable = "DP_CUDA_STREAMS",
+          .off = "1",
+          .on = "2",
+          .wrong = "3",
+          .accepted = "use 1",
+          .shape = "--width 4 --batch 256",
+          .also = also,
+          .more_workspace = kSideWorkspace};
+}
+
 // DP_CUDA_STREAMS=2 (kernels/cuda/cuda_ops.h): lenet's conv2 and fc1 compute dw and db on a second
 // stream while dx runs on the first, joined before each op returns: eager and captured in a graph,
 // the weights must be the bits of one stream's. At width 4 and batch 256 conv2's backward pass takes
@@ -356,13 +368,7 @@ TEST_CASE(
     "cuda: graphs: the weight gradients on a second stream train the bits of one stream, eager and "
     "in graphs" *
     doctest::skip(!dp::test::cuda_available())) {
-  check_same_bits_either_way({.variable = "DP_CUDA_STREAMS",
-                              .off = "1",
-                              .on = "2",
-                              .wrong = "3",
-                              .accepted = "use 1",
-                              .shape = "--width 4 --batch 256",
-                              .more_workspace = kSideWorkspace});
+  check_same_bits_either_way(two_streams(""));
 }
 
 // DP_CUDA_PDL=1 (kernels/cuda/launch.h): every kernel launched programmatically dependent on the one
@@ -387,12 +393,5 @@ TEST_CASE("cuda: graphs: the fused kernels train as the kernels they replace, ea
 // conv2's bias gradient after dy's rows. Where each runs changes no sum's order: one stream's bits.
 TEST_CASE("cuda: graphs: under DP_CUDA_FUSE=0 the weight gradients on a second stream train the bits of one" *
           doctest::skip(!dp::test::cuda_available())) {
-  check_same_bits_either_way({.variable = "DP_CUDA_STREAMS",
-                              .off = "1",
-                              .on = "2",
-                              .wrong = "3",
-                              .accepted = "use 1",
-                              .shape = "--width 4 --batch 256",
-                              .also = "DP_CUDA_FUSE=0",
-                              .more_workspace = kSideWorkspace});
+  check_same_bits_either_way(two_streams("DP_CUDA_FUSE=0"));
 }
