@@ -198,6 +198,27 @@ size_t ConvPlan::floats_less(size_t side) const {
   return std::max((most + sizeof(float) - 1) / sizeof(float), bias_floats);
 }
 
+// dp's own kernels where their partials fit, and beside them the chunk of an image dx's im2col path
+// needs (plan_backward; an implicit dx needs none: its flipped weights take the partials' place): the
+// im2col path's partials are fewer, so it may fit where they do not. Implicit GEMMs take as many of
+// the slices wanted as fit (a larger batch than the workspace was sized for may have fewer). Both
+// (conv_direct.cu, conv_implicit.cu) run the forward pass and dw without cuDNN.
+void CudaOps::plan_own(ConvPlan& p, const ConvShape& s, size_t limit) {
+  const size_t image_bytes = image_floats(s) * sizeof(float);
+  p.direct = direct(s) && direct_partial_floats(s) * sizeof(float) + image_bytes <= limit;
+  if (!p.direct && implicit(s)) {
+    const size_t beside = implicit_dx(s) && weight_bytes(s) <= limit ? 0 : image_bytes;
+    const size_t fit = limit > beside ? (limit - beside) / (implicit_partial_floats(s, 1) * sizeof(float)) : 0;
+    p.slices = int(std::min(size_t(implicit_slices(s)), fit));
+    p.implicit = p.slices > 0;
+  }
+  if (!p.direct && !p.implicit) return;
+  p.bias_floats = p.direct ? direct_partial_floats(s) : implicit_partial_floats(s, p.slices);
+  const char* algo = p.direct ? "DP_DIRECT" : "DP_IMPLICIT_GEMM";
+  choose_own(p.choices[0], algo, 0);
+  choose_own(p.choices[2], algo, p.bias_floats * sizeof(float));
+}
+
 // `capacity`: the bytes the plan's workspace may take in all (SIZE_MAX when it is being sized);
 // `limit`, one lane's: every algorithm and chunk within it, and within kMaxWorkspaceBytes.
 ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit_bytes, size_t capacity) {
@@ -228,24 +249,8 @@ ConvPlan& CudaOps::make_plan(const ConvShape& s, size_t limit_bytes, size_t capa
     p->choices[i].pass = passes[i];
   }
 
-  // dp's own kernels where their partials fit, and beside them the chunk of an image dx's im2col path
-  // needs (plan_backward; an implicit dx needs none: its flipped weights take the partials' place):
-  // the im2col path's partials are fewer, so it may fit where they do not. Implicit GEMMs take as many
-  // of the slices wanted as fit (a larger batch than the workspace was sized for may have fewer).
-  const size_t image_bytes = image_floats(s) * sizeof(float);
-  p->direct = direct(s) && direct_partial_floats(s) * sizeof(float) + image_bytes <= limit;
-  if (!p->direct && implicit(s)) {
-    const size_t beside = implicit_dx(s) && weight_bytes(s) <= limit ? 0 : image_bytes;
-    const size_t fit = limit > beside ? (limit - beside) / (implicit_partial_floats(s, 1) * sizeof(float)) : 0;
-    p->slices = int(std::min(size_t(implicit_slices(s)), fit));
-    p->implicit = p->slices > 0;
-  }
-  if (p->direct || p->implicit) {  // conv_direct.cu, conv_implicit.cu: forward and backward-filter, no cuDNN
-    p->bias_floats = p->direct ? direct_partial_floats(s) : implicit_partial_floats(s, p->slices);
-    const char* algo = p->direct ? "DP_DIRECT" : "DP_IMPLICIT_GEMM";
-    choose_own(p->choices[0], algo, 0);
-    choose_own(p->choices[2], algo, p->bias_floats * sizeof(float));
-  } else {
+  plan_own(*p, s, limit);
+  if (!p->direct && !p->implicit) {
     DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(cudnn_, &max_count));
     std::vector<cudnnConvolutionFwdAlgoPerf_t> fwd(size_t(std::max(max_count, 1)));
     DP_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(cudnn_, p->x.get(), p->w.get(), cd, p->y.get(), max_count,

@@ -167,6 +167,7 @@ class CudaOps final : public Ops {
   ConvPlan& plan(const ConvShape& s);
   // Every choice within limit_bytes (at most 64 MiB), the workspace within capacity_bytes (conv_plan.cpp).
   ConvPlan& make_plan(const ConvShape& s, size_t limit_bytes, size_t capacity_bytes);
+  static void plan_own(ConvPlan& p, const ConvShape& s, size_t limit);  // direct or implicit, where they fit
   // Shapes with at most kDirectTaps taps per output (C KH KW) and kDirectWeights weights (the forward
   // pass keeps them in shared memory; their partials, below, stay within 35 MB) run their forward pass
   // and their dw and db on conv_direct.cu's kernels, dw and db through kDirectSlices partials per channel
