@@ -15,6 +15,7 @@
 #include "engine/host_pages.h"
 #include "tests/backends.h"
 #include "tests/failpoint/failpoints.h"
+#include "tests/pinned_batches.h"
 #include "tests/util.h"
 #include "train/trainer.h"
 
@@ -68,20 +69,8 @@ void check_prefetch(const std::string& kind, int n) {
       const int64_t without = ref_devs[r]->ledger().snapshot().current[int(Category::inputs)];
       CHECK(with == (sync != "scatter" || r == 0 ? 2 * without : without));
     }
-    // Page-locked, as the loader's: on CUDA an upload from pageable memory is copied out before the
-    // call returns, so a copy ordered wrongly would never be caught reading the NaN written below.
-    std::vector<PageVector<float>> host_x(3, PageVector<float>(size_t(B) * 784));
-    std::vector<PageVector<int32_t>> host_y(3, PageVector<int32_t>(size_t(B)));
-    std::vector<std::shared_ptr<void>> locks;
-    for (int i = 0; i < 3; ++i) {
-      locks.push_back(e.pin_host(host_x[size_t(i)].data(), host_x[size_t(i)].size() * sizeof(float)));
-      locks.push_back(e.pin_host(host_y[size_t(i)].data(), host_y[size_t(i)].size() * sizeof(int32_t)));
-    }
-    auto stage = [&](int s) {
-      std::copy(data.x[size_t(s)].begin(), data.x[size_t(s)].end(), host_x[size_t(s % 3)].begin());
-      std::copy(data.y[size_t(s)].begin(), data.y[size_t(s)].end(), host_y[size_t(s % 3)].begin());
-      e.stage(host_x[size_t(s % 3)].data(), host_y[size_t(s % 3)].data(), sizes[size_t(s)]);
-    };
+    dp::test::PinnedBatches host(e, 3, B);
+    auto stage = [&](int s) { host.stage(e, data, s, sizes[size_t(s)]); };
     stage(0);
     for (int s = 0; s < K; ++s) {
       CAPTURE(s);
@@ -91,8 +80,7 @@ void check_prefetch(const std::string& kind, int n) {
       CHECK(got.loss == want[size_t(s)].loss);  // bitwise: the same kernels on the same bytes
       CHECK(got.correct == want[size_t(s)].correct);
       CHECK(got.n == sizes[size_t(s)]);
-      std::fill(host_x[size_t(s % 3)].begin(), host_x[size_t(s % 3)].end(), std::numeric_limits<float>::quiet_NaN());
-      std::fill(host_y[size_t(s % 3)].begin(), host_y[size_t(s % 3)].end(), -1);
+      host.spoil(s);
       // With the next batch staged (in either buffer): evaluation must borrow the other one.
       const StepResult ev = e.evaluate(test.x[0].data(), test.y[0].data(), 20);
       CHECK(ev.loss == want_eval[size_t(s)].loss);

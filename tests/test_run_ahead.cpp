@@ -15,9 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
-#include <limits>
 #include <map>
-#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -28,6 +26,7 @@
 #include "engine/error.h"
 #include "tests/backends.h"
 #include "tests/failpoint/failpoints.h"
+#include "tests/pinned_batches.h"
 #include "tests/util.h"
 #include "train/checkpoint.h"
 #include "train/loader.h"
@@ -80,25 +79,13 @@ Trained train(const std::string& kind, int n, const std::string& sync, int64_t b
   Engine e(raw(devs), spec, c);
   e.set_params(init);
   // Four host buffers: a step in flight, the step started, the batch staged, and the loader's next.
-  std::vector<PageVector<float>> x(4, PageVector<float>(size_t(B) * 784));
-  std::vector<PageVector<int32_t>> y(4, PageVector<int32_t>(size_t(B)));
-  std::vector<std::shared_ptr<void>> locks;
-  for (int i = 0; i < 4; ++i) {
-    locks.push_back(e.pin_host(x[size_t(i)].data(), x[size_t(i)].size() * sizeof(float)));
-    locks.push_back(e.pin_host(y[size_t(i)].data(), y[size_t(i)].size() * sizeof(int32_t)));
-  }
-  auto stage = [&](int s) {
-    std::copy(data.x[size_t(s)].begin(), data.x[size_t(s)].end(), x[size_t(s % 4)].begin());
-    std::copy(data.y[size_t(s)].begin(), data.y[size_t(s)].end(), y[size_t(s % 4)].begin());
-    e.stage(x[size_t(s % 4)].data(), y[size_t(s % 4)].data(), sizes[size_t(s)]);
-  };
+  dp::test::PinnedBatches host(e, 4, B);
+  auto stage = [&](int s) { host.stage(e, data, s, sizes[size_t(s)]); };
   Trained t;
   int finished = 0;
   auto finish = [&] {
     t.steps.push_back(e.finish_step());
-    std::fill(x[size_t(finished % 4)].begin(), x[size_t(finished % 4)].end(), std::numeric_limits<float>::quiet_NaN());
-    std::fill(y[size_t(finished % 4)].begin(), y[size_t(finished % 4)].end(), -1);
-    ++finished;
+    host.spoil(finished++);
   };
   stage(0);
   for (int s = 0; s < K; ++s) {
