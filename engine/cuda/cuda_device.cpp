@@ -323,11 +323,7 @@ void CudaDevice::await_upload(int slot) {
 void CudaDevice::finish_uploads() noexcept {
   if (!copy_stream_) return;
   DeviceGuard guard(id());
-  std::shared_ptr<const Watch> watch;
-  {
-    std::lock_guard lock(watch_mu_);
-    watch = watch_;
-  }
+  const std::shared_ptr<const Watch> watch = current_watch();
   if (!watch) {  // no NCCL: the compute stream's work ends
     DP_CUDA_CHECK_PRINT(cudaStreamSynchronize(copy_stream_.get()));
     return;
@@ -346,12 +342,13 @@ void CudaDevice::set_watch(std::shared_ptr<const Watch> watch) {
   watch_ = std::move(watch);
 }
 
+std::shared_ptr<const CudaDevice::Watch> CudaDevice::current_watch() {
+  std::lock_guard lock(watch_mu_);
+  return watch_;
+}
+
 void CudaDevice::wait_until(const std::function<bool()>& done, const std::function<void()>& block) {
-  std::shared_ptr<const Watch> watch;
-  {
-    std::lock_guard lock(watch_mu_);
-    watch = watch_;
-  }
+  const std::shared_ptr<const Watch> watch = current_watch();
   if (!watch) return block();
   poll_until(done, watch->aborted, Deadline::after(watch->timeout), id(), watch->what);
 }

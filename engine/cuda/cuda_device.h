@@ -143,6 +143,7 @@ class CudaDevice final : public Device {
   void wait_event(cudaEvent_t event);                               // the same for an event of this device's
   // Polls done() while a watch is set (wait.h: its deadline and abort), else blocks in block().
   void wait_until(const std::function<bool()>& done, const std::function<void()>& block);
+  std::shared_ptr<const Watch> current_watch();  // set_watch's, or null
 
   cuda::Stream stream_, comm_stream_, copy_stream_;
   cuda::CublasHandle cublas_;
