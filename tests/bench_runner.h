@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "tests/util.h"
+
 #ifdef DP_BENCH_BIN
 
 namespace dp::test::bench_runner {
@@ -18,18 +20,8 @@ namespace dp::test::bench_runner {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct TempDir {  // unique per process
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() / ("dp_bench_test_" + std::to_string(getpid()));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
+using dp::test::slurp;
+using dp::test::TempDir;
 
 // `args` on the simulated CPU devices: --backend cpu after the subcommand, so --gpus 0,1,2 means three
 // devices on any machine (auto, the default, takes the GPUs where there are some). Unchanged where the
@@ -47,11 +39,6 @@ inline int bench(const std::string& args, const std::string& log, const std::str
   std::string cmd = env + " '" + std::string(DP_BENCH_BIN) + "' " + on_cpu(args) + " > '" + log + "' 2>&1";
   int status = std::system(cmd.c_str());
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-inline std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
 inline json load(const std::string& path) {

@@ -16,7 +16,6 @@
 
 namespace dp::test::mpi {
 
-inline const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 // As root, more ranks than the 2 cores, loopback only, and ranks that yield while they wait (busy
 // polling ranks starve each other on 2 cores).
 inline const std::string kMpirun =
@@ -37,7 +36,7 @@ inline bool have_mpi() {
 struct Job {
   TempDir dir;
   std::string args;
-  std::string train = kTrain;  // dp_train and its backend
+  std::string train = kTrainCpu;  // dp_train and its backend
   Job() {
     std::filesystem::create_directory(dir / "data");
     write_synthetic_dataset(dir / "data", 192, 40);

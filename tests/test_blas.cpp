@@ -23,8 +23,6 @@ using namespace dp::test;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
-
 // C = op(A) op(B) by the definition, in double: the oracle for one GEMM call.
 template <class T>
 std::vector<double> plain_gemm(bool ta, bool tb, int m, int n, int k, const std::vector<T>& a,

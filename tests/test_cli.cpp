@@ -11,11 +11,7 @@
 
 using namespace dp::test;
 
-namespace {
-
-const std::string kTrain = DP_TRAIN_BIN;
-
-}  // namespace
+namespace {}  // namespace
 
 TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
   TempDir dir;

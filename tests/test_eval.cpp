@@ -14,11 +14,7 @@
 
 using namespace dp::test;
 
-namespace {
-
-const std::string kTrain = DP_TRAIN_BIN;
-
-}  // namespace
+namespace {}  // namespace
 
 TEST_CASE("eval: --eval --load scores the checkpoint as the run that saved it did, on the same devices") {
   TempDir dir;

@@ -18,7 +18,7 @@
 namespace dp::test {
 namespace {
 
-using Vec = std::vector<double>;
+using DVec = std::vector<double>;
 
 // ---- layers: L = sum(y * r), so dL/dy = r is the dy fed to each backward ----------------------------
 
@@ -27,16 +27,16 @@ void check_conv(const ConvShape& s, uint64_t seed) {
   std::mt19937_64 gen(seed);
   const int64_t in = int64_t(s.n) * s.c * s.h * s.w, out = int64_t(s.n) * s.k * s.out_h() * s.out_w();
   const int64_t wsize = int64_t(s.k) * s.c * s.kh * s.kw;
-  Vec x = uniform(in, -1, 1, gen);     // (N, C, H, W)
-  Vec w = uniform(wsize, -1, 1, gen);  // (K, C, KH, KW)
-  Vec b = uniform(s.k, -1, 1, gen);    // (K)
-  Vec r = uniform(out, -1, 1, gen);    // (N, K, OH, OW)
-  Vec y = zeros(out), ws = zeros(cpu::conv2d_workspace_size(s));
+  DVec x = uniform(in, -1, 1, gen);     // (N, C, H, W)
+  DVec w = uniform(wsize, -1, 1, gen);  // (K, C, KH, KW)
+  DVec b = uniform(s.k, -1, 1, gen);    // (K)
+  DVec r = uniform(out, -1, 1, gen);    // (N, K, OH, OW)
+  DVec y = zeros(out), ws = zeros(cpu::conv2d_workspace_size(s));
   auto objective = [&] {
     cpu::conv2d_forward(s, x.data(), w.data(), b.data(), y.data(), ws.data());
     return dot(y, r);
   };
-  Vec dx = zeros(in), dw = zeros(wsize), db = zeros(s.k);
+  DVec dx = zeros(in), dw = zeros(wsize), db = zeros(s.k);
   cpu::conv2d_backward(s, x.data(), w.data(), r.data(), dx.data(), dw.data(), db.data(), ws.data());
   check_gradient("conv2d dx", x.data(), in, dx.data(), objective);
   check_gradient("conv2d dw", w.data(), wsize, dw.data(), objective);
@@ -61,16 +61,16 @@ TEST_CASE("gradcheck: linear dx, dw, db") {
     CAPTURE(in);
     CAPTURE(out);
     std::mt19937_64 gen(uint64_t(10 + in));
-    Vec x = uniform(int64_t(n) * in, -1, 1, gen);    // (N, IN)
-    Vec w = uniform(int64_t(out) * in, -1, 1, gen);  // (OUT, IN)
-    Vec b = uniform(out, -1, 1, gen);                // (OUT)
-    Vec r = uniform(int64_t(n) * out, -1, 1, gen);   // (N, OUT)
-    Vec y(r.size());
+    DVec x = uniform(int64_t(n) * in, -1, 1, gen);    // (N, IN)
+    DVec w = uniform(int64_t(out) * in, -1, 1, gen);  // (OUT, IN)
+    DVec b = uniform(out, -1, 1, gen);                // (OUT)
+    DVec r = uniform(int64_t(n) * out, -1, 1, gen);   // (N, OUT)
+    DVec y(r.size());
     auto objective = [&] {
       cpu::linear_forward(n, in, out, x.data(), w.data(), b.data(), y.data());
       return dot(y, r);
     };
-    Vec dx(x.size()), dw(w.size()), db(b.size());
+    DVec dx(x.size()), dw(w.size()), db(b.size());
     cpu::linear_backward(n, in, out, x.data(), w.data(), r.data(), dx.data(), dw.data(), db.data());
     check_gradient("linear dx", x.data(), int64_t(x.size()), dx.data(), objective);
     check_gradient("linear dw", w.data(), int64_t(w.size()), dw.data(), objective);
@@ -81,7 +81,7 @@ TEST_CASE("gradcheck: linear dx, dw, db") {
 TEST_CASE("gradcheck: relu, skipping inputs within a step of the kink") {
   std::mt19937_64 gen(20);
   const int64_t n = 200;
-  Vec x = uniform(n, -2, 2, gen), r = uniform(n, -1, 1, gen), y = zeros(n), dx = zeros(n);
+  DVec x = uniform(n, -2, 2, gen), r = uniform(n, -1, 1, gen), y = zeros(n), dx = zeros(n);
   x[3] = 0.0, x[7] = 0.3 * kStep, x[11] = -0.9 * kStep;  // on or beside the kink: must be skipped
   auto objective = [&] {
     cpu::activation_forward(Activation::relu, n, x.data(), y.data());
@@ -100,7 +100,7 @@ TEST_CASE("gradcheck: relu, skipping inputs within a step of the kink") {
 TEST_CASE("gradcheck: sigmoid") {
   std::mt19937_64 gen(21);
   const int64_t n = 200;
-  Vec x = uniform(n, -8, 8, gen), r = uniform(n, -1, 1, gen), y = zeros(n), dx = zeros(n);
+  DVec x = uniform(n, -8, 8, gen), r = uniform(n, -1, 1, gen), y = zeros(n), dx = zeros(n);
   x[0] = 0.0, x[1] = 30.0, x[2] = -30.0;
   auto objective = [&] {
     cpu::activation_forward(Activation::sigmoid, n, x.data(), y.data());
@@ -123,7 +123,7 @@ TEST_CASE("gradcheck: avgpool, including rows and columns past the last window")
     CAPTURE(s.k);
     std::mt19937_64 gen(uint64_t(30 + s.h));
     const int64_t in = int64_t(s.n) * s.c * s.h * s.w, out = int64_t(s.n) * s.c * s.out_h() * s.out_w();
-    Vec x = uniform(in, -1, 1, gen), r = uniform(out, -1, 1, gen), y = zeros(out), dx = zeros(in);
+    DVec x = uniform(in, -1, 1, gen), r = uniform(out, -1, 1, gen), y = zeros(out), dx = zeros(in);
     auto objective = [&] {
       cpu::avgpool_forward(s, x.data(), y.data());
       return dot(y, r);
@@ -140,7 +140,7 @@ TEST_CASE("gradcheck: maxpool, skipping windows whose two largest are within 2 s
     CAPTURE(s.k);
     std::mt19937_64 gen(uint64_t(40 + s.h));
     const int64_t in = int64_t(s.n) * s.c * s.h * s.w, out = int64_t(s.n) * s.c * s.out_h() * s.out_w();
-    Vec x = uniform(in, -1, 1, gen), r = uniform(out, -1, 1, gen), y = zeros(out), dx = zeros(in);
+    DVec x = uniform(in, -1, 1, gen), r = uniform(out, -1, 1, gen), y = zeros(out), dx = zeros(in);
     x[0] = x[1] = 5.0;  // a tie in the first window: not differentiable there, must be skipped
     std::vector<int32_t> argmax(static_cast<size_t>(out));
     auto objective = [&] {
@@ -176,17 +176,17 @@ TEST_CASE("gradcheck: softmax cross-entropy dlogits, with scale") {
     CAPTURE(scale);
     const int n = 4, classes = 7;
     std::mt19937_64 gen(50);
-    Vec z = uniform(int64_t(n) * classes, -4, 4, gen);  // (N, CLASSES)
-    z[5] = 40.0;                                        // one confident row
-    std::vector<int32_t> labels = {2, 0, 6, 3};         // (N)
-    Vec dz(z.size()), stats(2);
+    DVec z = uniform(int64_t(n) * classes, -4, 4, gen);  // (N, CLASSES)
+    z[5] = 40.0;                                         // one confident row
+    std::vector<int32_t> labels = {2, 0, 6, 3};          // (N)
+    DVec dz(z.size()), stats(2);
     auto objective = [&] {
       stats = {0.0, 0.0};
       cpu::softmax_xent(n, classes, z.data(), labels.data(), scale, dz.data(), stats.data());
       return stats[0];
     };
     objective();
-    Vec analytic = dz;
+    DVec analytic = dz;
     check_gradient("softmax_xent dlogits", z.data(), int64_t(z.size()), analytic.data(), objective);
   }
 }

@@ -19,19 +19,19 @@
 namespace dp::test {
 namespace {
 
-using Vec = std::vector<double>;
+using DVec = std::vector<double>;
 
 constexpr double kEps = 1e-5;
 
 // One BatchNorm layer (N, C, HW) with its data: x with a different offset per channel, gamma of both
 // signs, beta, and the loss weights r.
-struct Layer {
+struct BnLayer {
   int n, c, hw;
-  Vec x, gamma, beta, r;
-  Layer(int n_, int c_, int hw_, uint64_t seed) : n(n_), c(c_), hw(hw_) {
+  DVec x, gamma, beta, r;
+  BnLayer(int n_, int c_, int hw_, uint64_t seed) : n(n_), c(c_), hw(hw_) {
     std::mt19937_64 gen(seed);
     x = uniform(size(), -1, 1, gen);  // (N, C, HW)
-    const Vec offset = uniform(c, -2, 2, gen);
+    const DVec offset = uniform(c, -2, 2, gen);
     for (int64_t i = 0; i < size(); ++i) x[size_t(i)] += offset[size_t(i / hw % c)];
     gamma = uniform(c, 0.5, 1.5, gen);  // (C)
     gamma[0] = -gamma[0];
@@ -45,9 +45,9 @@ struct Layer {
 // The training forward over replicas (shards of the batch along N, `split` samples each but the
 // last), the channel sums added across them as SyncBatchNorm's all-reduce adds them: mean (C) and
 // the biased var (C) over the whole batch, y (N, C, HW). split = n: one replica.
-void forward(const Layer& l, int split, Vec& mean, Vec& var, Vec& y) {
+void forward(const BnLayer& l, int split, DVec& mean, DVec& var, DVec& y) {
   const int64_t shard = int64_t(split) * l.c * l.hw;  // elements per full shard
-  Vec part(size_t(l.c));
+  DVec part(size_t(l.c));
   mean.assign(size_t(l.c), 0.0), var.assign(size_t(l.c), 0.0);
   for (int first = 0; first < l.n; first += split) {  // sums of x
     const int rows = std::min(split, l.n - first);
@@ -68,9 +68,9 @@ void forward(const Layer& l, int split, Vec& mean, Vec& var, Vec& y) {
 
 // The backward over the same replicas: each shard's sums (2, C) added, then each shard's dx from the
 // global sums and `count`. Returns dx (N, C, HW); sums gets d beta ([0]) and d gamma ([1]).
-Vec backward(const Layer& l, int split, const Vec& mean, const Vec& var, int64_t count, Vec& sums) {
+DVec backward(const BnLayer& l, int split, const DVec& mean, const DVec& var, int64_t count, DVec& sums) {
   const int64_t shard = int64_t(split) * l.c * l.hw;
-  Vec part(2 * size_t(l.c)), dx(size_t(l.size()));
+  DVec part(2 * size_t(l.c)), dx(size_t(l.size()));
   sums.assign(2 * size_t(l.c), 0.0);
   for (int first = 0; first < l.n; first += split) {
     const int rows = std::min(split, l.n - first);
@@ -93,15 +93,15 @@ void check_layer(int n, int c, int hw, uint64_t seed, int split) {
   CAPTURE(c);
   CAPTURE(hw);
   CAPTURE(split);
-  Layer l(n, c, hw, seed);
-  Vec mean, var, y;
+  BnLayer l(n, c, hw, seed);
+  DVec mean, var, y;
   forward(l, split, mean, var, y);
-  Vec sums;
-  const Vec dx = backward(l, split, mean, var, l.count(), sums);
-  const Vec dbeta(sums.begin(), sums.begin() + c), dgamma(sums.begin() + c, sums.end());
+  DVec sums;
+  const DVec dx = backward(l, split, mean, var, l.count(), sums);
+  const DVec dbeta(sums.begin(), sums.begin() + c), dgamma(sums.begin() + c, sums.end());
   // The objective is the whole batch on one replica: the split must not change the gradient.
   auto objective = [&] {
-    Vec m, v, out;
+    DVec m, v, out;
     forward(l, n, m, v, out);
     return dot(out, l.r);
   };
@@ -125,12 +125,12 @@ TEST_CASE("gradcheck: SyncBatchNorm's composition, shards with added sums and th
 }
 
 TEST_CASE("gradcheck: batchnorm's check is sharp: a shard's local count instead of the global one fails") {
-  Layer l(6, 2, 4, 93);
-  Vec mean, var, y, sums;
+  BnLayer l(6, 2, 4, 93);
+  DVec mean, var, y, sums;
   forward(l, 3, mean, var, y);
-  const Vec dx = backward(l, 3, mean, var, int64_t(3) * l.hw, sums);  // one shard's count: wrong
+  const DVec dx = backward(l, 3, mean, var, int64_t(3) * l.hw, sums);  // one shard's count: wrong
   auto objective = [&] {
-    Vec m, v, out;
+    DVec m, v, out;
     forward(l, l.n, m, v, out);
     return dot(out, l.r);
   };

@@ -18,7 +18,7 @@
 namespace dp::test {
 namespace {
 
-using Vec = std::vector<double>;
+using DVec = std::vector<double>;
 
 // engine/network.cpp's layer walk in double over the dp::cpu templates: the same ConvShape/PoolShape
 // construction, flatten as a view, dx not computed for the first layer.
@@ -65,7 +65,7 @@ class DoubleNet {
         case LayerKind::batchnorm: {  // training: the batch's statistics, as engine/network.cpp
           const int c = l.out_c, hw = l.out_h * l.out_w;
           const double scale = 1.0 / double(int64_t(n_) * hw);
-          Vec& st = bn_stats_[i];  // mean (C), var (C)
+          DVec& st = bn_stats_[i];  // mean (C), var (C)
           st.assign(2 * size_t(c), 0.0);
           cpu::bn_channel_sums(n_, c, hw, in, static_cast<const double*>(nullptr), scale, st.data());
           cpu::bn_channel_sums(n_, c, hw, in, st.data(), scale, st.data() + c);
@@ -86,7 +86,7 @@ class DoubleNet {
   void backward(const double* params, const double* dlogits, double* grads) {
     int64_t widest = 0;
     for (const Layer& l : spec_.layers) widest = std::max({widest, l.in_size(), l.out_size()});
-    Vec dx_buf = zeros(n_ * widest), dy_buf = zeros(n_ * widest);
+    DVec dx_buf = zeros(n_ * widest), dy_buf = zeros(n_ * widest);
     std::copy(dlogits, dlogits + n_ * spec_.classes, dy_buf.begin());
     for (int i = int(spec_.layers.size()) - 1; i >= 0; --i) {
       const Layer& l = spec_.layers[i];
@@ -118,7 +118,7 @@ class DoubleNet {
         case LayerKind::batchnorm: {
           const int c = l.out_c, hw = l.out_h * l.out_w;
           const double *mean = bn_stats_[i].data(), *var = mean + c;
-          Vec sums(2 * size_t(c));  // d beta, d gamma
+          DVec sums(2 * size_t(c));  // d beta, d gamma
           cpu::bn_backward_sums(n_, c, hw, input(i), mean, var, double(kBatchNormEps), dy, sums.data());
           std::copy(sums.begin(), sums.begin() + c, grads + spec_.params[l.bias].offset);
           std::copy(sums.begin() + c, sums.end(), grads + spec_.params[l.weight].offset);
@@ -149,10 +149,10 @@ class DoubleNet {
  private:
   const ModelSpec& spec_;
   int n_;
-  std::vector<Vec> acts_;                     // per layer: its output, (n, out_size); none for flatten
+  std::vector<DVec> acts_;                    // per layer: its output, (n, out_size); none for flatten
   std::vector<std::vector<int32_t>> argmax_;  // per max-pool layer: (n, out_size)
-  std::vector<Vec> bn_stats_;                 // per batchnorm layer: the batch's mean and variance, (2, C)
-  Vec ws_;                                    // conv scratch
+  std::vector<DVec> bn_stats_;                // per batchnorm layer: the batch's mean and variance, (2, C)
+  DVec ws_;                                   // conv scratch
   const double* input_ = nullptr;
 
   ConvShape conv_shape(const Layer& l) const {
@@ -193,11 +193,11 @@ TEST_CASE("gradcheck: whole-model loss, lenet, lenet5 and lenet-bn (BatchNorm wi
     std::mt19937_64 gen(60);
     std::vector<float> init(static_cast<size_t>(spec.param_count));
     init_params(spec, 7, init.data());
-    Vec params(init.begin(), init.end());               // (P)
-    Vec x = uniform(n * spec.input_size(), 0, 1, gen);  // (N, C, H, W), pixel-like
-    std::vector<int32_t> labels = {3, 8, 5};            // (N)
+    DVec params(init.begin(), init.end());               // (P)
+    DVec x = uniform(n * spec.input_size(), 0, 1, gen);  // (N, C, H, W), pixel-like
+    std::vector<int32_t> labels = {3, 8, 5};             // (N)
     labels.resize(size_t(n));
-    Vec dlogits = zeros(n * spec.classes), grads = zeros(spec.param_count);
+    DVec dlogits = zeros(n * spec.classes), grads = zeros(spec.param_count);
 
     DoubleNet net(spec, n);
     net.loss(params.data(), x.data(), labels.data(), dlogits.data());
@@ -231,7 +231,7 @@ TEST_CASE("gradcheck: whole-model loss, lenet, lenet5 and lenet-bn (BatchNorm wi
       CHECK(kinks == 0);
 
     // The checker has teeth: a gradient 1% off is caught.
-    Vec wrong = grads;
+    DVec wrong = grads;
     for (double& g : wrong) g *= 1.01;
     CHECK(compare_gradient(wrong.data(), probes, kTolerance).failed > 0);
   }

@@ -289,7 +289,7 @@ struct EitherWay {
   const char* accepted;
   std::string shape = "--batch 64";
   double within = 0;
-  std::string also;
+  std::string also = "";
   int64_t more_workspace = 0;
 };
 

@@ -20,7 +20,6 @@ using namespace dp::test;
 namespace {
 
 // On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
-const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 
 // A learnable training set of `train` images and a test set of `test` images of rows x cols.
 void write_dataset(const TempDir& dir, int train, int test, uint32_t rows, uint32_t cols) {
@@ -52,11 +51,7 @@ CommandResult run_capped(const std::string& args) {
   const std::string cap = kSanitized ? "ASAN_OPTIONS=$ASAN_OPTIONS:hard_rss_limit_mb=2048 "
                                        "TSAN_OPTIONS=$TSAN_OPTIONS:hard_rss_limit_mb=2048 "
                                      : "ulimit -v 2097152; ";
-  return run_command(cap + "timeout 60 " + kTrain + " " + args);
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return run_command(cap + "timeout 60 " + kTrainCpu + " " + args);
 }
 
 }  // namespace
@@ -66,7 +61,7 @@ TEST_CASE("inputs: a test set of another image size is refused up front, naming 
     CAPTURE(side);
     TempDir dir;
     write_dataset(dir, 64, side == 1 ? 200 : 8, side, side);
-    CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --steps 2 --batch 32 --quiet");
+    CommandResult r = run_command(kTrainCpu + " --data " + dir.path.string() + " --steps 2 --batch 32 --quiet");
     INFO(r.output);
     CHECK(r.exit_code == 2);
     CHECK(r.output.find("t10k-images-idx3-ubyte.gz") != std::string::npos);
@@ -79,7 +74,7 @@ TEST_CASE("inputs: the test set's labels are held to the model's classes") {
   TempDir dir;
   write_dataset(dir, 64, 4, 28, 28);
   write_file(dir / "t10k-labels-idx1-ubyte.gz", idx_labels({1, 2, 10, 3}), true);
-  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --steps 1 --batch 32 --quiet");
+  CommandResult r = run_command(kTrainCpu + " --data " + dir.path.string() + " --steps 1 --batch 32 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("t10k-labels-idx1-ubyte.gz") != std::string::npos);
@@ -170,7 +165,7 @@ TEST_CASE("inputs: a labels .gz that inflates to 3 GiB fails after its declared 
 TEST_CASE("overflow: step counts whose epochs do not fit are refused, not wrapped") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --quiet --save " + dir / "ck.st";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --quiet --save " + dir / "ck.st";
   for (std::string args :
        {"--steps 4294967296 --batch 2048", "--steps 9223372036854775807", "--steps 9223372036854775807 --batch 1"}) {
     CAPTURE(args);
@@ -195,7 +190,7 @@ TEST_CASE("overflow: step counts whose epochs do not fit are refused, not wrappe
 TEST_CASE("overflow: integer flags read as decimal, exactly") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --quiet";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --quiet";
   // strtoll in base 0 read "010" as 8 and "0x10" as 16
   CommandResult r = run_command(base + " --steps 010 --batch 8 --report " + dir / "r.json");
   INFO(r.output);
@@ -215,7 +210,7 @@ TEST_CASE("overflow: --verify's tolerance comes from the batch trained, not --ba
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
   CommandResult r =
-      run_command(kTrain + " --data " + dir.path.string() +
+      run_command(kTrainCpu + " --data " + dir.path.string() +
                   " --steps 2 --batch 2147483647 --devices 2 --verify --quiet --report " + dir / "r.json");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
@@ -251,7 +246,7 @@ TEST_CASE("overflow: seeds parse exactly 0..2^64-1 and nothing else") {
   }
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --steps 1 --batch 32 --quiet";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --steps 1 --batch 32 --quiet";
   for (std::string bad : {"-1", "-5", "18446744073709551616", "1e23"}) {
     CAPTURE(bad);
     CommandResult r = run_command(base + " --seed " + bad);
@@ -282,7 +277,7 @@ TEST_CASE("overflow: a float flag that float cannot hold is named as such, not a
   CHECK(parse_float("1.25e-1", "--lr") == 0.125f);
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 8);
-  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --steps 1 --quiet --lr 1e-46");
+  CommandResult r = run_command(kTrainCpu + " --data " + dir.path.string() + " --steps 1 --quiet --lr 1e-46");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("--lr") != std::string::npos);

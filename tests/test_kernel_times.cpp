@@ -14,7 +14,7 @@
 namespace dp::test {
 namespace {
 
-const std::string kScript = "/usr/bin/python3 " + std::string(DP_SOURCE_DIR) + "/scripts/kernel_times.py ";
+const std::string kKernelTimes = "/usr/bin/python3 " + std::string(DP_SOURCE_DIR) + "/scripts/kernel_times.py ";
 const std::string kStalls = "/usr/bin/python3 " + std::string(DP_SOURCE_DIR) + "/scripts/ncu_stalls.py ";
 
 // An ncu CSV log: the tool's own lines, then one row per kernel launch.
@@ -38,7 +38,7 @@ TEST_CASE("kernel_times.py: a step is the longer run less the shorter over the s
   const std::string a = dir / "ncu-10.csv", b = dir / "ncu-30.csv", out = dir / "k.json";
   write_ncu(a, 10, 30);  // 10 steps: one GEMM (12 us) and three ReLUs (3 us each) a step
   write_ncu(b, 30, 90);
-  const CommandResult r = run_command(kScript + a + " " + b + " --steps 20 --json " + out);
+  const CommandResult r = run_command(kKernelTimes + a + " " + b + " --steps 20 --json " + out);
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   const nlohmann::json j = read_json(out);
@@ -57,10 +57,10 @@ TEST_CASE("kernel_times.py: a file that is not ncu's CSV, or --steps 0, exits 1 
   const std::string a = dir / "ncu.csv", junk = dir / "junk.txt";
   write_ncu(a, 1, 1);
   std::ofstream(junk) << "no kernels here\n";
-  CommandResult r = run_command(kScript + a + " " + junk + " --steps 20");
+  CommandResult r = run_command(kKernelTimes + a + " " + junk + " --steps 20");
   CHECK(r.exit_code == 1);
   CHECK(r.output.find("no kernel times in " + junk) != std::string::npos);
-  r = run_command(kScript + a + " " + a + " --steps 0");
+  r = run_command(kKernelTimes + a + " " + a + " --steps 0");
   CHECK(r.exit_code == 1);
   CHECK(r.output.find("--steps must be at least 1") != std::string::npos);
 }

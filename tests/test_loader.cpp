@@ -19,8 +19,6 @@ using namespace dp::test;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
-
 // A data set whose every pixel names its sample: image i is all (i + 1) / 1000, its label i % 10.
 Dataset numbered(int64_t count) {
   Dataset d;

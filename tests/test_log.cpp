@@ -17,8 +17,6 @@ using namespace dp::test;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
-
 // Every line of the file as JSON; a line that is not one object fails the test.
 std::vector<nlohmann::json> read_lines(const std::string& path) {
   std::vector<nlohmann::json> out;

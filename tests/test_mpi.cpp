@@ -156,7 +156,7 @@ TEST_CASE("mpi: --grad-dtype bf16 and fp16 across processes: 2x1 is 1x2 bit for 
 TEST_CASE("mpi: the job in a line first, every process's devices in the end-of-run table and its skew") {
   if (!have_mpi()) return;
   Job job;
-  CommandResult m = run_command(kMpirun + " -np 2 " + kTrain + " --data " + job.dir / "data" +
+  CommandResult m = run_command(kMpirun + " -np 2 " + kTrainCpu + " --data " + job.dir / "data" +
                                 " --sync zero1 --devices 2 --batch 24 --steps 2");
   INFO(m.output);
   REQUIRE(m.exit_code == 0);
@@ -196,7 +196,7 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   // Two command lines in one job (MPMD): rank 1 asks for another batch.
   const std::string same = " --data " + job.dir / "data" + " --sync allreduce --quiet --steps 2";
   CommandResult r =
-      run_command(kMpirun + " -np 1 " + kTrain + same + " --batch 24 : -np 1 " + kTrain + same + " --batch 12");
+      run_command(kMpirun + " -np 1 " + kTrainCpu + same + " --batch 24 : -np 1 " + kTrainCpu + same + " --batch 12");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("disagree: batch: rank 0 (") != std::string::npos);
@@ -209,7 +209,7 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   for (const auto& [extra, option] : {std::pair<std::string, std::string>{" --load " + job.dir / "one.st", "load: "},
                                       {" --save " + job.dir / "s1.st", "save: "},
                                       {" --save " + job.dir / "s2.st" + " --save-every 1", "save: "}}) {
-    r = run_command(kMpirun + " -np 1 " + kTrain + same + " --batch 24" + extra + " : -np 1 " + kTrain + same +
+    r = run_command(kMpirun + " -np 1 " + kTrainCpu + same + " --batch 24" + extra + " : -np 1 " + kTrainCpu + same +
                     " --batch 24");
     INFO(r.output);
     CHECK(r.exit_code == 2);
@@ -224,7 +224,7 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
     for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
     return n;
   };
-  r = run_command(kMpirun + " -np 2 " + kTrain + " --data " + job.dir / "data" + " --batch 24 --steps 2 --quiet");
+  r = run_command(kMpirun + " -np 2 " + kTrainCpu + " --data " + job.dir / "data" + " --batch 24 --steps 2 --quiet");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(count(r.output, "nn.DataParallel is one process by design") == 1);
@@ -236,7 +236,7 @@ TEST_CASE("mpi: refused before anything runs: settings that differ between proce
   CHECK(count(r.output, "did you mean --epochs?") == 1);
   CHECK(r.output.find("MPI_ABORT") == std::string::npos);
   // Refused on one process only (rank 1's batch is not a number): that process's refusal, named.
-  r = run_command(kMpirun + " -np 1 " + kTrain + same + " --batch 24 : -np 1 " + kTrain + same + " --batch 0");
+  r = run_command(kMpirun + " -np 1 " + kTrainCpu + same + " --batch 24 : -np 1 " + kTrainCpu + same + " --batch 0");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(count(r.output, "--batch: 0 is not a batch size") == 1);
@@ -276,7 +276,7 @@ TEST_CASE("mpi: a process that stops answering trips --timeout, one that is kill
   // SIGKILL to one rank mid-training: mpirun notices and ends the others.
   const std::string marker = job.dir / "data";  // in every rank's command line, and only theirs
   start = std::chrono::steady_clock::now();
-  Spawned job_run(kMpirun + " -np 2 " + kTrain + job.with("--epochs 100000"));
+  Spawned job_run(kMpirun + " -np 2 " + kTrainCpu + job.with("--epochs 100000"));
   std::this_thread::sleep_for(std::chrono::seconds(2));
   CommandResult pids = run_command("pgrep -f '^" + std::string(DP_TRAIN_BIN) + ".*" + marker + "'");
   REQUIRE(pids.output.size() > 1);
@@ -297,8 +297,8 @@ TEST_CASE("mpi: a signal on one process stops every process after the same step,
   // and both stop after step 6; rank 0 saves.
   const std::string ck = job.dir / "ck.st", full = job.dir / "full.st";
   const std::string args = job.with("--devices 2 --epochs 2 --save " + ck);
-  CommandResult r =
-      run_command(kMpirun + " -np 1 " + kTrain + args + " : -np 1 env DP_TEST_AT=step-6:SIGTERM " + kTrain + args);
+  CommandResult r = run_command(kMpirun + " -np 1 " + kTrainCpu + args + " : -np 1 env DP_TEST_AT=step-6:SIGTERM " +
+                                kTrainCpu + args);
   INFO(r.output);
   CHECK(r.exit_code == 143);
   CHECK(r.output.find("rank 0 (") != std::string::npos);

@@ -167,7 +167,7 @@ TEST_CASE("mpi: --verify compares rank 0's replica with one device on the whole 
 
   // The reference moved by the test hook: verify fails on rank 0, and every process exits 1.
   const std::string args = job.with("--devices 2 --steps 8 --verify --report " + job.dir / "r.json");
-  r = run_command(kMpirun + " -x DP_TEST_VERIFY_OFFSET=0.5 -np 2 " + kTrain + args);
+  r = run_command(kMpirun + " -x DP_TEST_VERIFY_OFFSET=0.5 -np 2 " + kTrainCpu + args);
   INFO(r.output);
   CHECK(r.exit_code == 1);
   CHECK(r.output.find("after 8 steps: 0.5 (tolerance 1.") != std::string::npos);
@@ -184,8 +184,8 @@ TEST_CASE("mpi: --resume and --load are read by rank 0 alone and broadcast, a re
   REQUIRE(job.mpirun(2, "--devices 2 --steps 12 --save " + full).exit_code == 0);
   // Rank 1's --resume names a file that does not exist (as on a host without it): it resumes all the same.
   const std::string args = job.with("--devices 2 --steps 12 --save " + resumed);
-  CommandResult r = run_command(kMpirun + " -np 1 " + kTrain + args + " --resume " + ck + " : -np 1 " + kTrain + args +
-                                " --resume " + job.dir / "absent.st");
+  CommandResult r = run_command(kMpirun + " -np 1 " + kTrainCpu + args + " --resume " + ck + " : -np 1 " + kTrainCpu +
+                                args + " --resume " + job.dir / "absent.st");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
   check_same_tensors(resumed, full);
@@ -201,7 +201,7 @@ TEST_CASE("mpi: --resume and --load are read by rank 0 alone and broadcast, a re
     const std::string& says = refused.second;
     CAPTURE(file);
     const auto start = std::chrono::steady_clock::now();
-    r = run_command(kMpirun + " -np 1 " + kTrain + args + " --resume " + file + " : -np 1 " + kTrain + args +
+    r = run_command(kMpirun + " -np 1 " + kTrainCpu + args + " --resume " + file + " : -np 1 " + kTrainCpu + args +
                     " --resume " + ck);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     INFO(r.output);
@@ -214,7 +214,7 @@ TEST_CASE("mpi: --resume and --load are read by rank 0 alone and broadcast, a re
   }
 
   // Rank 0 resumes, rank 1 was not told to: refused as a disagreement.
-  r = run_command(kMpirun + " -np 1 " + kTrain + args + " --resume " + ck + " : -np 1 " + kTrain + args);
+  r = run_command(kMpirun + " -np 1 " + kTrainCpu + args + " --resume " + ck + " : -np 1 " + kTrainCpu + args);
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("disagree: resume: rank 0 (") != std::string::npos);
@@ -223,7 +223,7 @@ TEST_CASE("mpi: --resume and --load are read by rank 0 alone and broadcast, a re
   // weights, as when both read it; a refusal on rank 0 ends every process with exit 2.
   const std::string loaded = job.dir / "loaded.st", both = job.dir / "both.st";
   const std::string load = job.with("--devices 2 --steps 3 --load " + ck + " --save ");
-  r = run_command(kMpirun + " -np 1 " + kTrain + load + loaded + " : -np 1 " + kTrain +
+  r = run_command(kMpirun + " -np 1 " + kTrainCpu + load + loaded + " : -np 1 " + kTrainCpu +
                   job.with("--devices 2 --steps 3 --load " + job.dir / "absent.st" + " --save " + loaded));
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
@@ -232,8 +232,8 @@ TEST_CASE("mpi: --resume and --load are read by rank 0 alone and broadcast, a re
   const std::string fresh = job.dir / "fresh.st";  // and the load mattered: from --seed's weights it ends elsewhere
   REQUIRE(job.mpirun(2, "--devices 2 --steps 3 --save " + fresh).exit_code == 0);
   CHECK(max_diff(weights(loaded), weights(fresh)) > 0.01);
-  r = run_command(kMpirun + " -np 1 " + kTrain + job.with("--devices 2 --steps 3 --load " + corrupt + " --save ") +
-                  loaded + " : -np 1 " + kTrain + load + loaded);
+  r = run_command(kMpirun + " -np 1 " + kTrainCpu + job.with("--devices 2 --steps 3 --load " + corrupt + " --save ") +
+                  loaded + " : -np 1 " + kTrainCpu + load + loaded);
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find(corrupt + ": not a valid safetensors file: ") != std::string::npos);

@@ -73,7 +73,7 @@ TEST_CASE("mpi: a rank frozen with SIGSTOP is named, the others' flight records 
   Job job;
   const std::string flight = job.dir / "flight", out = job.dir / "out.txt", marker = job.dir / "data";
   const auto start = std::chrono::steady_clock::now();
-  Spawned run(kMpirun + " -np 3 " + kTrain + job.with("--epochs 100000 --timeout 5 --flight-dir " + flight) + " > " +
+  Spawned run(kMpirun + " -np 3 " + kTrainCpu + job.with("--epochs 100000 --timeout 5 --flight-dir " + flight) + " > " +
               out + " 2>&1");
   pid_t victim = -1;
   for (int i = 0; i < 200 && victim < 0; ++i) {

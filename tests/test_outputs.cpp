@@ -25,11 +25,10 @@ using namespace dp::test;
 namespace {
 
 // On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
-const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 
 // A refusal is immediate; a 2-step run on 64 images takes well under a second. 60 s only bounds a bug.
 CommandResult train(const TempDir& dir, const std::string& args) {
-  return run_command("timeout -k 5 60 " + kTrain + " --data " + dir.path.string() + " --quiet --batch 16 " +
+  return run_command("timeout -k 5 60 " + kTrainCpu + " --data " + dir.path.string() + " --quiet --batch 16 " +
                      (args.find("--steps") == std::string::npos ? "--steps 2 " : "") + args);
 }
 
@@ -203,7 +202,7 @@ TEST_CASE("dp_train: a write the system refuses exits 1 with its reason and leav
   const std::string before = slurp(dir / "out/ck.st");
   // A 100 KiB file size limit makes the ~1 MB checkpoint's write fail with EFBIG, as a full disk
   // fails with ENOSPC; SIGXFSZ is ignored so the write returns the error instead of killing.
-  CommandResult r = run_command("sh -c \"trap '' XFSZ; ulimit -f 100; exec timeout -k 5 60 " + kTrain + " --data " +
+  CommandResult r = run_command("sh -c \"trap '' XFSZ; ulimit -f 100; exec timeout -k 5 60 " + kTrainCpu + " --data " +
                                 dir.path.string() + " --quiet --batch 16 --steps 3 --save " + dir / "out/ck.st" + "\"");
   INFO(r.output);
   CHECK(r.exit_code == 1);

@@ -17,8 +17,7 @@ using namespace dp::test;
 namespace {
 
 // On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
-const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
-const std::string kScript = std::string("/usr/bin/python3 ") + DP_SOURCE_DIR + "/docs/load_into_pytorch.py";
+const std::string kLoadScript = std::string("/usr/bin/python3 ") + DP_SOURCE_DIR + "/docs/load_into_pytorch.py";
 
 // find_spec instead of `import torch`: the same answer where torch is absent, without the 3 s import.
 bool have_torch() {
@@ -44,7 +43,7 @@ void check_model(const std::string& model, const std::string& train_flags, int t
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 512, 200);
   const std::string limit = test < 200 ? " --limit-test " + std::to_string(test) : "";
-  CommandResult t = run_command(kTrain + " --quiet --data " + dir.path.string() + " --model " + model + " " +
+  CommandResult t = run_command(kTrainCpu + " --quiet --data " + dir.path.string() + " --model " + model + " " +
                                 train_flags + limit + " --save " + dir / "ck.st" + " --report " + dir / "r.json");
   INFO(t.output);
   REQUIRE(t.exit_code == 0);
@@ -54,7 +53,7 @@ void check_model(const std::string& model, const std::string& train_flags, int t
   const double dp_loss = rep["epochs"].back()["test_loss"].get<double>();
 
   // No --model: the script takes it from the checkpoint's metadata.
-  CommandResult py = run_command(kScript + " " + dir / "ck.st" + " --data " + dir.path.string() +
+  CommandResult py = run_command(kLoadScript + " " + dir / "ck.st" + " --data " + dir.path.string() +
                                  (test < 200 ? " --limit " + std::to_string(test) : ""));
   INFO(py.output);
   REQUIRE(py.exit_code == 0);
@@ -121,14 +120,14 @@ TEST_CASE("pytorch: a missing file or a checkpoint of the other model exits 2 an
   }
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 16);
-  CommandResult missing = run_command(kScript + " " + dir / "none.st" + " --data " + dir.path.string());
+  CommandResult missing = run_command(kLoadScript + " " + dir / "none.st" + " --data " + dir.path.string());
   CHECK(missing.exit_code == 2);
   CHECK(missing.output.find("none.st: no such checkpoint file") != std::string::npos);
 
-  REQUIRE(run_command(kTrain + " --quiet --data " + dir.path.string() + " --model lenet5 --steps 1 --batch 16 --save " +
-                      dir / "ck.st")
+  REQUIRE(run_command(kTrainCpu + " --quiet --data " + dir.path.string() +
+                      " --model lenet5 --steps 1 --batch 16 --save " + dir / "ck.st")
               .exit_code == 0);
-  CommandResult wrong = run_command(kScript + " " + dir / "ck.st" + " --model lenet --data " + dir.path.string());
+  CommandResult wrong = run_command(kLoadScript + " " + dir / "ck.st" + " --model lenet --data " + dir.path.string());
   INFO(wrong.output);
   CHECK(wrong.exit_code == 2);
   for (const char* words : {"use --model lenet5", "expected (lenet):", "conv1.weight [20, 1, 3, 3]", "found",

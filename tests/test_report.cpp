@@ -19,8 +19,6 @@ using namespace dp::test;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
-
 // A line of the device table as its cells: columns are two or more spaces apart.
 std::vector<std::string> cells(const std::string& line) {
   std::vector<std::string> out;

@@ -23,7 +23,6 @@ using namespace dp::test;
 namespace {
 
 // On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
-const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 
 // Every tensor (weights and momentum) bit for bit, and the metadata.
 void check_same_checkpoint(const std::string& got_path, const std::string& want_path) {
@@ -31,8 +30,6 @@ void check_same_checkpoint(const std::string& got_path, const std::string& want_
   INFO("got " << got_path << ", want " << want_path);
   CHECK(read_safetensors(got_path).metadata == read_safetensors(want_path).metadata);
 }
-
-int64_t global_step(const std::string& path) { return std::stoll(read_safetensors(path).metadata.at("global_step")); }
 
 // Waits until `path` exists while `proc` runs; false if it ended first or a minute passed.
 bool wait_for_file(const std::string& path, Spawned& proc) {
@@ -57,7 +54,7 @@ void check_resume_chain(const std::string& flags) {
   const int K = 9, k = 3;
   const std::string lr =
       flags.find("--lr") == std::string::npos && flags.find("--optimizer") == std::string::npos ? " --lr 0.05" : "";
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet" + lr + " " + flags;
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --batch 32 --quiet" + lr + " " + flags;
   auto run = [&](const std::string& args) {
     CommandResult r = run_command(base + " " + args);
     INFO(args << "\n" << r.output);
@@ -152,7 +149,7 @@ TEST_CASE("resume is bit-exact at every later step, across epoch boundaries: --a
 TEST_CASE("resume on another strategy or device count runs, with a one-line warning") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 120, 32);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --batch 32 --quiet";
   REQUIRE(run_command(base + " --devices 1 --steps 3 --save " + dir / "ck").exit_code == 0);
   CommandResult r = run_command(base + " --devices 2 --sync allreduce --steps 5 --resume " + dir / "ck");
   INFO(r.output);
@@ -170,7 +167,7 @@ TEST_CASE("resume on another strategy or device count runs, with a one-line warn
 TEST_CASE("resume from the run's last step or past it trains nothing and says which") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 120, 32);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --devices 1";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --batch 32 --devices 1";
   REQUIRE(run_command(base + " --quiet --steps 3 --save " + dir / "ck").exit_code == 0);
   CommandResult r = run_command(base + " --steps 3 --resume " + dir / "ck");
   CHECK(r.exit_code == 0);
@@ -187,7 +184,7 @@ TEST_CASE("resume refuses a checkpoint from a different run: exit 2 naming what 
   write_synthetic_dataset(dir.path.string(), 120, 32);
   write_synthetic_dataset(other.path.string(), 120, 32, true, 99);  // same size, other samples
   const std::string data = " --data " + dir.path.string();
-  const std::string base = kTrain + " --quiet";
+  const std::string base = kTrainCpu + " --quiet";
   REQUIRE(run_command(base + data + " --batch 32 --steps 3 --save " + dir / "ck").exit_code == 0);
   ModelSpec spec = make_model("lenet");
   Checkpoint weights_only = load_checkpoint(dir / "ck", spec);
@@ -235,7 +232,7 @@ TEST_CASE("SIGINT and SIGTERM finish the step, save, name the checkpoint and exi
   for (int sig : {SIGINT, SIGTERM}) {
     CAPTURE(sig);
     const std::string ck = dir / ("ck" + std::to_string(sig)), log = dir / "log";
-    Spawned run(kTrain + " --data " + dir.path.string() + " --batch 32 --steps 1000000 --save-every 1 --save " + ck +
+    Spawned run(kTrainCpu + " --data " + dir.path.string() + " --batch 32 --steps 1000000 --save-every 1 --save " + ck +
                 " > " + log + " 2>&1");
     // Once the first checkpoint exists the handlers are installed and training is under way.
     REQUIRE(wait_for_file(ck, run));
@@ -251,7 +248,7 @@ TEST_CASE("SIGINT and SIGTERM finish the step, save, name the checkpoint and exi
     CHECK(step > 0);
     CHECK(out.find("after step " + std::to_string(step)) != std::string::npos);
     // and it resumes
-    CommandResult more = run_command(kTrain + " --data " + dir.path.string() + " --batch 32 --quiet --steps " +
+    CommandResult more = run_command(kTrainCpu + " --data " + dir.path.string() + " --batch 32 --quiet --steps " +
                                      std::to_string(step + 2) + " --resume " + ck + " --save " + ck);
     CHECK(more.exit_code == 0);
     CHECK(global_step(ck) == step + 2);
@@ -316,7 +313,7 @@ TEST_CASE("dp_train killed with SIGKILL at any moment leaves a checkpoint that l
   const std::string ck = dir / "ck";
   for (int delay_ms : {0, 3, 11, 29}) {  // kills landing at different points of the step/save cycle
     CAPTURE(delay_ms);
-    Spawned run(kTrain + " --data " + dir.path.string() + " --batch 32 --steps 1000000 --save-every 1 --save " + ck +
+    Spawned run(kTrainCpu + " --data " + dir.path.string() + " --batch 32 --steps 1000000 --save-every 1 --save " + ck +
                 (std::filesystem::exists(ck) ? " --resume " + ck : std::string()) + " > " + dir / "log" + " 2>&1");
     REQUIRE(wait_for_file(ck, run));
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
@@ -330,7 +327,7 @@ TEST_CASE("dp_train killed with SIGKILL at any moment leaves a checkpoint that l
 TEST_CASE("a diverging run exits 3 naming the step and the layer, and never saves the bad step") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 256, 32);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --batch 32 --quiet";
   const std::string ck = dir / "ck";
   ModelSpec spec = make_model("lenet");
   auto finite = [](const std::vector<float>& v) {
@@ -393,7 +390,7 @@ TEST_CASE("dp_train: an empty training set is refused up front, a batch past the
   write_synthetic_dataset(dir.path.string(), 40, 16);
   write_file(dir / "train-images-idx3-ubyte.gz", idx_images({}, 0, 28, 28), true);
   write_file(dir / "train-labels-idx1-ubyte.gz", idx_labels({}), true);
-  CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " --quiet --steps 1 --save " + dir / "ck");
+  CommandResult r = run_command(kTrainCpu + " --data " + dir.path.string() + " --quiet --steps 1 --save " + dir / "ck");
   INFO(r.output);
   CHECK(r.exit_code == 2);
   CHECK(r.output.find("no images") != std::string::npos);
@@ -401,7 +398,7 @@ TEST_CASE("dp_train: an empty training set is refused up front, a batch past the
 
   write_synthetic_dataset(dir.path.string(), 40, 16);
   // buffers are sized for the 40 samples there are, not for a billion
-  r = run_command(kTrain + " --data " + dir.path.string() + " --quiet --epochs 2 --batch 1000000000 --report " +
+  r = run_command(kTrainCpu + " --data " + dir.path.string() + " --quiet --epochs 2 --batch 1000000000 --report " +
                   dir / "r.json");
   INFO(r.output);
   CHECK(r.exit_code == 0);
@@ -424,7 +421,7 @@ TEST_CASE("dp_train: what would fail at the end of a run is refused before it st
   for (auto& c : cases) {
     CAPTURE(c.args);
     auto t0 = std::chrono::steady_clock::now();
-    CommandResult r = run_command(kTrain + " --data " + dir.path.string() + " " + c.args);
+    CommandResult r = run_command(kTrainCpu + " --data " + dir.path.string() + " " + c.args);
     CAPTURE(r.output);
     CHECK(r.exit_code == 2);
     CHECK(r.output.find(c.words) != std::string::npos);

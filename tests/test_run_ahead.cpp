@@ -35,6 +35,7 @@ using namespace dp;
 using dp::test::Batches;
 using dp::test::CommandResult;
 using dp::test::for_each_strategy;
+using dp::test::kTrainCpu;
 using dp::test::make_batches;
 using dp::test::raw;
 using dp::test::run_command;
@@ -246,8 +247,6 @@ TEST_CASE("run-ahead: nothing reads or sets the model while a step is in flight,
 
 namespace {
 
-const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
-
 // dp_train's run-ahead loop against the one that reads every loss: the same checkpoint, bit for bit,
 // and the same epoch lines, over epoch ends, a --save-every checkpoint mid-epoch, a --steps end
 // mid-epoch, a schedule, AdamW and two devices under each strategy; --verify passes alongside. And the
@@ -282,7 +281,7 @@ void check_same_run(const std::string& base, const std::string& args, const Temp
 TEST_CASE("dp_train --run-ahead: the checkpoint and epochs of reading every loss at once") {
   TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 160, 40);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 ";  // 5 steps an epoch
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --batch 32 ";  // 5 steps an epoch
   // Steps 1, 2, 4, 7 and 8 of 10 (not 3, 6 and 9: saved; not 5 and 10: an epoch's last).
   check_same_run(base, "--epochs 2 --save-every 3", dir, 5);
   // Steps 1-4 and 6-7 of 8.
@@ -298,7 +297,7 @@ TEST_CASE("dp_train --run-ahead: the checkpoint and epochs of reading every loss
 TEST_CASE("dp_train --run-ahead: a signal stops after the step it came in, saved, and the bad step is the same") {
   TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 160, 40);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --quiet ";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --batch 32 --quiet ";
   // SIGTERM as step 3 begins (step 2 in flight): steps 2 and 3 finish, the checkpoint is step 3's,
   // and resuming from it ends where an uninterrupted run ends.
   const std::string ck = dir / "ck.st";
@@ -333,7 +332,7 @@ TEST_CASE("dp_train --run-ahead: a signal stops after the step it came in, saved
 TEST_CASE("dp_train --run-ahead: refused with --eval and --no-run-ahead, saying why") {
   TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 64, 16);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 --steps 1 ";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --batch 32 --steps 1 ";
   dp::test::check_refusals(
       base,
       {{"--run-ahead --no-run-ahead", "--run-ahead and --no-run-ahead: give one of them"},
@@ -347,7 +346,7 @@ TEST_CASE("dp_train --run-ahead: refused with --eval and --no-run-ahead, saying 
 TEST_CASE("dp_train --run-ahead: with --log and --trace, every step logged and traced") {
   TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 160, 40);
-  const std::string base = kTrain + " --data " + dir.path.string() + " --batch 32 ";
+  const std::string base = kTrainCpu + " --data " + dir.path.string() + " --batch 32 ";
   const std::string log = dir / "l.jsonl", trace = dir / "t.json";
   check_same_run(base, "--epochs 2 --devices 2 --sync allreduce --log-every 1 --log " + log + " --trace " + trace, dir,
                  8);

@@ -25,7 +25,6 @@ using namespace dp::test;
 namespace {
 
 // On the simulated CPU devices, so --devices N means N devices on any machine, one with a GPU too.
-const std::string kTrain = std::string(DP_TRAIN_BIN) + " --backend cpu";
 
 // 128 images in batches of 32: 4 steps an epoch, a run of 2 epochs (8 steps, unless --steps says)
 // well under a second (seconds under the sanitizers); 60 s only bounds a regression that hangs.
@@ -39,7 +38,7 @@ struct Fixture {
   }
   CommandResult train(const std::string& env, const std::string& more) const {
     const std::string length = more.find("--steps") == std::string::npos ? " --epochs 2 " : " ";
-    return run_command("timeout -s KILL 60 env " + env + " " + kTrain + args + length + more);
+    return run_command("timeout -s KILL 60 env " + env + " " + kTrainCpu + args + length + more);
   }
   // What dp leaves beside its outputs: hidden names are its temporary files.
   std::vector<std::string> temp_files() const {
@@ -49,10 +48,6 @@ struct Fixture {
     return found;
   }
 };
-
-int64_t global_step(const std::string& path) {
-  return std::stoll(load_checkpoint(path, make_model("lenet")).metadata.at("global_step"));
-}
 
 // Waits (a minute at most) for `text` in the file at `path`.
 bool wait_for_text(const std::string& path, const std::string& text) {
@@ -129,7 +124,7 @@ TEST_CASE("signals: a closed stdout (SIGPIPE) neither kills nor fails the run: e
   ::close(fds[0]);  // nobody reads: every write to stdout fails with EPIPE (or kills on SIGPIPE)
   const std::string ck = f.dir / "ck", report = f.dir / "r.json", log = f.dir / "log";
   // Not --quiet: the run prints its notice, epochs and device table into the closed pipe.
-  Spawned run(kTrain + " --data " + f.dir / "data" + " --batch 32 --epochs 2 --save " + ck + " --report " + report +
+  Spawned run(kTrainCpu + " --data " + f.dir / "data" + " --batch 32 --epochs 2 --save " + ck + " --report " + report +
                   " 2> " + log,
               fds[1]);
   ::close(fds[1]);
@@ -144,7 +139,7 @@ TEST_CASE("signals: the grace deadline ends a hung step: exit 143 in seconds, pr
   Fixture f;
   const std::string ck = f.dir / "ck", log = f.dir / "log";
   // A step that never returns, as a BLAS spinning would; the SIGTERM comes from outside, like timeout's.
-  Spawned run("env DP_GRACE_SECONDS=1 DP_TEST_AT=step-4:hang " + kTrain + f.args +
+  Spawned run("env DP_GRACE_SECONDS=1 DP_TEST_AT=step-4:hang " + kTrainCpu + f.args +
               " --epochs 2 --save-every 1 --save " + ck + " > " + log + " 2>&1");
   REQUIRE(wait_for_text(log, "hanging at step-4"));
   const std::string before = slurp(ck);
@@ -221,7 +216,7 @@ TEST_CASE("signals: a failed save after SIGTERM names the signal and the OS's re
   CommandResult r = run_command(
       "timeout -s KILL 60 sh -c \"trap '' XFSZ; ulimit -f 64; DP_TEST_AT=final-save:SIGTERM "
       "exec " +
-      kTrain + f.args + " --epochs 2 --save " + ck + "\"");
+      kTrainCpu + f.args + " --epochs 2 --save " + ck + "\"");
   INFO(r.output);
   CHECK(r.exit_code == 1);
   CHECK(r.output.find("dp_train: error: " + ck +
@@ -245,7 +240,7 @@ TEST_CASE("signals: DP_GRACE_SECONDS must be a positive number of seconds") {
 TEST_CASE("signals: an empty test set has no accuracy: n/a on the epoch line, null in the report") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 0);
-  CommandResult r = run_command("timeout -s KILL 60 " + kTrain + " --data " + dir.path.string() +
+  CommandResult r = run_command("timeout -s KILL 60 " + kTrainCpu + " --data " + dir.path.string() +
                                 " --batch 32 --epochs 1 --report " + dir / "r.json");
   INFO(r.output);
   REQUIRE(r.exit_code == 0);
@@ -275,7 +270,8 @@ TEST_CASE("signals: a save past the file size limit exits 1 naming it, no tempor
   REQUIRE(f.train("", "--steps 1 --save " + ck).exit_code == 0);
   const std::string before = slurp(ck);
   REQUIRE(before.size() > 200 * 1024);  // lenet's weights and momentum: past the limit below
-  CommandResult r = run_command("ulimit -f 200 && timeout -s KILL 60 " + kTrain + f.args + " --steps 2 --save " + ck);
+  CommandResult r =
+      run_command("ulimit -f 200 && timeout -s KILL 60 " + kTrainCpu + f.args + " --steps 2 --save " + ck);
   INFO(r.output);
   CHECK(r.exit_code == 1);
   CHECK(r.output.find(ck + ": writing failed: File too large") != std::string::npos);

@@ -18,10 +18,9 @@ using nlohmann::json;
 
 namespace {
 
-const std::string kTrain = DP_TRAIN_BIN;
 constexpr int kBatch = 64, kTest = 64, kSteps = 3, kBucketKb = 16;
 // The sums ts + dur carry one rounding each: far below a microsecond at the times of a short run.
-constexpr double kEps = 0.01;
+constexpr double kRounding = 0.01;
 
 struct Trace {
   std::map<int, std::string> lanes;  // tid -> thread_name
@@ -127,10 +126,10 @@ TEST_CASE("trace: bucket all-reduces and reduce-scatters on a comm lane per devi
           CHECK(e["args"]["layers"] == buckets[b].layers);
           // Backward hands the bucket over, and the all-reduce (reduce-scatter) phase waits for it.
           CHECK(e["ts"].get<double>() >= phases["backward"]["ts"].get<double>());
-          CHECK(end_of(e) <= end_of(phases[collective]) + kEps);
-          CHECK(end_of(e) <= phases["optimizer"]["ts"].get<double>() + kEps);
+          CHECK(end_of(e) <= end_of(phases[collective]) + kRounding);
+          CHECK(end_of(e) <= phases["optimizer"]["ts"].get<double>() + kRounding);
           // One communication thread per device: the buckets run one after another, in order.
-          CHECK(e["ts"].get<double>() >= prev_end - kEps);
+          CHECK(e["ts"].get<double>() >= prev_end - kRounding);
           prev_end = end_of(e);
         }
         if (comms[collective + " bucket 0"]["ts"].get<double>() < end_of(phases["backward"])) ++overlapped;
@@ -138,7 +137,7 @@ TEST_CASE("trace: bucket all-reduces and reduce-scatters on a comm lane per devi
       std::map<std::string, json> eval = step_spans(t, r, kSteps);
       REQUIRE(eval.count("evaluate"));
       CHECK(eval["evaluate"]["args"]["images"] == kTest / 2);
-      CHECK(eval["evaluate"]["ts"].get<double>() >= end_of(step_spans(t, r, kSteps - 1)["optimizer"]) - kEps);
+      CHECK(eval["evaluate"]["ts"].get<double>() >= end_of(step_spans(t, r, kSteps - 1)["optimizer"]) - kRounding);
     }
     // The overlap itself is likely but not guaranteed: bucket 0 is handed over while the conv layers'
     // backward still runs, yet on a loaded machine the communication thread may not get a core until

@@ -14,14 +14,14 @@
 #include "engine/communicator.h"
 #include "engine/error.h"
 #include "engine/wait.h"
+#include "tests/util.h"
 
 using namespace dp;
+using dp::test::seconds_since;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Sets `flag` after `ms` milliseconds, on a thread of its own.
 std::future<void> set_later(std::atomic<bool>& flag, int ms) {

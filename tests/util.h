@@ -55,6 +55,18 @@ inline constexpr bool kSanitized = false;
 // flat buffers padded to a multiple of 3, a ring of more than two), at a third of the cost.
 inline bool sanitizers_skip(int devices) { return kSanitized && devices != 3; }
 
+#ifdef DP_TRAIN_BIN
+// The dp_train the tests start (the test build's, which arms failpoints from DP_TEST_AT), and the same on
+// the simulated devices.
+inline const std::string kTrain = DP_TRAIN_BIN;
+inline const std::string kTrainCpu = kTrain + " --backend cpu";
+#endif
+
+// Seconds from t0 to now.
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // A fresh directory under the system temp dir, removed with its contents at scope exit.
 struct TempDir {
   std::filesystem::path path;
@@ -184,6 +196,11 @@ inline void check_same_tensors(const std::string& got_path, const std::string& w
     CAPTURE(worst);
     CHECK(outside == 0);
   }
+}
+
+// The step a checkpoint was written after (its metadata's global_step).
+inline int64_t global_step(const std::string& path) {
+  return std::stoll(read_safetensors(path).metadata.at("global_step"));
 }
 
 // A command line's arguments and words its output must contain: the refusals tests table.
