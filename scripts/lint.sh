@@ -67,10 +67,44 @@ if [ -f "$cuda/include/cuda_runtime.h" ]; then
 else
   echo "lint.sh: no CUDA toolkit at $cuda (CUDA_HOME): kernels/cuda/ and engine/cuda/ not checked for function size"
 fi
+
+# Tests as one unit: dp_tests is compiled eight test files to a translation unit (DP_TESTS_UNITY), so no
+# two of them may declare a name alike at file scope, whichever eight come together. All of them are
+# parsed as one unit with a test source's flags from the compile database, the CUDA cases' code too
+# where the toolkit is.
+unit_flags() {  # a test source's compile command without its -o and -c, NUL-separated
+  /usr/bin/python3 -c '
+import json, shlex, sys
+for entry in json.load(open(sys.argv[1])):
+    if "/dp_tests.dir/" in entry["command"] and not entry["file"].endswith("test_main.cpp"):
+        words, skip = [], False
+        for word in shlex.split(entry["command"]):
+            if not skip and word not in ("-o", "-c"):
+                words.append(word)
+            skip = not skip and word in ("-o", "-c")
+        sys.stdout.write("\0".join(words) + "\0")
+        break
+' "$build/compile_commands.json"
+}
+tests_as_one() {  # the errors, if any
+  local unit flags
+  unit=$(mktemp --suffix=.cpp)
+  git ls-files 'tests/test_*.cpp' | grep -vx 'tests/test_main.cpp' | sed "s|.*|#include \"$PWD/&\"|" > "$unit"
+  mapfile -d '' flags < <(unit_flags)
+  [ -f "$cuda/include/cuda_runtime.h" ] && flags+=(-isystem "$cuda/include" -UDP_TESTS_CUDA -DDP_TESTS_CUDA=1)
+  (cd "$build" && "${flags[@]}" -fsyntax-only "$unit" 2>&1 | grep -E 'error' || true)
+  rm -f "$unit"
+}
+clashes=$(tests_as_one)
+if [ -n "$clashes" ]; then
+  echo "lint.sh: the test files do not compile as one unit (a name declared alike in two of them?):"
+  echo "$clashes" | head -20 | sed 's/^/  /'
+  status=1
+fi
 if [ -n "$found" ]; then
   echo "lint.sh: functions over 60 lines (or CUDA sources that did not parse):"
   echo "$found" | sed 's/^/  /'
   status=1
 fi
-[ $status = 0 ] && echo "lint.sh: ${#files[@]} files within 450 lines, README.md $readme lines, $((${#sources[@]} + cuda_sources)) sources without a function over 60 lines"
+[ $status = 0 ] && echo "lint.sh: ${#files[@]} files within 450 lines, README.md $readme lines, $((${#sources[@]} + cuda_sources)) sources without a function over 60 lines, the test files one unit"
 exit $status
