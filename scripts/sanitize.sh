@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the CPU configuration with sanitizers and runs the tests under them:
-#   build-asan: -fsanitize=address,undefined, the whole suite (dp_train and dp_bench, which the CLI,
-#               resume and signal tests start, are instrumented too) but the README check, which runs
+#   build-asan: -fsanitize=address,undefined (the two SIMD kernel units ASan alone: CMakeLists.txt),
+#               the whole suite (dp_train and dp_bench, which the CLI, resume and signal tests start,
+#               are instrumented too) but the README check, which runs
 #               on the full data set what the suite runs on small synthetic sets. The tests' own
 #               sources are built without UBSan (DP_TESTS_NO_SANITIZE) and at -O0 (DP_TESTS_OPTIONS):
 #               UBSan doubled their compile time and -O1 added half again, while the code they test
