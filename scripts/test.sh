@@ -8,7 +8,7 @@
 # Without a GPU the CUDA code is compiled for one architecture only (sm_90): it has to compile and
 # link, not run, and a second architecture would double the device code's build for nothing. With a
 # GPU, for that GPU (CMake's `native`). The tests' own code at -O1 (DP_TESTS_OPTIONS): what they test
-# keeps the release build's -O2, their drivers compile faster.
+# keeps the release build's -O3 (CMake's Release), their drivers compile faster.
 # Usage: scripts/test.sh [cpu|cuda]   (default: cuda where nvcc exists, else cpu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
