@@ -11,8 +11,6 @@
 
 using namespace dp::test;
 
-namespace {}  // namespace
-
 TEST_CASE("dp_train: every bad argument says what is wrong and exits 2") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 64, 32);

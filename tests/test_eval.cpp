@@ -14,8 +14,6 @@
 
 using namespace dp::test;
 
-namespace {}  // namespace
-
 TEST_CASE("eval: --eval --load scores the checkpoint as the run that saved it did, on the same devices") {
   TempDir dir;
   write_synthetic_dataset(dir.path.string(), 192, 100);

@@ -93,6 +93,7 @@ TEST_CASE("signals: SIGTERM, SIGINT, SIGHUP after the last step save the checkpo
     CHECK(r.exit_code == c.code);
     CHECK(r.output.find("dp_train: " + c.line + "\n") != std::string::npos);
     CHECK(global_step(ck) == 8);
+    CHECK_NOTHROW(load_checkpoint(ck, make_model("lenet")));
     CHECK(std::filesystem::exists(report) == c.report_written);
     CHECK(!std::filesystem::exists(trace));
     CHECK(f.temp_files().empty());
