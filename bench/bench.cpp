@@ -304,6 +304,8 @@ std::string fixed(double v, int decimals) {
   return buf;
 }
 
+std::string ms(double seconds, int decimals) { return fixed(seconds * 1e3, decimals); }
+
 namespace {
 int shown_width(const std::string& s) {
   int w = 0;

@@ -172,7 +172,8 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
-std::string fixed(double v, int decimals);  // "%.*f"
+std::string fixed(double v, int decimals);         // "%.*f"
+std::string ms(double seconds, int decimals = 2);  // seconds as milliseconds, "%.*f"
 std::string pad(const std::string& s, int width, bool right = true);
 double median(std::vector<double> v);
 

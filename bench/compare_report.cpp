@@ -8,8 +8,6 @@
 namespace dp::bench {
 namespace {
 
-std::string ms(double seconds, int decimals = 2) { return fixed(seconds * 1e3, decimals); }
-
 std::string device_range(const std::vector<std::string>& names) {
   if (names.size() == 1) return names[0];
   std::string s;

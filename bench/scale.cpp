@@ -103,7 +103,6 @@ const StrategyRun* find_run(const DeviceCountRun& r, const std::string& name) {
 
 double median_step(const StrategyRun& s) { return median(s.step_seconds); }
 
-std::string ms(double seconds) { return fixed(seconds * 1e3, 3); }
 std::string mib(int64_t bytes) { return fixed(double(bytes) / (1 << 20), 2); }
 
 // The one-device step the model scales: measured on one simulated device (sim), given, or the GPU
@@ -145,7 +144,7 @@ void print_header(const ScaleOptions& o, const Topology& t, const ComputeTime& c
               o.per_device, t.name.c_str(), t.what.c_str(),
               t.nccl ? ("NCCL's tuning model (ring/tree x LL/Simple); " + t.source).c_str()
                      : (t.ab.describe() + " (" + t.source + ")").c_str());
-  std::printf("  compute: %s ms a step (%s); backward %.0f%% of it\n", ms(compute.seconds).c_str(),
+  std::printf("  compute: %s ms a step (%s); backward %.0f%% of it\n", ms(compute.seconds, 3).c_str(),
               compute.source.c_str(), 100 * compute.backward_share);
   if (!t.nccl)
     std::printf("  simulated devices share this machine's %d cores: past %d devices each computes that much slower\n",
@@ -170,9 +169,9 @@ nlohmann::json strategy_table(const ScaleOptions& o, const ModelSpec& spec, cons
   for (int n : o.devices) {
     const ScalePoint p =
         predict_step(*d.strategy, spec, t, at(compute, t, n, machine_cores), o.per_device, o.bucket_kb, n);
-    table.row({std::to_string(n), std::to_string(p.nodes), ms(p.compute), ms(p.comm), ms(p.exposed), ms(p.step),
-               fixed(p.images_per_second(o.per_device), 0), fixed(100 * p.comm_share(), 1) + "%", mib(p.memory),
-               p.how.empty() ? "-" : p.how});
+    table.row({std::to_string(n), std::to_string(p.nodes), ms(p.compute, 3), ms(p.comm, 3), ms(p.exposed, 3),
+               ms(p.step, 3), fixed(p.images_per_second(o.per_device), 0), fixed(100 * p.comm_share(), 1) + "%",
+               mib(p.memory), p.how.empty() ? "-" : p.how});
     points.push_back({{"devices", n},
                       {"nodes", p.nodes},
                       {"compute_seconds", p.compute},
@@ -235,8 +234,8 @@ nlohmann::json measured_check(const ScaleOptions& o, const ModelSpec& spec, cons
       const ScalePoint p =
           predict_step(*s.design.strategy, spec, t, at(compute, t, n, machine_cores), o.per_device, o.bucket_kb, n);
       const double step = median_step(s), comm = s.comm_measured_seconds;
-      table.row({s.design.name, std::to_string(n), ms(step), ms(p.step), fixed(100 * err(p.step, step), 0) + "%",
-                 ms(comm), ms(p.exposed), n > 1 ? fixed(100 * err(p.exposed, comm), 0) + "%" : "-"});
+      table.row({s.design.name, std::to_string(n), ms(step, 3), ms(p.step, 3), fixed(100 * err(p.step, step), 0) + "%",
+                 ms(comm, 3), ms(p.exposed, 3), n > 1 ? fixed(100 * err(p.exposed, comm), 0) + "%" : "-"});
       out.push_back({{"strategy", s.design.name},
                      {"devices", n},
                      {"step_seconds", step},

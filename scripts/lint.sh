@@ -28,8 +28,13 @@ if [ "$readme" -gt 350 ]; then
 fi
 
 # Functions: clang-tidy over the sources outside the tests, two at a time.
+# DP_UNITY=OFF: a unity build's database lists its batches, not the files.
 if [ ! -f "$build/compile_commands.json" ]; then
-  cmake -S . -B "$build" -DDP_CUDA=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
+  cmake -S . -B "$build" -DDP_CUDA=OFF -DDP_UNITY=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
+fi
+if grep -q '/Unity/unity_' "$build/compile_commands.json"; then
+  echo "lint.sh: $build is a unity build, whose database lists batches, not files: configure it with -DDP_UNITY=OFF" >&2
+  exit 1
 fi
 # (those the database compiles: the CUDA backend is not in a CPU-only one)
 mapfile -t sources < <(git ls-files 'engine/*.cpp' 'train/*.cpp' 'models/*.cpp' 'kernels/cpu/*.cpp' 'bench/*.cpp' |
@@ -68,15 +73,24 @@ else
   echo "lint.sh: no CUDA toolkit at $cuda (CUDA_HOME): kernels/cuda/ and engine/cuda/ not checked for function size"
 fi
 
-# Tests as one unit: dp_tests is compiled eight test files to a translation unit (DP_TESTS_UNITY), so no
-# two of them may declare a name alike at file scope, whichever eight come together. All of them are
-# parsed as one unit with a test source's flags from the compile database, the CUDA cases' code too
-# where the toolkit is.
-unit_flags() {  # a test source's compile command without its -o and -c, NUL-separated
+# Each target as one unit: dp_engine, dp_train_app, dp_bench and dp_tests are compiled eight files to a
+# translation unit (DP_UNITY), so no two files of one target may declare a name alike at file scope,
+# whichever eight come together. Each target's files, as the database lists them, are parsed as one
+# unit with the target's flags; where the toolkit is, the CUDA configuration's: engine/cuda/ in place
+# of the stub, the tests' CUDA cases compiled in.
+db_files() {  # the sources the database compiles into target $1 (absolute paths)
+  /usr/bin/python3 -c '
+import json, sys
+for entry in json.load(open(sys.argv[1])):
+    if "/" + sys.argv[2] + ".dir/" in entry["command"]:
+        print(entry["file"])
+' "$build/compile_commands.json" "$1"
+}
+db_flags() {  # the compile command of target $1's first source without its -o and -c, NUL-separated
   /usr/bin/python3 -c '
 import json, shlex, sys
 for entry in json.load(open(sys.argv[1])):
-    if "/dp_tests.dir/" in entry["command"] and not entry["file"].endswith("test_main.cpp"):
+    if "/" + sys.argv[2] + ".dir/" in entry["command"]:
         words, skip = [], False
         for word in shlex.split(entry["command"]):
             if not skip and word not in ("-o", "-c"):
@@ -84,20 +98,42 @@ for entry in json.load(open(sys.argv[1])):
             skip = not skip and word in ("-o", "-c")
         sys.stdout.write("\0".join(words) + "\0")
         break
-' "$build/compile_commands.json"
+' "$build/compile_commands.json" "$1"
 }
-tests_as_one() {  # the errors, if any
-  local unit flags
+one_unit() {  # target, more flags; its files on stdin: the errors, if any
+  local target=$1 unit flags
+  shift
   unit=$(mktemp --suffix=.cpp)
-  git ls-files 'tests/test_*.cpp' | grep -vx 'tests/test_main.cpp' | sed "s|.*|#include \"$PWD/&\"|" > "$unit"
-  mapfile -d '' flags < <(unit_flags)
-  [ -f "$cuda/include/cuda_runtime.h" ] && flags+=(-isystem "$cuda/include" -UDP_TESTS_CUDA -DDP_TESTS_CUDA=1)
-  (cd "$build" && "${flags[@]}" -fsyntax-only "$unit" 2>&1 | grep -E 'error' || true)
+  sed 's|.*|#include "&"|' > "$unit"
+  [ -s "$unit" ] || echo "error: no files of $target in $build/compile_commands.json"  # a check of nothing
+  mapfile -d '' flags < <(db_flags "$target")
+  (cd "$build" && "${flags[@]}" "$@" -fsyntax-only "$unit" 2>&1 | grep -E 'error' || true)
   rm -f "$unit"
 }
-clashes=$(tests_as_one)
+targets_as_one() {  # the errors, if any
+  local with_cuda=() engine_cuda=() stub='^$'
+  if [ -f "$cuda/include/cuda_runtime.h" ]; then
+    with_cuda=(-isystem "$cuda/include")
+    mapfile -t engine_cuda < <(printf '%s\n' "${cuda_cpp[@]}" | grep '^engine/cuda/' | sed "s|^|$PWD/|")
+    stub='/engine/stub/cuda_stub\.cpp$'
+  fi
+  local half
+  half=$(mktemp)
+  {  # two at a time
+    db_files dp_tests | grep -v '/tests/test_main\.cpp$' |
+      one_unit dp_tests "${with_cuda[@]}" ${with_cuda[0]:+-UDP_TESTS_CUDA -DDP_TESTS_CUDA=1}
+    { db_files dp_engine | grep -v "$stub"; printf '%s\n' "${engine_cuda[@]}"; } | sed '/^$/d' |
+      one_unit dp_engine "${with_cuda[@]}"
+  } > "$half" &
+  db_files dp_train_app | one_unit dp_train_app
+  db_files dp_bench | one_unit dp_bench
+  wait $!
+  cat "$half"
+  rm -f "$half"
+}
+clashes=$(targets_as_one)
 if [ -n "$clashes" ]; then
-  echo "lint.sh: the test files do not compile as one unit (a name declared alike in two of them?):"
+  echo "lint.sh: a target's files do not compile as one unit (a name declared alike in two of them?):"
   echo "$clashes" | head -20 | sed 's/^/  /'
   status=1
 fi
@@ -106,5 +142,5 @@ if [ -n "$found" ]; then
   echo "$found" | sed 's/^/  /'
   status=1
 fi
-[ $status = 0 ] && echo "lint.sh: ${#files[@]} files within 450 lines, README.md $readme lines, $((${#sources[@]} + cuda_sources)) sources without a function over 60 lines, the test files one unit"
+[ $status = 0 ] && echo "lint.sh: ${#files[@]} files within 450 lines, README.md $readme lines, $((${#sources[@]} + cuda_sources)) sources without a function over 60 lines, each unity target one unit"
 exit $status
