@@ -2,9 +2,9 @@
 # The sizes the code keeps (CI runs this): no function over 60 lines outside the tests (clang-tidy's
 # readability-function-size over engine/, train/, models/, kernels/cpu/ and bench/, on a CPU-only
 # configuration's compile database; and over the CUDA backend, kernels/cuda/ and engine/cuda/, the
-# kernels' bodies too, where the toolkit is: cuda_functions below), no tracked file over 450 lines
-# (data aside: golden files, images, the fuzzers' seeds), and a README of at most 350 lines. Lists
-# every offender and exits 1 if any.
+# kernels' bodies too, where the toolkit is), no tracked file over 450 lines (data aside: golden files,
+# images, the fuzzers' seeds), a README of at most 350 lines; and each target the unity build compiles
+# in batches (DP_UNITY) parsed as one unit. Lists every offender and exits 1 if any.
 # Usage: scripts/lint.sh [build dir for the compile database, default build-lint]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,6 @@ if [ "$readme" -gt 350 ]; then
   status=1
 fi
 
-# Functions: clang-tidy over the sources outside the tests, two at a time.
 # DP_UNITY=OFF: a unity build's database lists its batches, not the files.
 if [ ! -f "$build/compile_commands.json" ]; then
   cmake -S . -B "$build" -DDP_CUDA=OFF -DDP_UNITY=OFF -DCMAKE_BUILD_TYPE=Release > /dev/null
@@ -36,48 +35,11 @@ if grep -q '/Unity/unity_' "$build/compile_commands.json"; then
   echo "lint.sh: $build is a unity build, whose database lists batches, not files: configure it with -DDP_UNITY=OFF" >&2
   exit 1
 fi
-# (those the database compiles: the CUDA backend is not in a CPU-only one)
-mapfile -t sources < <(git ls-files 'engine/*.cpp' 'train/*.cpp' 'models/*.cpp' 'kernels/cpu/*.cpp' 'bench/*.cpp' |
-  while read -r f; do grep -q "\"file\": \"$PWD/$f\"" "$build/compile_commands.json" && echo "$f"; done)
-config='{Checks: "-*,readability-function-size", CheckOptions: [{key: readability-function-size.LineThreshold, value: 60}]}'
-found=$(printf '%s\n' "${sources[@]}" |
-  xargs -P 2 -n 8 "$tidy" -p "$build" --quiet --config="$config" 2> /dev/null | grep 'warning: function' || true)
-
-# The CUDA backend, which no CPU-only database compiles and whose nvcc commands clang does not take:
-# each file on a command line of its own, .cu as CUDA host code (clang parses the kernels' bodies there
-# too), .cpp as C++. clang 14 knows CUDA up to 11.5: its CUDA wrapper includes texture headers that
-# CUDA 12 removed, so its texture intrinsics' guard is defined and an empty texture_fetch_functions.h
-# stands in. A file that does not parse fails the lint, since a check of nothing would pass.
 cuda=${CUDA_HOME:-/usr/local/cuda}
-cuda_functions() {  # the findings, or "parse error" lines
-  local stub
-  stub=$(mktemp -d)
-  : > "$stub/texture_fetch_functions.h"
-  local common=(-std=c++20 -I. -isystem "$cuda/include")
-  local cu=(-x cuda --cuda-host-only --cuda-path="$cuda" -nocudalib --no-cuda-version-check
-    -D__CLANG_CUDA_TEXTURE_INTRINSICS_H__ -isystem "$stub")
-  {
-    printf '%s\n' "${cuda_cu[@]}" | xargs -P 2 -I{} "$tidy" --quiet --config="$config" {} -- "${cu[@]}" "${common[@]}"
-    printf '%s\n' "${cuda_cpp[@]}" | xargs -P 2 -I{} "$tidy" --quiet --config="$config" {} -- -x c++ "${common[@]}"
-  } 2>&1 | grep -E 'warning: function|error: ' | sed '/error: /s/^/parse error: /' || true
-  rm -rf "$stub"
-}
 mapfile -t cuda_cu < <(git ls-files 'kernels/cuda/*.cu')
 mapfile -t cuda_cpp < <(git ls-files 'kernels/cuda/*.cpp' 'engine/cuda/*.cpp')
-cuda_sources=0
-if [ -f "$cuda/include/cuda_runtime.h" ]; then
-  cuda_sources=$((${#cuda_cu[@]} + ${#cuda_cpp[@]}))
-  found+=$(printf '\n%s' "$(cuda_functions)")
-  found=$(echo "$found" | sed '/^$/d')
-else
-  echo "lint.sh: no CUDA toolkit at $cuda (CUDA_HOME): kernels/cuda/ and engine/cuda/ not checked for function size"
-fi
+config='{Checks: "-*,readability-function-size", CheckOptions: [{key: readability-function-size.LineThreshold, value: 60}]}'
 
-# Each target as one unit: dp_engine, dp_train_app, dp_bench and dp_tests are compiled eight files to a
-# translation unit (DP_UNITY), so no two files of one target may declare a name alike at file scope,
-# whichever eight come together. Each target's files, as the database lists them, are parsed as one
-# unit with the target's flags; where the toolkit is, the CUDA configuration's: engine/cuda/ in place
-# of the stub, the tests' CUDA cases compiled in.
 db_files() {  # the sources the database compiles into target $1 (absolute paths)
   /usr/bin/python3 -c '
 import json, sys
@@ -100,24 +62,35 @@ for entry in json.load(open(sys.argv[1])):
         break
 ' "$build/compile_commands.json" "$1"
 }
-one_unit() {  # target, more flags; its files on stdin: the errors, if any
+
+# Each target as one unit: dp_engine, dp_train_app, dp_bench and dp_tests are compiled eight files to a
+# translation unit (DP_UNITY), so no two files of one target may declare a name alike at file scope,
+# whichever eight come together. Each target's files, as the database lists them, are parsed as one
+# unit with the target's flags; where the toolkit is, the CUDA configuration's: engine/cuda/ in place
+# of the stub, the tests' CUDA cases compiled in. The three outside the tests are parsed by clang-tidy,
+# which checks their functions in the same pass (in the .cpp files the unit includes: --header-filter).
+one_unit() {  # target, more flags; its files on stdin: the errors and the functions over 60 lines
   local target=$1 unit flags
   shift
   unit=$(mktemp --suffix=.cpp)
   sed 's|.*|#include "&"|' > "$unit"
   [ -s "$unit" ] || echo "error: no files of $target in $build/compile_commands.json"  # a check of nothing
   mapfile -d '' flags < <(db_flags "$target")
-  (cd "$build" && "${flags[@]}" "$@" -fsyntax-only "$unit" 2>&1 | grep -E 'error' || true)
+  if [ "$target" = dp_tests ]; then  # the tests: no size to keep, their compiler's parse
+    (cd "$build" && "${flags[@]}" "$@" -fsyntax-only "$unit" 2>&1 | grep -E 'error: ' || true)
+  else
+    (cd "$build" && "$tidy" --quiet --config="$config" --header-filter='\.cpp$' "$unit" -- "${flags[@]:1}" "$@" 2>&1 |
+      grep -E 'warning: function|error: ' || true)
+  fi
   rm -f "$unit"
 }
-targets_as_one() {  # the errors, if any
-  local with_cuda=() engine_cuda=() stub='^$'
+as_one() {  # the findings, if any
+  local with_cuda=() engine_cuda=() stub='^$' half
   if [ -f "$cuda/include/cuda_runtime.h" ]; then
     with_cuda=(-isystem "$cuda/include")
     mapfile -t engine_cuda < <(printf '%s\n' "${cuda_cpp[@]}" | grep '^engine/cuda/' | sed "s|^|$PWD/|")
     stub='/engine/stub/cuda_stub\.cpp$'
   fi
-  local half
   half=$(mktemp)
   {  # two at a time
     db_files dp_tests | grep -v '/tests/test_main\.cpp$' |
@@ -131,14 +104,47 @@ targets_as_one() {  # the errors, if any
   cat "$half"
   rm -f "$half"
 }
-clashes=$(targets_as_one)
-if [ -n "$clashes" ]; then
-  echo "lint.sh: a target's files do not compile as one unit (a name declared alike in two of them?):"
-  echo "$clashes" | head -20 | sed 's/^/  /'
-  status=1
+found=$(as_one)
+
+# Functions: clang-tidy over the other sources outside the tests (those the database compiles: the CUDA
+# backend is not in a CPU-only one), file by file, two at a time.
+mapfile -t sources < <(git ls-files 'engine/*.cpp' 'train/*.cpp' 'models/*.cpp' 'kernels/cpu/*.cpp' 'bench/*.cpp' |
+  while read -r f; do grep -q "\"file\": \"$PWD/$f\"" "$build/compile_commands.json" && echo "$f"; done)
+mapfile -t in_units < <(for t in dp_engine dp_train_app dp_bench; do db_files $t; done | sed "s|^$PWD/||")
+found+=$(printf '\n%s' "$(printf '%s\n' "${sources[@]}" | grep -vxF -f <(printf '%s\n' "${in_units[@]}") |
+  xargs -P 2 -n 8 "$tidy" -p "$build" --quiet --config="$config" 2> /dev/null | grep 'warning: function' || true)")
+
+# The CUDA backend, which no CPU-only database compiles and whose nvcc commands clang does not take:
+# each file on a command line of its own, .cu as CUDA host code (clang parses the kernels' bodies there
+# too), .cpp as C++ (engine/cuda/'s in dp_engine's unit above). clang 14 knows CUDA up to 11.5: its CUDA
+# wrapper includes texture headers that CUDA 12 removed, so its texture intrinsics' guard is defined and
+# an empty texture_fetch_functions.h stands in. A file that does not parse fails the lint, since a check
+# of nothing would pass.
+cuda_functions() {  # the findings, or "parse error" lines
+  local stub
+  stub=$(mktemp -d)
+  : > "$stub/texture_fetch_functions.h"
+  local common=(-std=c++20 -I. -isystem "$cuda/include")
+  local cu=(-x cuda --cuda-host-only --cuda-path="$cuda" -nocudalib --no-cuda-version-check
+    -D__CLANG_CUDA_TEXTURE_INTRINSICS_H__ -isystem "$stub")
+  {
+    printf '%s\n' "${cuda_cu[@]}" | xargs -P 2 -I{} "$tidy" --quiet --config="$config" {} -- "${cu[@]}" "${common[@]}"
+    printf '%s\n' "${cuda_cpp[@]}" | grep -v '^engine/cuda/' |
+      xargs -P 2 -I{} "$tidy" --quiet --config="$config" {} -- -x c++ "${common[@]}"
+  } 2>&1 | grep -E 'warning: function|error: ' | sed '/error: /s/^/parse error: /' || true
+  rm -rf "$stub"
+}
+cuda_sources=0
+if [ -f "$cuda/include/cuda_runtime.h" ]; then
+  cuda_sources=$((${#cuda_cu[@]} + ${#cuda_cpp[@]}))
+  found+=$(printf '\n%s' "$(cuda_functions)")
+else
+  echo "lint.sh: no CUDA toolkit at $cuda (CUDA_HOME): kernels/cuda/ and engine/cuda/ not checked for function size"
 fi
+found=$(echo "$found" | sed '/^$/d')
 if [ -n "$found" ]; then
-  echo "lint.sh: functions over 60 lines (or CUDA sources that did not parse):"
+  echo "lint.sh: functions over 60 lines, or errors: a target's files that do not compile as one unit (a name"
+  echo "declared alike in two of them?), CUDA sources that did not parse:"
   echo "$found" | sed 's/^/  /'
   status=1
 fi
