@@ -39,13 +39,14 @@ fuzz() {  # name
     "build-fuzz/corpus-$1" "tests/fuzz/corpus/$1" > "build-fuzz/fuzz_$1.log" 2>&1
 }
 echo "fuzz_idx, fuzz_safetensors: ${seconds} s each, at once"
+declare -A pid
 fuzz idx &
-idx=$!
+pid[idx]=$!
 fuzz safetensors &
-safetensors=$!
+pid[safetensors]=$!
 status=0
 for name in idx safetensors; do
-  if ! wait "${!name}"; then
+  if ! wait "${pid[$name]}"; then
     echo "fuzz_$name FAILED: see build-fuzz/fuzz_$name.log and build-fuzz/artifacts/" >&2
     tail -40 "build-fuzz/fuzz_$name.log" >&2
     status=1

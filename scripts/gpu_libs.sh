@@ -1,6 +1,6 @@
 # Sourced by scripts/gpu_check.sh (after it picked $py, a Python that has torch): where cuDNN and NCCL are
 # on a GPU machine without our Debian packages.
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2154  # $py: set by gpu_check.sh before it sources this
 
 # cuDNN and NCCL: where the toolkit has them, else PyTorch's wheels (nvidia-cudnn-cu*, nvidia-nccl-cu*:
 # site-packages/nvidia/{cudnn,nccl}/{include,lib}, whose libraries carry only the versioned name
