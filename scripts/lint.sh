@@ -40,11 +40,13 @@ mapfile -t cuda_cu < <(git ls-files 'kernels/cuda/*.cu')
 mapfile -t cuda_cpp < <(git ls-files 'kernels/cuda/*.cpp' 'engine/cuda/*.cpp')
 config='{Checks: "-*,readability-function-size", CheckOptions: [{key: readability-function-size.LineThreshold, value: 60}]}'
 
+# A target's sources in the database: not what CMake generates (the precompiled header's entry), and
+# for the flags not dp_tests' test_main.cpp, which the precompiled header skips.
 db_files() {  # the sources the database compiles into target $1 (absolute paths)
   /usr/bin/python3 -c '
 import json, sys
 for entry in json.load(open(sys.argv[1])):
-    if "/" + sys.argv[2] + ".dir/" in entry["command"]:
+    if "/" + sys.argv[2] + ".dir/" in entry["command"] and "/CMakeFiles/" not in entry["file"]:
         print(entry["file"])
 ' "$build/compile_commands.json" "$1"
 }
@@ -52,7 +54,9 @@ db_flags() {  # the compile command of target $1's first source without its -o a
   /usr/bin/python3 -c '
 import json, shlex, sys
 for entry in json.load(open(sys.argv[1])):
-    if "/" + sys.argv[2] + ".dir/" in entry["command"]:
+    file = entry["file"]
+    if ("/" + sys.argv[2] + ".dir/" in entry["command"] and "/CMakeFiles/" not in file
+            and not file.endswith("/test_main.cpp")):
         words, skip = [], False
         for word in shlex.split(entry["command"]):
             if not skip and word not in ("-o", "-c"):
