@@ -40,31 +40,29 @@ mapfile -t cuda_cu < <(git ls-files 'kernels/cuda/*.cu')
 mapfile -t cuda_cpp < <(git ls-files 'kernels/cuda/*.cpp' 'engine/cuda/*.cpp')
 config='{Checks: "-*,readability-function-size", CheckOptions: [{key: readability-function-size.LineThreshold, value: 60}]}'
 
-# A target's sources in the database: not what CMake generates (the precompiled header's entry), and
-# for the flags not dp_tests' test_main.cpp, which the precompiled header skips.
-db_files() {  # the sources the database compiles into target $1 (absolute paths)
-  /usr/bin/python3 -c '
-import json, sys
-for entry in json.load(open(sys.argv[1])):
-    if "/" + sys.argv[2] + ".dir/" in entry["command"] and "/CMakeFiles/" not in entry["file"]:
-        print(entry["file"])
-' "$build/compile_commands.json" "$1"
-}
-db_flags() {  # the compile command of target $1's first source without its -o and -c, NUL-separated
+# A target's sources in the database, as its unity batches take them: not what CMake generates (the
+# precompiled header's entry), not dp_tests' test_main.cpp (compiled alone, without the precompiled header).
+# db TARGET files: those sources (absolute paths); db TARGET flags: the first one's compile command without
+# its -o and -c, NUL-separated.
+db() {
   /usr/bin/python3 -c '
 import json, shlex, sys
-for entry in json.load(open(sys.argv[1])):
+db, target, what = sys.argv[1:]
+for entry in json.load(open(db)):
     file = entry["file"]
-    if ("/" + sys.argv[2] + ".dir/" in entry["command"] and "/CMakeFiles/" not in file
-            and not file.endswith("/test_main.cpp")):
-        words, skip = [], False
-        for word in shlex.split(entry["command"]):
-            if not skip and word not in ("-o", "-c"):
-                words.append(word)
-            skip = not skip and word in ("-o", "-c")
-        sys.stdout.write("\0".join(words) + "\0")
-        break
-' "$build/compile_commands.json" "$1"
+    if "/" + target + ".dir/" not in entry["command"] or "/CMakeFiles/" in file or file.endswith("/test_main.cpp"):
+        continue
+    if what == "files":
+        print(file)
+        continue
+    words, skip = [], False
+    for word in shlex.split(entry["command"]):
+        if not skip and word not in ("-o", "-c"):
+            words.append(word)
+        skip = not skip and word in ("-o", "-c")
+    sys.stdout.write("\0".join(words) + "\0")
+    break
+' "$build/compile_commands.json" "$1" "$2"
 }
 
 # Each target as one unit: dp_engine, dp_train_app, dp_bench and dp_tests are compiled eight files to a
@@ -79,7 +77,7 @@ one_unit() {  # target, more flags; its files on stdin: the errors and the funct
   unit=$(mktemp --suffix=.cpp)
   sed 's|.*|#include "&"|' > "$unit"
   [ -s "$unit" ] || echo "error: no files of $target in $build/compile_commands.json"  # a check of nothing
-  mapfile -d '' flags < <(db_flags "$target")
+  mapfile -d '' flags < <(db "$target" flags)
   if [ "$target" = dp_tests ]; then  # the tests: no size to keep, their compiler's parse
     (cd "$build" && "${flags[@]}" "$@" -fsyntax-only "$unit" 2>&1 | grep -E 'error: ' || true)
   else
@@ -97,13 +95,12 @@ as_one() {  # the findings, if any
   fi
   half=$(mktemp)
   {  # two at a time
-    db_files dp_tests | grep -v '/tests/test_main\.cpp$' |
-      one_unit dp_tests "${with_cuda[@]}" ${with_cuda[0]:+-UDP_TESTS_CUDA -DDP_TESTS_CUDA=1}
-    { db_files dp_engine | grep -v "$stub"; printf '%s\n' "${engine_cuda[@]}"; } | sed '/^$/d' |
+    db dp_tests files | one_unit dp_tests "${with_cuda[@]}" ${with_cuda[0]:+-UDP_TESTS_CUDA -DDP_TESTS_CUDA=1}
+    { db dp_engine files | grep -v "$stub"; printf '%s\n' "${engine_cuda[@]}"; } | sed '/^$/d' |
       one_unit dp_engine "${with_cuda[@]}"
   } > "$half" &
-  db_files dp_train_app | one_unit dp_train_app
-  db_files dp_bench | one_unit dp_bench
+  db dp_train_app files | one_unit dp_train_app
+  db dp_bench files | one_unit dp_bench
   wait $!
   cat "$half"
   rm -f "$half"
@@ -114,7 +111,7 @@ found=$(as_one)
 # backend is not in a CPU-only one), file by file, two at a time.
 mapfile -t sources < <(git ls-files 'engine/*.cpp' 'train/*.cpp' 'models/*.cpp' 'kernels/cpu/*.cpp' 'bench/*.cpp' |
   while read -r f; do grep -q "\"file\": \"$PWD/$f\"" "$build/compile_commands.json" && echo "$f"; done)
-mapfile -t in_units < <(for t in dp_engine dp_train_app dp_bench; do db_files $t; done | sed "s|^$PWD/||")
+mapfile -t in_units < <(for t in dp_engine dp_train_app dp_bench; do db $t files; done | sed "s|^$PWD/||")
 found+=$(printf '\n%s' "$(printf '%s\n' "${sources[@]}" | grep -vxF -f <(printf '%s\n' "${in_units[@]}") |
   xargs -P 2 -n 8 "$tidy" -p "$build" --quiet --config="$config" 2> /dev/null | grep 'warning: function' || true)")
 
