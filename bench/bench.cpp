@@ -120,6 +120,21 @@ std::string AlphaBeta::describe() const {
   return s + " (median over " + std::to_string(repeats.size()) + " repeats" + fits + buf;
 }
 
+std::string fit_lines(const AlphaBeta& ab) {
+  std::string s =
+      ab.valid() ? "  " + ab.describe() + "\n" : "  no fit (too few sizes or times that do not grow with size)\n";
+  char buf[128];
+  for (size_t i = 0; i < ab.repeats.size(); ++i) {
+    auto [alpha, beta] = ab.repeats[i];
+    if (beta > 0)
+      std::snprintf(buf, sizeof buf, "  repeat %zu: α = %.1f µs, β = %.2f GB/s\n", i + 1, alpha * 1e6, beta / 1e9);
+    else
+      std::snprintf(buf, sizeof buf, "  repeat %zu: no fit\n", i + 1);
+    s += buf;
+  }
+  return s;
+}
+
 nlohmann::json AlphaBeta::json() const {
   if (!valid()) return nullptr;
   nlohmann::json j = {{"alpha_us", alpha * 1e6}, {"beta_gbps", beta / 1e9}, {"source", source}};

@@ -70,6 +70,8 @@ AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<dou
 // One fit per repeated sweep -> alpha and beta each the median over the repeats that fitted (so
 // the pair need not be any one repeat's); invalid when none fitted.
 AlphaBeta median_fit(const std::vector<AlphaBeta>& fits);
+// The fit as comm prints it: "  " describe() (or "  no fit (...)"), then each repeat's own line.
+std::string fit_lines(const AlphaBeta& ab);
 
 // --- the collective sweep -------------------------------------------------------------------------
 

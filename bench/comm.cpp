@@ -59,17 +59,7 @@ void print_comm(const std::vector<CommPoint>& points, const AlphaBeta& ab, const
       "\nα-β fit of all_reduce: t = α + S_rank / β with S_rank = the ring's bytes per rank (2(n-1)/n x S), fitted "
       "to each of %d sweeps of all_reduce alone (the first is the table's); the model column uses the median:\n",
       o.repeats);
-  if (ab.valid())
-    std::printf("  %s\n", ab.describe().c_str());
-  else
-    std::printf("  no fit (too few sizes or times that do not grow with size)\n");
-  for (size_t i = 0; i < ab.repeats.size(); ++i) {
-    auto [alpha, beta] = ab.repeats[i];
-    if (beta > 0)
-      std::printf("  repeat %zu: α = %.1f µs, β = %.2f GB/s\n", i + 1, alpha * 1e6, beta / 1e9);
-    else
-      std::printf("  repeat %zu: no fit\n", i + 1);
-  }
+  std::printf("%s", fit_lines(ab).c_str());
 }
 
 }  // namespace

@@ -15,8 +15,10 @@
 //
 // Then one all-reduce of LeNet's gradient on every device, its bytes (inside the process and across
 // processes) against hierarchical_all_reduce_traffic; a device off the model fails the run (exit 1).
-// Rank 0 prints (the others' stdout is silenced) and writes --json; --plot and the α-β fit are the
-// one-process comm's.
+// Then the α-β fit of dp's all-reduce across processes, as the one-process comm's (each of --repeats
+// sweeps fitted alone, the median; the first sweep is the table's, the others time dp's all-reduce alone):
+// the α and β a model of the job takes (dp_bench scale --alpha-us --beta-gbps; bench/scale_processes.sh).
+// Rank 0 prints (the others' stdout is silenced) and writes --json; --plot is the one-process comm's.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -114,8 +116,17 @@ struct Job {
     for (int k = 0; k < K; ++k) devices[size_t(k)]->run([&, k] { buf[size_t(k)].reset(); }).get();
   }
 
-  // dp's all-reduce beside a bare MPI_Allreduce at every size: the table, and its points for --json.
-  nlohmann::json sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes);
+  // dp's all-reduce of `bytes` on every device of every process, its ops back to back on each device's
+  // thread, as in a training step (the hand-off to the threads is paid once per run, not per op).
+  Measured time_dp(int64_t bytes);
+  // dp's all-reduce beside a bare MPI_Allreduce at every size: the table, and its points for --json;
+  // dp's time per size in `dp_seconds` (the fit's first sweep).
+  nlohmann::json sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes, std::vector<double>& dp_seconds);
+  // t = α + x / β fitted to each of --repeats sweeps of dp's all-reduce over `sizes` (the first:
+  // `first`, the table's), x the busiest rank's bytes of a ring over the job's n devices, 2(n-1)/n of S
+  // (with K > 1 the hierarchical all-reduce moves other bytes; the fit stands for it as a flat ring);
+  // the median (median_fit), printed.
+  AlphaBeta fit(const std::vector<int64_t>& sizes, const std::vector<double>& first);
   // One all-reduce of LeNet's gradient on every device, its bytes against the hierarchical model;
   // every process's records, in rank order (every process judges and prints alike).
   nlohmann::json check_bytes(int64_t lenet_bytes, bool& any_off);
@@ -125,7 +136,21 @@ struct Job {
   nlohmann::json check_sharded(int k, int64_t chunk);
 };
 
-nlohmann::json Job::sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes) {
+Measured Job::time_dp(int64_t bytes) {
+  const int64_t count = bytes / 4;
+  return measure(group, o, timeout, bytes, n, [&](int iters) {
+    std::vector<double> elapsed(static_cast<size_t>(K));
+    spmd(comm, devices, [&](int k) {
+      const clock::time_point t0 = clock::now();
+      for (int i = 0; i < iters; ++i) comm.all_reduce(k, buf[size_t(k)].f(), count);
+      devices[size_t(k)]->synchronize();
+      elapsed[size_t(k)] = since(t0);
+    });
+    return *std::max_element(elapsed.begin(), elapsed.end());
+  });
+}
+
+nlohmann::json Job::sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes, std::vector<double>& dp_seconds) {
   std::vector<float> host(size_t(sizes.back() / 4), 0.0f);  // MPI's buffer, in this process's memory
   std::printf(
       "\nall-reduce across %d processes (%s): dp over %d devices (%d per process) vs a bare MPI_Allreduce over "
@@ -135,20 +160,11 @@ nlohmann::json Job::sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes
   Table t;
   t.row({"S", "dp µs", "algbw", "busbw", "MPI µs", "algbw", "busbw", "dp/MPI busbw"});
   nlohmann::json pts = nlohmann::json::array();
+  dp_seconds.clear();
   for (int64_t bytes : sizes) {
     const int64_t count = bytes / 4;
-    // dp: each device's thread runs the ops back to back, as in a training step (the hand-off to the
-    // threads is paid once per run, not per op).
-    const Measured dp = measure(group, o, timeout, bytes, n, [&](int iters) {
-      std::vector<double> elapsed(static_cast<size_t>(K));
-      spmd(comm, devices, [&](int k) {
-        const clock::time_point t0 = clock::now();
-        for (int i = 0; i < iters; ++i) comm.all_reduce(k, buf[size_t(k)].f(), count);
-        devices[size_t(k)]->synchronize();
-        elapsed[size_t(k)] = since(t0);
-      });
-      return *std::max_element(elapsed.begin(), elapsed.end());
-    });
+    const Measured dp = time_dp(bytes);
+    dp_seconds.push_back(dp.seconds);
     const Measured mpi = measure(group, o, timeout, bytes, P, [&](int iters) {
       const clock::time_point t0 = clock::now();
       for (int i = 0; i < iters; ++i) group.all_reduce_blocking(host.data(), count);
@@ -166,6 +182,26 @@ nlohmann::json Job::sweep(const std::vector<int64_t>& sizes, int64_t lenet_bytes
   }
   std::printf("%s", t.str(2).c_str());
   return pts;
+}
+
+AlphaBeta Job::fit(const std::vector<int64_t>& sizes, const std::vector<double>& first) {
+  std::vector<double> x;
+  for (int64_t bytes : sizes) x.push_back(double(bytes) * busbw_factor(Collective::all_reduce, n));
+  std::vector<AlphaBeta> fits;
+  for (int r = 0; r < o.repeats; ++r) {
+    std::vector<double> t = first;
+    if (r > 0) std::transform(sizes.begin(), sizes.end(), t.begin(), [&](int64_t b) { return time_dp(b).seconds; });
+    fits.push_back(fit_alpha_beta(x, t));
+    fits.back().source = "fitted to dp's all_reduce across " + std::to_string(P) + " processes over " +
+                         format_bytes(sizes.front()) + " .. " + format_bytes(sizes.back());
+  }
+  const AlphaBeta ab = median_fit(fits);
+  std::printf(
+      "\nα-β fit of dp's all-reduce across the processes: t = α + S_rank / β with S_rank = a ring's bytes per rank "
+      "(2(n-1)/n x S, n = %d), fitted to each of %d sweeps of dp's all-reduce (the first is the table's); the "
+      "median:\n%s",
+      n, o.repeats, fit_lines(ab).c_str());
+  return ab;
 }
 
 nlohmann::json Job::check_sharded(int k, int64_t chunk) {
@@ -254,7 +290,8 @@ void check_job(ProcessGroup& group, const CommSweep& sw, const CommOptions& o, c
                   {{"devices per process (--gpus/--devices)", std::to_string(K)},
                    {"--min-bytes", std::to_string(sw.min_bytes)},
                    {"--max-bytes", std::to_string(sw.max_bytes)},
-                   {"--iters", std::to_string(o.iters)}},
+                   {"--iters", std::to_string(o.iters)},
+                   {"--repeats", std::to_string(o.repeats)}},
                   kDefaultTimeout);
   if (group.size() * K < 2)
     throw UsageError(
@@ -296,19 +333,17 @@ int run_comm_processes(const CommOptions& o, const CommSweep& sw, ProcessGroup& 
   // The buffers hold the largest size, and LeNet's gradient padded to a chunk per device of the job.
   const int64_t n = int64_t(group.size()) * int64_t(devices.size()), lenet = lenet_bytes / 4;
   Job job(group, o, devices, std::max(sizes.back() / 4, (lenet + n - 1) / n * n));
-  const nlohmann::json pts = job.sweep(sizes, lenet_bytes);
+  std::vector<double> dp_seconds;
+  const nlohmann::json pts = job.sweep(sizes, lenet_bytes, dp_seconds);
+  const AlphaBeta ab = job.fit(sizes, dp_seconds);
   bool any_off = false;
   const nlohmann::json bytes_check = job.check_bytes(lenet_bytes, any_off);
-  nlohmann::json j = {{"command", o.command},
-                      {"processes", job.P},
-                      {"devices_per_process", job.K},
-                      {"hosts", group.hosts()},
-                      {"min_bytes", sw.min_bytes},
-                      {"max_bytes", sw.max_bytes},
-                      {"max_iters", o.iters},
-                      {"lenet_gradient_bytes", lenet_bytes},
-                      {"points", pts},
-                      {"bytes_check", bytes_check},
+  nlohmann::json j = {{"command", o.command},         {"processes", job.P},
+                      {"devices_per_process", job.K}, {"hosts", group.hosts()},
+                      {"min_bytes", sw.min_bytes},    {"max_bytes", sw.max_bytes},
+                      {"max_iters", o.iters},         {"lenet_gradient_bytes", lenet_bytes},
+                      {"repeats", o.repeats},         {"points", pts},
+                      {"alpha_beta", ab.json()},      {"bytes_check", bytes_check},
                       {"bytes_match_model", !any_off}};
   if (group.rank() == 0 && !o.json.empty()) write_json(o.json, j);
   return any_off ? 1 : 0;

@@ -2,13 +2,16 @@
 // and its JSON records (test_bench.cpp, test_bench_inputs.cpp).
 #pragma once
 
+#include <doctest/doctest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "tests/util.h"
 
@@ -43,6 +46,29 @@ inline int bench(const std::string& args, const std::string& log, const std::str
 inline json load(const std::string& path) {
   std::ifstream f(path);
   return json::parse(f);
+}
+
+// A --json's alpha_beta of a median fit over `repeats` sweeps: each of alpha_us and beta_gbps the
+// median of the repeats that fitted, between their min and max as "spread" says.
+inline void check_median_fit(const json& ab, int repeats) {
+  CHECK(ab["fit"] == "median");
+  CHECK(ab["repeats"] == repeats);
+  REQUIRE(ab["per_repeat"].size() == size_t(repeats));
+  for (const char* key : {"alpha_us", "beta_gbps"}) {
+    CAPTURE(key);
+    std::vector<double> v;
+    for (const json& r : ab["per_repeat"])
+      if (!r.is_null()) v.push_back(r[key].get<double>());
+    REQUIRE(int(v.size()) == ab["fitted"].get<int>());
+    std::sort(v.begin(), v.end());
+    const double med = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+    const double lo = ab["spread"][key]["min"], hi = ab["spread"][key]["max"], m = ab[key];
+    CHECK(lo <= m);
+    CHECK(m <= hi);
+    CHECK(lo == doctest::Approx(v.front()));
+    CHECK(hi == doctest::Approx(v.back()));
+    CHECK(m == doctest::Approx(med));
+  }
 }
 
 }  // namespace dp::test::bench_runner

@@ -244,25 +244,7 @@ TEST_CASE("bench: comm fits alpha-beta on each repeat and reports the median wit
   CHECK(out.find("fitted to each of 3 sweeps") != std::string::npos);
   // As in the comm test above: no fit at all only on a badly overloaded machine.
   if (j["alpha_beta"].is_null()) return;
-  const json& ab = j["alpha_beta"];
-  CHECK(ab["fit"] == "median");
-  CHECK(ab["repeats"] == 3);
-  REQUIRE(ab["per_repeat"].size() == 3);
-  for (const char* key : {"alpha_us", "beta_gbps"}) {
-    CAPTURE(key);
-    std::vector<double> v;
-    for (const json& r : ab["per_repeat"])
-      if (!r.is_null()) v.push_back(r[key].get<double>());
-    REQUIRE(int(v.size()) == ab["fitted"].get<int>());
-    std::sort(v.begin(), v.end());
-    const double med = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-    const double lo = ab["spread"][key]["min"], hi = ab["spread"][key]["max"], m = ab[key];
-    CHECK(lo <= m);
-    CHECK(m <= hi);
-    CHECK(lo == doctest::Approx(v.front()));
-    CHECK(hi == doctest::Approx(v.back()));
-    CHECK(m == doctest::Approx(med));
-  }
+  check_median_fit(j["alpha_beta"], 3);
   CHECK(out.find("(median over 3 repeats; min–max α ") != std::string::npos);
   CHECK(out.find("repeat 3: ") != std::string::npos);
 }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <thread>
 #include <tuple>
@@ -17,6 +18,7 @@
 #include "engine/device.h"
 #include "models/model.h"
 #include "tests/backends.h"
+#include "tests/bench_runner.h"
 #include "tests/mpi_job.h"
 #include "tests/util.h"
 #include "train/verify.h"
@@ -25,6 +27,31 @@ using namespace dp;
 using namespace dp::test;
 
 using namespace dp::test::mpi;
+
+namespace {
+
+// comm's alpha-beta fit across processes: the median of its --repeats 2 sweeps, and the first sweep's
+// fit the table's: t = alpha + x / beta in relative error (weights 1 / t^2) over the table's dp times, x
+// a ring's bytes per rank over the job's n devices, so at the fit the weighted residuals sum to 0 and are
+// orthogonal to x (the first only where alpha was clamped to 0). No fit only on a badly loaded machine.
+void check_fit(const nlohmann::json& j, int n) {
+  CHECK(j["repeats"] == 2);
+  if (j["alpha_beta"].is_null()) return;
+  dp::test::bench_runner::check_median_fit(j["alpha_beta"], 2);
+  const nlohmann::json& first = j["alpha_beta"]["per_repeat"][0];
+  if (first.is_null()) return;
+  const double alpha = first["alpha_us"].get<double>() * 1e-6, beta = first["beta_gbps"].get<double>() * 1e9;
+  double sum = 0, sum_x = 0, scale = 0, scale_x = 0;
+  for (const nlohmann::json& p : j["points"]) {
+    const double t = p["dp"]["time_us"].get<double>() * 1e-6, x = p["bytes"].get<double>() * 2 * (n - 1) / n;
+    const double r = (t - alpha - x / beta) / (t * t);
+    sum += r, sum_x += r * x, scale += std::abs(r), scale_x += std::abs(r * x);
+  }
+  CHECK(sum_x == doctest::Approx(0).scale(scale_x).epsilon(1e-6));
+  if (alpha > 0) CHECK(sum == doctest::Approx(0).scale(scale).epsilon(1e-6));
+}
+
+}  // namespace
 
 TEST_CASE("mpi: dp_bench comm measures the all-reduce across processes beside MPI_Allreduce, bytes on the model") {
   if (!have_mpi()) return;
@@ -35,7 +62,7 @@ TEST_CASE("mpi: dp_bench comm measures the all-reduce across processes beside MP
     CAPTURE(K);
     const std::string json = dir / "c.json";
     CommandResult r = run_command(kMpirun + " -np 2 " + bench + " --devices " + std::to_string(K) +
-                                  " --min-bytes 4K --max-bytes 64K --iters 2 --json " + json);
+                                  " --min-bytes 4K --max-bytes 64K --iters 2 --repeats 2 --json " + json);
     INFO(r.output);
     REQUIRE(r.exit_code == 0);
     CHECK(r.output.find("bytes: every device equals the model") != std::string::npos);
@@ -73,6 +100,7 @@ TEST_CASE("mpi: dp_bench comm measures the all-reduce across processes beside MP
       CHECK(d["inter_received"] == m.inter.received);
       CHECK(d["matches_model"] == true);
     }
+    check_fit(j, 2 * K);
   }
   // Processes with different device counts are refused before any channel opens; the other
   // subcommands measure one process.
