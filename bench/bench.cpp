@@ -84,6 +84,25 @@ AlphaBeta fit_alpha_beta(const std::vector<double>& x, const std::vector<double>
   return ab;
 }
 
+std::optional<AlphaBeta> given_alpha_beta(std::optional<double> alpha_us, std::optional<double> beta_gbps) {
+  auto value = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%g", v);
+    return std::string(buf);
+  };
+  if (alpha_us && !(*alpha_us >= 0 && std::isfinite(*alpha_us)))
+    throw UsageError("--alpha-us: must be a finite latency >= 0 in µs, not " + value(*alpha_us));
+  if (beta_gbps && !(*beta_gbps > 0 && std::isfinite(*beta_gbps)))
+    throw UsageError("--beta-gbps: must be a finite bandwidth > 0 in GB/s, not " + value(*beta_gbps));
+  if (alpha_us.has_value() != beta_gbps.has_value())
+    throw UsageError("--alpha-us and --beta-gbps: give both (or neither, to fit them here)");
+  if (!alpha_us) return std::nullopt;
+  AlphaBeta ab;
+  ab.alpha = *alpha_us * 1e-6, ab.beta = *beta_gbps * 1e9;
+  ab.source = "given: --alpha-us/--beta-gbps";
+  return ab;
+}
+
 AlphaBeta median_fit(const std::vector<AlphaBeta>& fits) {
   AlphaBeta m;
   std::vector<double> alphas, betas;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -65,6 +66,10 @@ struct AlphaBeta {
   // fitted, spread {alpha_us, beta_gbps: {min, max}}, per_repeat [{alpha_us, beta_gbps} or null].
   nlohmann::json json() const;
 };
+// --alpha-us and --beta-gbps: both or neither, a finite latency >= 0 µs and a finite bandwidth > 0 GB/s
+// (else a UsageError naming which). The pair as an AlphaBeta "given: --alpha-us/--beta-gbps", or
+// nothing when neither was given (fitted, then).
+std::optional<AlphaBeta> given_alpha_beta(std::optional<double> alpha_us, std::optional<double> beta_gbps);
 // Least squares of t = alpha + x / beta in relative error (see bench.cpp for why relative).
 AlphaBeta fit_alpha_beta(const std::vector<double>& bytes, const std::vector<double>& seconds);
 // One fit per repeated sweep -> alpha and beta each the median over the repeats that fitted (so

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,12 +21,12 @@ struct CompareOptions {
   int64_t bucket_kb = 0;  // the allreduce engine's buckets (scatter has none)
   Split split = Split::even;
   uint64_t seed = 0;
-  float lr = 0.1f, momentum = 0.9f;  // dp_train's defaults
-  float clip_grad_norm = 0;          // --clip-grad-norm (0: off)
-  int accumulate = 1;                // --accumulate: micro-batches of `batch` per optimizer step
-  DType grad_dtype = DType::fp32;    // --grad-dtype: the gradients' collectives (scatter's stay fp32)
-  std::vector<int> sweep;            // --sweep-devices: device counts
-  double alpha_us = -1, beta_gbps = -1;
+  float lr = 0.1f, momentum = 0.9f;           // dp_train's defaults
+  float clip_grad_norm = 0;                   // --clip-grad-norm (0: off)
+  int accumulate = 1;                         // --accumulate: micro-batches of `batch` per optimizer step
+  DType grad_dtype = DType::fp32;             // --grad-dtype: the gradients' collectives (scatter's stay fp32)
+  std::vector<int> sweep;                     // --sweep-devices: device counts
+  std::optional<double> alpha_us, beta_gbps;  // given, or fitted here
   int repeats = 5;  // all_reduce sweeps for the alpha-beta fit, each fitted alone: the median is used
   std::string json, trace, plot;
   std::string command;  // as typed, for the records
@@ -88,10 +89,10 @@ struct ScaleOptions {
   std::string preset = "h100-ndr";
   std::vector<int> devices{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
   std::string model = "lenet";
-  int per_device = 256;                  // images per device (weak scaling: the global batch grows with the devices)
-  int64_t bucket_kb = 0;                 // the engine's gradient buckets, for the strategies that take them
-  double compute_us = -1;                // a one-device step; -1: measured (sim) or the preset's figure
-  double alpha_us = -1, beta_gbps = -1;  // sim: the collectives' alpha-beta; -1: fitted here
+  int per_device = 256;    // images per device (weak scaling: the global batch grows with the devices)
+  int64_t bucket_kb = 0;   // the engine's gradient buckets, for the strategies that take them
+  double compute_us = -1;  // a one-device step; -1: measured (sim) or the preset's figure
+  std::optional<double> alpha_us, beta_gbps;  // sim: the collectives' alpha-beta, given or fitted here
   // sim: the device counts the model is checked against, measured here (empty: none)
   std::vector<int> validate{1, 2, 4};
   int steps = 10, warmup = 2;

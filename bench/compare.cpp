@@ -103,9 +103,7 @@ void check_options(const CompareOptions& o) {
   if (o.warmup < 0) throw UsageError("--warmup: must be >= 0");
   if (o.repeats < 1) throw UsageError("--repeats: " + std::to_string(o.repeats) + " sweeps; give at least 1");
   if (o.bucket_kb < 0) throw UsageError("--bucket-kb: must be >= 0 (0: one all-reduce after backward)");
-  if ((o.alpha_us >= 0) != (o.beta_gbps >= 0))
-    throw UsageError("--alpha-us and --beta-gbps: give both (or neither, to fit them here)");
-  if (o.alpha_us >= 0 && !(o.beta_gbps > 0)) throw UsageError("--beta-gbps: must be a positive bandwidth in GB/s");
+  given_alpha_beta(o.alpha_us, o.beta_gbps);
   check_output_file("--json", o.json);
   check_output_file("--trace", o.trace);
   check_output_directory("--plot", o.plot);
@@ -137,9 +135,9 @@ CommSweep quick_sweep() {
 // Given by --alpha-us/--beta-gbps, or fitted on these devices (none for a single device).
 AlphaBeta alpha_beta(const std::vector<Device*>& devices, const CompareOptions& o) {
   AlphaBeta ab;
-  if (o.alpha_us >= 0) {
-    ab.alpha = o.alpha_us * 1e-6, ab.beta = o.beta_gbps * 1e9;
-    ab.source = "(given: --alpha-us/--beta-gbps)";
+  if (const std::optional<AlphaBeta> given = given_alpha_beta(o.alpha_us, o.beta_gbps)) {
+    ab = *given;
+    ab.source = "(" + ab.source + ")";
   } else if (devices.size() > 1) {
     ab = fit_repeated(devices, quick_sweep(), o.repeats);
     ab.source = "(" + ab.source + ", on these devices; dp_bench comm sweeps the full range)";
@@ -165,7 +163,7 @@ MemoryEstimate check_memory(const CompareOptions& o, const ModelSpec& spec) {
     std::vector<Device*> devices;
     for (auto& d : set.devices) devices.push_back(d.get());
     for (const Design& s : designs()) lines.push_back(measure_device_bytes(devices, spec, engine_config(s, o)));
-    if (o.alpha_us < 0 && devices.size() > 1 && lines.back().host)
+    if (!o.alpha_us && devices.size() > 1 && lines.back().host)
       sweeps = std::max(sweeps, sweep_bytes(quick_sweep(), int(devices.size())));
   }
   auto on_devices = [&](int64_t b) {

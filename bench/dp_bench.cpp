@@ -64,15 +64,6 @@ void add_repeats(CLI::App& c, int& repeats) {
       ->transform(exact_integer<int>());
 }
 
-// --alpha-us and --beta-gbps as given (the options hold -1 when not given, so a negative value given
-// must be refused here, not read as "not given").
-void check_alpha_beta(const CLI::App& c, double alpha_us, double beta_gbps) {
-  if (c.count("--alpha-us") && !(alpha_us >= 0 && std::isfinite(alpha_us)))
-    throw UsageError("--alpha-us: must be a finite latency >= 0 in µs");
-  if (c.count("--beta-gbps") && !(beta_gbps > 0 && std::isfinite(beta_gbps)))
-    throw UsageError("--beta-gbps: must be a finite bandwidth > 0 in GB/s");
-}
-
 // A subcommand: its flags on the parser, and what runs when it was the one given. The options live
 // in the closure; `command` is dp_train-style provenance, filled in after parsing.
 struct Subcommand {
@@ -136,7 +127,6 @@ Subcommand add_compare(CLI::App& app) {
   return {c, [=](const std::string& command) {
             co->devices = dev->finish(*c);
             co->seed = parse_seed(*seed, "--seed");
-            check_alpha_beta(*c, co->alpha_us, co->beta_gbps);
             co->split = parse_split(*split);
             co->grad_dtype = parse_grad_dtype(*grad_dtype);
             if (!clip->empty()) co->clip_grad_norm = parse_clip_grad_norm(*clip);
@@ -331,7 +321,6 @@ Subcommand add_scale(CLI::App& app) {
             so->devices = parse_counts(*devices, "--devices");
             so->validate = *validate == "none" ? std::vector<int>{} : parse_counts(*validate, "--validate");
             so->seed = parse_seed(*seed, "--seed");
-            check_alpha_beta(*c, so->alpha_us, so->beta_gbps);
             so->command = command;
             return run_scale(*so);
           }};

@@ -51,10 +51,9 @@ void check_options(const ScaleOptions& o, const Topology& t) {
                      o.model + " at " + std::to_string(o.per_device) + " images");
   for (int n : o.validate)
     if (n < 1) throw UsageError("--validate: a device count must be at least 1, not " + std::to_string(n));
-  if ((o.alpha_us >= 0) != (o.beta_gbps >= 0))
-    throw UsageError("--alpha-us and --beta-gbps: give both (or neither, to fit them here)");
-  if (o.alpha_us >= 0 && (t.nccl || !(o.beta_gbps > 0) || !std::isfinite(o.alpha_us + o.beta_gbps)))
-    throw UsageError("--alpha-us/--beta-gbps: the sim preset's collectives, a latency >= 0 and a bandwidth > 0");
+  if (given_alpha_beta(o.alpha_us, o.beta_gbps) && t.nccl)
+    throw UsageError("--alpha-us/--beta-gbps: the sim preset's collectives; the " + t.name +
+                     " preset's are its published figures");
   if (o.steps < 1 || o.warmup < 0 || o.repeats < 1)
     throw UsageError("--steps and --repeats: at least 1, --warmup: at least 0");
   check_output_file("--json", o.json);
@@ -111,9 +110,9 @@ ComputeTime compute_time(const ScaleOptions& o, const ModelSpec& spec, Topology&
                          const std::map<int, DeviceCountRun>& measured) {
   ComputeTime compute;
   compute.backward_share = flop_backward_share(spec);
-  if (!t.nccl && o.alpha_us >= 0) {
-    t.ab.alpha = o.alpha_us * 1e-6, t.ab.beta = o.beta_gbps * 1e9;
-    t.ab.source = "(given: --alpha-us/--beta-gbps)";
+  if (!t.nccl && o.alpha_us) {
+    t.ab = *given_alpha_beta(o.alpha_us, o.beta_gbps);
+    t.ab.source = "(" + t.ab.source + ")";
     t.source = "given: --alpha-us/--beta-gbps";
   }
   if (!t.nccl) {
@@ -257,8 +256,8 @@ int run_scale(const ScaleOptions& o) {
   std::map<int, DeviceCountRun> measured;
   // sim measures what it validates, and what it is not given: the one-device step, the fit (two devices)
   std::vector<int> counts = o.validate;  // measure() adds the one-device run
-  if (o.alpha_us < 0 && std::none_of(counts.begin(), counts.end(), [](int n) { return n > 1; })) counts.push_back(2);
-  if (!t.nccl && (!o.validate.empty() || o.compute_us < 0 || o.alpha_us < 0)) measured = measure(o, spec, counts);
+  if (!o.alpha_us && std::none_of(counts.begin(), counts.end(), [](int n) { return n > 1; })) counts.push_back(2);
+  if (!t.nccl && (!o.validate.empty() || o.compute_us < 0 || !o.alpha_us)) measured = measure(o, spec, counts);
   const ComputeTime compute = compute_time(o, spec, t, measured);
   print_header(o, t, compute, machine_cores);
   nlohmann::json j = {

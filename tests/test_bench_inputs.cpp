@@ -161,6 +161,9 @@ TEST_CASE("bench: integer seed and bandwidth flags are read exactly or refused w
       {"compare --warmup -1", "--warmup"},
       {"compare --alpha-us inf --beta-gbps 1", "--alpha-us"},
       {"compare --alpha-us 1 --beta-gbps inf", "--beta-gbps"},
+      // given and negative: refused as such (compare's check is scale's, given_alpha_beta)
+      {"compare --alpha-us 1 --beta-gbps -2", "--beta-gbps: must be a finite bandwidth > 0 in GB/s, not -2"},
+      {"compare --beta-gbps 2", "--alpha-us and --beta-gbps: give both"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.args);

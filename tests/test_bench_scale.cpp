@@ -147,9 +147,12 @@ TEST_CASE("bench: scale refuses a device count below 1, nodes it cannot fill and
       {"scale --compute-us -5", "--compute-us: a one-device step in microseconds, more than 0"},
       {"scale --preset sim --alpha-us 3", "--alpha-us and --beta-gbps: give both"},
       // given, and negative: refused as such, not read as not given
-      {"scale --preset sim --alpha-us 3 --beta-gbps -8.3", "--beta-gbps: must be a finite bandwidth > 0 in GB/s"},
-      {"scale --preset sim --alpha-us -1 --beta-gbps 2", "--alpha-us: must be a finite latency >= 0 in µs"},
+      {"scale --preset sim --alpha-us 3 --beta-gbps -8.3",
+       "--beta-gbps: must be a finite bandwidth > 0 in GB/s, not -8.3"},
+      {"scale --preset sim --alpha-us -1 --beta-gbps 2", "--alpha-us: must be a finite latency >= 0 in µs, not -1"},
       {"scale --alpha-us 3 --beta-gbps 1", "--alpha-us/--beta-gbps: the sim preset's collectives"},
+      {"scale --preset sim --alpha-us 3 --beta-gbps nan",
+       "--beta-gbps: must be a finite bandwidth > 0 in GB/s, not nan"},
   };
   for (const Case& c : cases) {
     CAPTURE(c.args);
