@@ -89,9 +89,9 @@ struct ScaleOptions {
   std::string preset = "h100-ndr";
   std::vector<int> devices{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
   std::string model = "lenet";
-  int per_device = 256;    // images per device (weak scaling: the global batch grows with the devices)
-  int64_t bucket_kb = 0;   // the engine's gradient buckets, for the strategies that take them
-  double compute_us = -1;  // a one-device step; -1: measured (sim) or the preset's figure
+  int per_device = 256;              // images per device (weak scaling: the global batch grows with the devices)
+  int64_t bucket_kb = 0;             // the engine's gradient buckets, for the strategies that take them
+  std::optional<double> compute_us;  // a one-device step; not given: measured (sim) or the preset's figure
   std::optional<double> alpha_us, beta_gbps;  // sim: the collectives' alpha-beta, given or fitted here
   // sim: the device counts the model is checked against, measured here (empty: none)
   std::vector<int> validate{1, 2, 4};

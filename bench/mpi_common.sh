@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced: its variables are the sourcing script's
 # What bench/mpi_speed.sh and bench/flight_cost.sh share (sourced): OpenMPI's settings for a 2-core
 # machine run as root on loopback, the training both time, how to read its images/s, and the machine.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \

@@ -42,9 +42,9 @@ void check_options(const ScaleOptions& o, const Topology& t) {
                        std::to_string(t.per_node) + " (" + t.name + "); give at most " + std::to_string(t.per_node) +
                        " or a multiple of it");
   }
-  if (o.compute_us == 0 || (o.compute_us < 0 && o.compute_us != -1))
-    throw UsageError("--compute-us: a one-device step in microseconds, more than 0");
-  if (t.nccl && o.compute_us < 0 && (o.model != "lenet" || o.per_device != 256))
+  if (o.compute_us && !(*o.compute_us > 0 && std::isfinite(*o.compute_us)))
+    throw UsageError("--compute-us: a one-device step in microseconds, finite and more than 0");
+  if (t.nccl && !o.compute_us && (o.model != "lenet" || o.per_device != 256))
     throw UsageError("--compute-us: the " + t.name +
                      " preset knows dp's step for lenet at --per-device 256 only; give "
                      "the one-device step of " +
@@ -128,8 +128,8 @@ ComputeTime compute_time(const ScaleOptions& o, const ModelSpec& spec, Topology&
     if (total > 0) compute.backward_share = one.phase_seconds[0][size_t(Phase::backward)] / total;
     compute.source = "dp, one simulated device, measured here (median of " + std::to_string(o.steps) + " steps)";
   }
-  if (o.compute_us > 0) {
-    compute.seconds = o.compute_us * 1e-6;
+  if (o.compute_us) {
+    compute.seconds = *o.compute_us * 1e-6;
     compute.source = "given: --compute-us";
   } else if (t.nccl) {
     compute.seconds = kGpuLenetStepUs * 1e-6;
@@ -257,7 +257,7 @@ int run_scale(const ScaleOptions& o) {
   // sim measures what it validates, and what it is not given: the one-device step, the fit (two devices)
   std::vector<int> counts = o.validate;  // measure() adds the one-device run
   if (!o.alpha_us && std::none_of(counts.begin(), counts.end(), [](int n) { return n > 1; })) counts.push_back(2);
-  if (!t.nccl && (!o.validate.empty() || o.compute_us < 0 || !o.alpha_us)) measured = measure(o, spec, counts);
+  if (!t.nccl && (!o.validate.empty() || !o.compute_us || !o.alpha_us)) measured = measure(o, spec, counts);
   const ComputeTime compute = compute_time(o, spec, t, measured);
   print_header(o, t, compute, machine_cores);
   nlohmann::json j = {

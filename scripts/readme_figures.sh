@@ -19,7 +19,7 @@
 # BUILD=dir picks the build directory (default build/, configured and built here when missing).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-build=${BUILD:-$here/build}
+build=$(realpath -m "${BUILD:-$here/build}")  # absolute: the scratch directory links build/ to it
 mode=write only="" files=()
 while [ $# -gt 0 ]; do
   case "$1" in

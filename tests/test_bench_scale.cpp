@@ -144,7 +144,11 @@ TEST_CASE("bench: scale refuses a device count below 1, nodes it cannot fill and
       {"scale --preset tpu", "--preset: unknown 'tpu'; the presets are sim, h100-ndr, a100-hdr, pcie"},
       {"scale --model lenet5", "--compute-us: the h100-ndr preset knows dp's step for lenet at --per-device 256 only"},
       {"scale --per-device 0", "--per-device: at least 1 image per device"},
-      {"scale --compute-us -5", "--compute-us: a one-device step in microseconds, more than 0"},
+      {"scale --compute-us -5", "--compute-us: a one-device step in microseconds, finite and more than 0"},
+      // -1 given is refused, not read as not given (it was the sentinel); nan likewise
+      {"scale --compute-us -1", "--compute-us: a one-device step in microseconds, finite and more than 0"},
+      {"scale --preset sim --compute-us nan",
+       "--compute-us: a one-device step in microseconds, finite and more than 0"},
       {"scale --preset sim --alpha-us 3", "--alpha-us and --beta-gbps: give both"},
       // given, and negative: refused as such, not read as not given
       {"scale --preset sim --alpha-us 3 --beta-gbps -8.3",
