@@ -32,7 +32,7 @@ mpirun -np 2 "$build/dp_bench" comm --devices 1 --max-bytes 8M --repeats $sweeps
 read -r alpha_us beta_gbps < <(/usr/bin/python3 -c "
 import json, sys
 ab = json.load(open(sys.argv[1]))['alpha_beta']
-if ab: print(f\"{ab['alpha_us']:.3f} {ab['beta_gbps']:.4f}\")" "$tmp/comm.json") || true  # no line: no fit, said below
+if ab: print('%.3f %.4f' % (ab['alpha_us'], ab['beta_gbps']))" "$tmp/comm.json") || true  # no line: no fit, said below
 if [ -z "${beta_gbps:-}" ]; then
   echo "scale_processes.sh: none of $sweeps sweeps across the 2 processes fitted t = alpha + bytes / beta with a" \
     "beta above 0 (their small sizes timed as slow as their large ones: is the machine busy?); dp_bench comm said:" >&2

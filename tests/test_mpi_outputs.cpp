@@ -33,7 +33,7 @@ namespace {
 // comm's alpha-beta fit across processes: the median of its --repeats 2 sweeps, and the first sweep's
 // fit the table's: t = alpha + x / beta in relative error (weights 1 / t^2) over the table's dp times, x
 // a ring's bytes per rank over the job's n devices, so at the fit the weighted residuals sum to 0 and are
-// orthogonal to x (the first only where alpha was clamped to 0). No fit only on a badly loaded machine.
+// orthogonal to x (the first only where alpha was not clamped to 0). No fit only on a badly loaded machine.
 void check_fit(const nlohmann::json& j, int n) {
   CHECK(j["repeats"] == 2);
   if (j["alpha_beta"].is_null()) return;
