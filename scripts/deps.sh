@@ -8,7 +8,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 pkgs=(cmake g++ make pkg-config libblis-serial-dev zlib1g-dev doctest-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
       libopenmpi-dev openmpi-bin
-      clang libclang-rt-dev clang-format clang-tidy)
+      clang libclang-rt-dev clang-format clang-tidy shellcheck)
 bench=false
 if [ "${1:-}" = "--bench" ]; then bench=true; pkgs+=(python3-torch python3-matplotlib python3-pandas python3-venv); fi
 missing=()

@@ -3,14 +3,16 @@
 # readability-function-size over engine/, train/, models/, kernels/cpu/ and bench/, on a CPU-only
 # configuration's compile database; and over the CUDA backend, kernels/cuda/ and engine/cuda/, the
 # kernels' bodies too, where the toolkit is), no tracked file over 450 lines (data aside: golden files,
-# images, the fuzzers' seeds), a README of at most 350 lines; and each target the unity build compiles
-# in batches (DP_UNITY) parsed as one unit. Lists every offender and exits 1 if any.
+# images, the fuzzers' seeds), a README of at most 350 lines, no warning of shellcheck in any tracked
+# shell script (sourced files followed); and each target the unity build compiles in batches
+# (DP_UNITY) parsed as one unit. Lists every offender and exits 1 if any.
 # Usage: scripts/lint.sh [build dir for the compile database, default build-lint]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-lint}
 tidy=$(command -v clang-tidy-14 || command -v clang-tidy || true)
 [ -n "$tidy" ] || { echo "lint.sh: clang-tidy not found (scripts/deps.sh installs it)" >&2; exit 1; }
+command -v shellcheck > /dev/null || { echo "lint.sh: shellcheck not found (scripts/deps.sh installs it)" >&2; exit 1; }
 status=0
 
 # Files: every tracked text file but data.
@@ -24,6 +26,12 @@ fi
 readme=$(wc -l < README.md)
 if [ "$readme" -gt 350 ]; then
   echo "lint.sh: README.md has $readme lines; the guide holds at most 350 (results and details go to docs/)"
+  status=1
+fi
+mapfile -t shells < <(git ls-files '*.sh' .ci/run)
+if ! warnings=$(shellcheck -x -S warning "${shells[@]}" 2>&1); then
+  echo "lint.sh: shellcheck warnings:"
+  echo "$warnings" | sed 's/^/  /'
   status=1
 fi
 
@@ -149,5 +157,5 @@ if [ -n "$found" ]; then
   echo "$found" | sed 's/^/  /'
   status=1
 fi
-[ $status = 0 ] && echo "lint.sh: ${#files[@]} files within 450 lines, README.md $readme lines, $((${#sources[@]} + cuda_sources)) sources without a function over 60 lines, each unity target one unit"
+[ $status = 0 ] && echo "lint.sh: ${#files[@]} files within 450 lines, README.md $readme lines, ${#shells[@]} shell scripts without a shellcheck warning, $((${#sources[@]} + cuda_sources)) sources without a function over 60 lines, each unity target one unit"
 exit $status
