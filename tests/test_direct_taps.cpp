@@ -117,6 +117,9 @@ TEST_CASE("direct taps: conv_direct.cu's weight gradient, every thread of its gr
   check_direct({.n = 2, .c = 2, .h = 6, .w = 6, .k = 3, .kh = 4, .kw = 4, .pad = 1}, 41);
   check_direct({.n = 2, .c = 1, .h = 140, .w = 130, .k = 3, .kh = 3, .kw = 3, .pad = 1}, 51);
   check_direct({.n = 3, .c = 1, .h = 5, .w = 5, .k = 9, .kh = 5, .kw = 5}, 61);
+  // Residues: one an image at most, at least one with no image (an empty shard: clamp's bounds ordered).
+  CHECK(direct::residues({.n = 3, .c = 1, .h = 28, .w = 28, .k = 6, .kh = 3, .kw = 3}) == 3);
+  CHECK(direct::residues({.n = 0, .c = 1, .h = 28, .w = 28, .k = 6, .kh = 3, .kw = 3}) == 1);
 }
 
 TEST_CASE("direct taps: the fused op's weight gradient from the pooled gradient, the bits of dy written out") {

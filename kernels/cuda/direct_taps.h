@@ -60,8 +60,11 @@ DP_HD void fill_taps(const ConvShape& s, Taps& taps, int tid, int threads) {
 }
 
 // The images' residues R of the weight gradient's columns (pixel q, residue r): as many as a group's
-// threads hold a column each of, every image its own at most (n >= 1).
-inline int residues(const ConvShape& s) { return std::clamp(kGroupThreads / (s.out_h() * s.out_w()), 1, s.n); }
+// threads hold a column each of, every image its own at most (1 for n = 0, which the callers return
+// before: std::clamp's bounds must stay ordered).
+inline int residues(const ConvShape& s) {
+  return std::clamp(kGroupThreads / (s.out_h() * s.out_w()), 1, std::max(s.n, 1));
+}
 
 // Where accumulate's dy[n, ch, q] comes from, for a column (output pixel q at qy, qx): `column` once a
 // column, `at` once an image and channel.
