@@ -67,6 +67,46 @@ TEST_CASE("cuda: a download behind a stuck kernel gives up at the watch's timeou
 #endif
 }
 
+TEST_CASE("cuda: an upload ahead from pageable memory behind a stuck kernel gives up at the watch's timeout" *
+          doctest::skip(!cuda_available())) {
+#if DP_TESTS_CUDA
+  // Where pin_host failed the batch stays pageable, and CUDA may hold the thread in such a copy until
+  // the copy stream's work before it is done: here the spin kernel on the compute stream, which the
+  // copy stream waits for. upload_ahead waits for that first, polled: TimedOut after 0.5 s, not 20 s.
+  auto dev = make_cuda_device(0, 0, 0);
+  auto* cuda = dynamic_cast<CudaDevice*>(dev.get());
+  REQUIRE(cuda != nullptr);
+  constexpr int64_t kFloats = int64_t(4) << 20;  // 16 MiB: more than the driver's staging takes at once
+  Buffer buf = dev->alloc_floats(kFloats, Category::inputs);
+  auto watch = std::make_shared<CudaDevice::Watch>();
+  watch->aborted = [] { return false; };
+  watch->what = [] { return std::string("the spin kernel"); };
+  watch->timeout = 0.5;
+  cuda->set_watch(watch);
+  SpinFlag flag;
+  std::vector<float> host(size_t(kFloats), 1.0f);  // pageable
+  bool timed_out = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  dev->run([&] {
+       spin_on(cuda->stream(), flag, 20.0);
+       try {
+         dev->upload_ahead(0, buf.data(), host.data(), host.size() * sizeof(float));
+       } catch (const TimedOut&) {
+         timed_out = true;
+       }
+     })
+      .get();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  flag.release();
+  cuda->set_watch(nullptr);
+  dev->synchronize();
+  CHECK(timed_out);
+  CHECK(waited < 10.0);
+#else
+  FAIL("a CUDA device is usable, but this build has no CUDA backend");
+#endif
+}
+
 TEST_CASE("cuda: a free returns while the GPU is busy, and the memory is the pool's again for the next step" *
           doctest::skip(!cuda_available())) {
 #if DP_TESTS_CUDA
