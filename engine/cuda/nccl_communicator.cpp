@@ -4,9 +4,8 @@
 // both; only all_reduce, the collective that matters for DDP, goes through NCCL.
 //
 // Calls follow NCCL's one-thread-per-device model: every rank calls ncclAllReduce on its own
-// communicator from its own thread, no group calls needed. With --allreduce naive the all-reduce is
-// d2l's instead: ncclReduce to rank 0, then ncclBroadcast from it, one after the other on the same
-// stream (every rank enqueues both, in that order).
+// communicator from its own thread, no group calls. With --allreduce naive it is d2l's all-reduce:
+// ncclReduce to rank 0, then ncclBroadcast from it, every rank enqueuing both in turn on one stream.
 //   all_reduce        — compute thread, compute stream; the engine synchronises after it.
 //   all_reduce_async  — an event recorded on the compute stream right after the bucket's gradients
 //                       were enqueued; the communication thread makes the comm stream wait on it and
@@ -49,17 +48,16 @@
 // their GPUs; nccl_process_communicator.cpp) derives from it and replaces the start, the byte count
 // and the broadcast; the waits, events, watches and the ends are these.
 //
-// Bytes are counted by ring_all_reduce_traffic, as the base ring counts them, so reports compare across
-// communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch systems) and move a
-// different number of bytes over different links; the count is the ring model's, the bus-bandwidth
-// convention of nccl-tests. The naive all-reduce is counted by naive_all_reduce_traffic, as the base
-// class counts it.
+// Bytes are counted as the base class counts them (ring_all_reduce_traffic, naive_all_reduce_traffic),
+// so reports compare across communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch)
+// and move other bytes over other links; the count is the ring's, nccl-tests' bus-bandwidth convention.
 #include "engine/cuda/nccl_communicator.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <future>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -259,18 +257,20 @@ void NcclCommunicator::end_comm(ncclComm_t comm, bool abort) const noexcept {
                         __LINE__);
 }
 
+// Every GPU at once, under one deadline: K GPUs stuck behind NCCL's kernels cost one --timeout, not K.
 bool NcclCommunicator::drain() noexcept {
+  const Deadline deadline = Deadline::after(timeout_);
+  std::vector<std::future<void>> waits;
+  for (int r = 0; r < size(); ++r)
+    waits.push_back(devices_[r]->run([this, r, deadline] {
+      CudaDevice& d = gpu(r);
+      poll_until([&d] { return stream_idle(d.comm_stream()) && stream_idle(d.stream()); }, [] { return false; },
+                 deadline, d.id(), [&d] { return "the work left on " + d.name() + "'s streams after the step"; });
+    }));
   bool ok = true;
-  for (int r = 0; r < size(); ++r) {
+  for (std::future<void>& w : waits) {
     try {
-      devices_[r]
-          ->run([this, r] {
-            CudaDevice& d = gpu(r);
-            poll_until([&d] { return stream_idle(d.comm_stream()) && stream_idle(d.stream()); }, [] { return false; },
-                       Deadline::after(timeout_), d.id(),
-                       [&d] { return "the work left on " + d.name() + "'s streams after the step"; });
-          })
-          .get();
+      w.get();
     } catch (const std::exception& e) {
       std::fprintf(stderr, "dp: %s\n", e.what());
       ok = false;
