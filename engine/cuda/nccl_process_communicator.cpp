@@ -195,8 +195,10 @@ std::string NcclProcessCommunicator::init_rank(int rank, const Deadline& deadlin
   const CudaDevice& d = gpu(rank);
   const int me = first_ + rank;
   // Nonblocking init answers ncclInProgress at once; its progress and outcome come from
-  // ncclCommGetAsyncError, asked here until the init is through, the deadline passes, or another local
-  // rank failed (the barrier's abort: its init will never come, and NCCL's would wait for it).
+  // ncclCommGetAsyncError, asked here until the init is through, the deadline passes, or the barrier
+  // was aborted (a local rank failed outside its init, so its init will never come, and NCCL's would
+  // wait for it). A rank whose own init fails does not abort it: its error reaches the others in the
+  // meeting and agree() after their polls end, so that all agree on one message (up to `start` later).
   auto finished = [&](ncclResult_t st) {
     if (st != ncclInProgress) return st;
     poll_until(
