@@ -187,8 +187,12 @@ void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
   refuse_while_capturing(capturing(), "an upload from host memory");
   if (bytes == 0) return;
   DeviceGuard guard(id());
-  if (pageable(src_host)) wait_stream(stream_.get());
-  DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream_.get()));
+  copy_from_host(dst, src_host, bytes, stream_.get());
+}
+
+void CudaDevice::copy_from_host(void* dst, const void* src_host, size_t bytes, cudaStream_t stream) {
+  if (pageable(src_host)) wait_stream(stream);
+  DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream));
 }
 
 std::shared_ptr<void> CudaDevice::pin_host(void* p, size_t bytes) {
@@ -306,10 +310,7 @@ void CudaDevice::upload_ahead(int slot, void* dst, const void* src_host, size_t 
   DP_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_.get(), computed_.get(), 0));
   if (const auto delay = failpoint::upload_delay(*this); delay.count() > 0)  // the test build's slow copy engine
     DP_CUDA_CHECK(cudaLaunchHostFunc(copy_stream_.get(), sleep_ms, reinterpret_cast<void*>(intptr_t(delay.count()))));
-  // From pageable memory (pin_host failed) CUDA may hold the thread in the copy until the stream's work
-  // before it is done, NCCL's kernels perhaps: wait for that first, polled, as upload() does.
-  if (bytes && pageable(src_host)) wait_stream(copy_stream_.get());
-  if (bytes) DP_CUDA_CHECK(cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, copy_stream_.get()));
+  if (bytes) copy_from_host(dst, src_host, bytes, copy_stream_.get());  // pageable where pin_host failed
   DP_CUDA_CHECK(cudaEventRecord(uploaded_[slot].get(), copy_stream_.get()));
 }
 

@@ -144,6 +144,9 @@ class CudaDevice final : public Device {
   // Polls done() while a watch is set (wait.h: its deadline and abort), else blocks in block().
   void wait_until(const std::function<bool()>& done, const std::function<void()>& block);
   std::shared_ptr<const Watch> current_watch();  // set_watch's, or null
+  // An upload's copy on `stream` (bytes > 0). From pageable memory CUDA may hold the thread in the copy
+  // until the stream's work before it is done, NCCL's kernels perhaps: that is waited for first, polled.
+  void copy_from_host(void* dst, const void* src_host, size_t bytes, cudaStream_t stream);
 
   cuda::Stream stream_, comm_stream_, copy_stream_;
   cuda::CublasHandle cublas_;
