@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,6 +21,40 @@
 namespace dp::test {
 namespace {
 
+#if DP_TESTS_CUDA
+// `call` on the device's thread behind the spin kernel (20 s at most) on its compute stream, a watch of
+// 0.5 s set: whether it threw TimedOut, and the seconds it took. The kernel is released, the watch
+// unset and the device synchronized after.
+struct Gave {
+  bool timed_out = false;
+  double seconds = 0;
+};
+Gave behind_stuck_kernel(Device& dev, CudaDevice& cuda, const std::function<void()>& call) {
+  auto watch = std::make_shared<CudaDevice::Watch>();
+  watch->aborted = [] { return false; };
+  watch->what = [] { return std::string("the spin kernel"); };
+  watch->timeout = 0.5;
+  cuda.set_watch(watch);
+  SpinFlag flag;
+  Gave gave;
+  const auto t0 = std::chrono::steady_clock::now();
+  dev.run([&] {
+       spin_on(cuda.stream(), flag, 20.0);
+       try {
+         call();
+       } catch (const TimedOut&) {
+         gave.timed_out = true;
+       }
+     })
+      .get();
+  gave.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  flag.release();
+  cuda.set_watch(nullptr);
+  dev.synchronize();
+  return gave;
+}
+#endif
+
 TEST_CASE("cuda: a download behind a stuck kernel gives up at the watch's timeout instead of blocking" *
           doctest::skip(!cuda_available())) {
 #if DP_TESTS_CUDA
@@ -30,30 +65,11 @@ TEST_CASE("cuda: a download behind a stuck kernel gives up at the watch's timeou
   auto* cuda = dynamic_cast<CudaDevice*>(dev.get());
   REQUIRE(cuda != nullptr);
   Buffer buf = dev->alloc_floats(1024, Category::workspace);
-  auto watch = std::make_shared<CudaDevice::Watch>();
-  watch->aborted = [] { return false; };
-  watch->what = [] { return std::string("the spin kernel"); };
-  watch->timeout = 0.5;
-  cuda->set_watch(watch);
-  SpinFlag flag;
   std::vector<float> host(1024);
-  bool timed_out = false;
-  const auto t0 = std::chrono::steady_clock::now();
-  dev->run([&] {
-       spin_on(cuda->stream(), flag, 20.0);
-       try {
-         dev->download(host.data(), buf.data(), host.size() * sizeof(float));
-       } catch (const TimedOut&) {
-         timed_out = true;
-       }
-     })
-      .get();
-  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  flag.release();
-  cuda->set_watch(nullptr);
-  dev->synchronize();
-  CHECK(timed_out);
-  CHECK(waited < 10.0);
+  const Gave gave =
+      behind_stuck_kernel(*dev, *cuda, [&] { dev->download(host.data(), buf.data(), host.size() * sizeof(float)); });
+  CHECK(gave.timed_out);
+  CHECK(gave.seconds < 10.0);
   // And with the stream free again, a download works and brings the bytes.
   std::vector<float> ones(1024, 1.0f);
   dev->run([&] {
@@ -78,30 +94,11 @@ TEST_CASE("cuda: an upload ahead from pageable memory behind a stuck kernel give
   REQUIRE(cuda != nullptr);
   constexpr int64_t kFloats = int64_t(4) << 20;  // 16 MiB: more than the driver's staging takes at once
   Buffer buf = dev->alloc_floats(kFloats, Category::inputs);
-  auto watch = std::make_shared<CudaDevice::Watch>();
-  watch->aborted = [] { return false; };
-  watch->what = [] { return std::string("the spin kernel"); };
-  watch->timeout = 0.5;
-  cuda->set_watch(watch);
-  SpinFlag flag;
   std::vector<float> host(size_t(kFloats), 1.0f);  // pageable
-  bool timed_out = false;
-  const auto t0 = std::chrono::steady_clock::now();
-  dev->run([&] {
-       spin_on(cuda->stream(), flag, 20.0);
-       try {
-         dev->upload_ahead(0, buf.data(), host.data(), host.size() * sizeof(float));
-       } catch (const TimedOut&) {
-         timed_out = true;
-       }
-     })
-      .get();
-  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  flag.release();
-  cuda->set_watch(nullptr);
-  dev->synchronize();
-  CHECK(timed_out);
-  CHECK(waited < 10.0);
+  const Gave gave = behind_stuck_kernel(
+      *dev, *cuda, [&] { dev->upload_ahead(0, buf.data(), host.data(), host.size() * sizeof(float)); });
+  CHECK(gave.timed_out);
+  CHECK(gave.seconds < 10.0);
 #else
   FAIL("a CUDA device is usable, but this build has no CUDA backend");
 #endif
