@@ -82,9 +82,8 @@ TEST_CASE("cuda: nccl: dp_train on one GPU says which NCCL ran: a one-rank cliqu
   dp::test::TempDir dir;
   dp::test::write_synthetic_dataset(dir.path.string(), 256, 32);
   // --timeout 60: two ranks on one GPU driven by two threads at once is what NCCL's guide calls unsafe
-  // (and NCCL_MULTI_RANK_GPU_ENABLE experimental); a hang gives up in a minute, not ten. NCCL's start
-  // gives up after 600 s at the least (a slow start is not a stuck one): timeout(1) ends a hang there
-  // sooner (exit 137).
+  // (and NCCL_MULTI_RANK_GPU_ENABLE experimental); a hang gives up in a minute, not ten. NCCL's start in
+  // one process (ncclCommInitAll) has no deadline of dp's: timeout(1) ends a hang there (exit 137).
   const std::string run = "timeout -s KILL 120 " + std::string(DP_TRAIN_BIN) +
                           " --backend cuda --sync allreduce --bucket-kb 64 --verify --steps 6 --timeout 60 "
                           "--batch 32 --data " +

@@ -17,24 +17,53 @@
 // and keeps the engine's failure rule: a rank that failed earlier aborts the barrier and the others
 // throw instead of enqueuing an all-reduce whose peer never comes (which would hang the GPU).
 //
-// The clique's life (its start at the first collective, the watches on its waits, its end after a
-// failure or at the end of the run) is nccl_clique.cpp's. The class is declared in nccl_communicator.h:
-// the job's form (several processes, one clique over all their GPUs; nccl_process_communicator.cpp)
-// derives from it and replaces the start, the byte count and the broadcast; the waits, events, watches
-// and ends are the ones here and in nccl_clique.cpp.
+// The clique (one NCCL communicator per GPU) is created at the first all-reduce, not with the
+// communicator: --sync scatter never all-reduces (but for --sync-bn's BatchNorm statistics), and a
+// run that does not need NCCL must not fail because NCCL cannot start. Every rank meets at its first
+// all-reduce; rank 0 creates the clique with one ncclCommInitAll; a second meeting gives every rank
+// the outcome. If NCCL cannot start (a small /dev/shm in a container, no P2P, ...), one line on
+// stderr says so and all_reduce is the base class's peer copies from then on, counted the same way.
+// Why ncclCommInitAll on one thread rather than ncclCommInitRank on every rank's thread with a shared
+// ncclUniqueId (NCCL's one-thread-per-device recipe): InitAll is that recipe run from one thread
+// (ncclGetUniqueId, then every rank's init in one group), and it succeeds or fails as a whole, in one
+// place, so every rank learns the same outcome and falls back together. With one blocking
+// ncclCommInitRank per thread, a rank whose init fails leaves its peers waiting inside theirs for a
+// rank that never joins, and the ranks could disagree about whether NCCL is in use.
+//
+// Failures. Host waits on GPU work that may include NCCL poll (CudaDevice's watch, set while the
+// clique exists): between polls they look at the barrier's abort flag (another rank failed) and at
+// ncclCommGetAsyncError of the rank's own communicator (an NCCL error, which then aborts the other
+// ranks too), and give up after the collective timeout (--timeout) with TimedOut. So a rank whose peer
+// failed after the barrier, its kernel left waiting for the peer's half of an all-reduce, throws
+// instead of hanging. Once every rank has returned, recover() (engine.cpp, after a failed step) ends
+// every NCCL operation still queued: ncclCommAbort on every communicator (the kernels waiting for a
+// half that will never come quit), then both streams of every GPU drain, so no all-reduce queued on
+// the comm stream writes the gradient buffer while the next step's backward writes it; the clique is
+// created again at the next all-reduce, since after a failure its state is unknown. This is what
+// PyTorch's ProcessGroupNCCL does after an NCCL error or a timeout. The abort waits for recover()
+// rather than happening in the wait that saw the failure because ncclCommAbort frees the
+// communicator, and another rank's thread may at that moment still be polling its own.
+//
+// The class is declared in nccl_communicator.h: the job's form (several processes, one clique over all
+// their GPUs; nccl_process_communicator.cpp) derives from it and replaces the start, the byte count
+// and the broadcast; the waits, events, watches and the ends are these.
 //
 // Bytes are counted as the base class counts them (ring_all_reduce_traffic, naive_all_reduce_traffic),
 // so reports compare across communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch)
 // and move other bytes over other links; the count is the ring's, nccl-tests' bus-bandwidth convention.
 #include "engine/cuda/nccl_communicator.h"
 
-#include <memory>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <future>
 #include <mutex>
 #include <set>
-#include <string>
+#include <thread>
 #include <utility>
-#include <vector>
 
+#include "engine/error.h"
 #include "engine/failpoint.h"
 #include "kernels/cuda/check.h"
 
@@ -67,6 +96,90 @@ void NcclCommunicator::release_events() noexcept {
     devices_[r]->run([this, r] { events_[r] = RankEvents(); }).wait();  // destroyed on their GPU's thread
 }
 
+bool NcclCommunicator::use_nccl(int rank) {
+  if (clique_ == Clique::none) start_clique(rank);
+  return clique_ == Clique::ready;
+}
+
+void NcclCommunicator::start_clique(int rank) {
+  meet(rank, Collective::all_reduce);  // every rank, at its first all-reduce
+  if (rank == 0) {
+    std::vector<int> ids;
+    for (Device* d : devices_) ids.push_back(d->id());
+    try {
+      try {
+        // On rank 0's thread, whose current device is ids[0]: NCCL's save-and-restore of the current
+        // device never touches another GPU.
+        DP_NCCL_CHECK(ncclCommInitAll(comms_.data(), int(ids.size()), ids.data()));
+        DP_CUDA_CHECK(cudaSetDevice(ids[0]));
+      } catch (...) {
+        // A failed init may leave communicators half made; ncclCommAbort frees them.
+        for (ncclComm_t& c : comms_)
+          if (c) DP_NCCL_CHECK_PRINT(ncclCommAbort(std::exchange(c, nullptr)));
+        DP_CUDA_CHECK_PRINT(cudaSetDevice(ids[0]));
+        throw;
+      }
+      watch_clique();
+      clique_ = Clique::ready;
+    } catch (const std::exception& e) {
+      clique_ = Clique::unavailable;
+      // NCCL's refusal of a GPU named twice comes without a message of its own (ncclInvalidUsage).
+      const bool shared = std::set<int>(ids.begin(), ids.end()).size() < ids.size();
+      std::fprintf(stderr, "note: NCCL could not start (%s%s); all-reduce uses peer copies\n", e.what(),
+                   shared ? "; a GPU is named twice, which NCCL ranks once but with NCCL_MULTI_RANK_GPU_ENABLE=1 "
+                            "(NCCL 2.30 or later)"
+                          : "");
+    }
+  }
+  // Every rank learns the outcome. NCCL's start can take seconds on many GPUs: the wait for it is
+  // at least the default timeout, so that a short --timeout (for a quick verdict on a stuck step)
+  // does not fail a start that is merely slow.
+  meet(rank, "the start of NCCL", Deadline::after(std::max(timeout_, kDefaultTimeout)));
+}
+
+void NcclCommunicator::watch_clique() {
+  for (int r = 0; r < size(); ++r) {
+    auto watch = std::make_shared<CudaDevice::Watch>();
+    watch->aborted = [this, r] { return failed(r); };
+    watch->what = [this, r] { return outstanding(r); };
+    watch->timeout = timeout_;
+    gpu(r).set_watch(std::move(watch));
+  }
+}
+
+ncclResult_t NcclCommunicator::call(int rank, const std::function<ncclResult_t()>& nccl) {
+  std::unique_lock lock(api_[rank]);
+  ncclResult_t state = nccl();
+  lock.unlock();
+  if (state != ncclInProgress) return state;
+  const CudaDevice& d = gpu(rank);
+  poll_until(
+      [&] {
+        std::lock_guard poll(api_[rank]);
+        DP_NCCL_CHECK(ncclCommGetAsyncError(comms_[rank], &state));
+        return state != ncclInProgress;
+      },
+      [this] { return barrier_.aborted(); }, Deadline::after(timeout_), d.id(),
+      [&d] { return "NCCL's enqueueing of a collective on " + d.name(); });
+  return state;
+}
+
+bool NcclCommunicator::failed(int rank) {
+  if (barrier_.aborted()) return true;  // another rank failed: Aborted
+  // The communication thread inside NCCL on this communicator: asked again at the next poll, while
+  // the wait's timeout runs on.
+  std::unique_lock lock(api_[rank], std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  ncclResult_t state = ncclSuccess;
+  DP_NCCL_CHECK(ncclCommGetAsyncError(comms_[rank], &state));
+  if (state == ncclSuccess || state == ncclInProgress) return false;
+  abort();  // the other ranks stop waiting too
+  const char* detail = ncclGetLastError(comms_[rank]);
+  throw DeviceError(devices_[rank]->id(), "NCCL reported an error on " + devices_[rank]->name() + ": " +
+                                              ncclGetErrorString(state) +
+                                              (detail && *detail ? std::string(": ") + detail : std::string()));
+}
+
 // Whether the work before `event` has run. Unlike cuda_device.cpp's event_done, the stream's failure
 // counts as done rather than thrown: the wait reports it.
 static bool event_done(const cuda::Event& event) {
@@ -87,6 +200,83 @@ std::string NcclCommunicator::outstanding(int rank) {
            " more queued behind it)";
   }
   return "the work queued on " + devices_[rank]->name() + " (its kernels and NCCL's collectives)";
+}
+
+void NcclCommunicator::recover() {
+  Communicator::recover();  // every comm-thread task has finished, and the barrier is re-armed
+  for (RankEvents& ev : events_) {
+    for (Queued& q : ev.queued) ev.spare.push_back(std::move(q));
+    ev.queued.clear();
+  }
+  end_clique(/*failure=*/true);
+}
+
+void NcclCommunicator::end_clique(bool failure) noexcept {
+  if (clique_ != Clique::ready) return;  // none, or NCCL could not start: then it stays the peer ring
+  for (int r = 0; r < size(); ++r) gpu(r).set_watch(nullptr);  // before the communicators they ask go
+  const bool drained = !failure && drain();
+  end_comms(/*abort=*/!drained);
+  if (!drained) drain();  // the aborted kernels have quit; what was queued behind them runs out
+  clique_ = Clique::none;
+}
+
+void NcclCommunicator::end_comms(bool abort) noexcept {
+  std::vector<std::future<void>> ends;
+  for (int r = 0; r < size(); ++r)
+    ends.push_back(devices_[r]->run([this, r, abort] {
+      end_comm(std::exchange(comms_[r], nullptr), abort);
+      DP_CUDA_CHECK_PRINT(cudaSetDevice(devices_[r]->id()));  // NCCL's end may leave another device current
+    }));
+  for (std::future<void>& f : ends) f.wait();
+}
+
+void NcclCommunicator::end_comm(ncclComm_t comm, bool abort) const noexcept {
+  if (!comm) return;
+  // An orderly end finalizes first, as NCCL asks (ncclCommFinalize flushes the operations still
+  // queued and frees the network's resources; on a nonblocking communicator it answers ncclInProgress
+  // and ncclCommGetAsyncError says when it is through), then destroys. A finalize that fails or does
+  // not finish within --timeout ends in ncclCommAbort instead.
+  if (!abort) {
+    ncclResult_t st = ncclCommFinalize(comm);
+    const Deadline deadline = Deadline::after(timeout_);
+    while (st == ncclInProgress && std::chrono::steady_clock::now() < deadline.at) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (ncclCommGetAsyncError(comm, &st) != ncclSuccess) st = ncclInternalError;
+    }
+    if (st != ncclSuccess) {
+      if (st != ncclInProgress)
+        cuda::print_failure("NCCL", "ncclCommFinalize", ncclGetErrorString(st), __FILE__, __LINE__);
+      abort = true;
+    }
+  }
+  // A nonblocking communicator may answer ncclInProgress: the end goes on inside NCCL, and the handle
+  // is not ours to ask any more.
+  const ncclResult_t st = abort ? ncclCommAbort(comm) : ncclCommDestroy(comm);
+  if (st != ncclSuccess && st != ncclInProgress)
+    cuda::print_failure("NCCL", abort ? "ncclCommAbort" : "ncclCommDestroy", ncclGetErrorString(st), __FILE__,
+                        __LINE__);
+}
+
+// Every GPU at once, under one deadline: K GPUs stuck behind NCCL's kernels cost one --timeout, not K.
+bool NcclCommunicator::drain() noexcept {
+  const Deadline deadline = Deadline::after(timeout_);
+  std::vector<std::future<void>> waits;
+  for (int r = 0; r < size(); ++r)
+    waits.push_back(devices_[r]->run([this, r, deadline] {
+      CudaDevice& d = gpu(r);
+      poll_until([&d] { return stream_idle(d.comm_stream()) && stream_idle(d.stream()); }, [] { return false; },
+                 deadline, d.id(), [&d] { return "the work left on " + d.name() + "'s streams after the step"; });
+    }));
+  bool ok = true;
+  for (std::future<void>& w : waits) {
+    try {
+      w.get();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dp: %s\n", e.what());
+      ok = false;
+    }
+  }
+  return ok;
 }
 
 void NcclCommunicator::tally_all_reduce(int rank, int64_t count, DType type) {

@@ -1,8 +1,7 @@
-// The NCCL communicator of the CUDA build (its design: nccl_communicator.cpp and nccl_clique.cpp),
-// shared by its two forms: one process whose GPUs form the whole clique (one group of inits from one
-// thread), and one process's GPUs inside a job of several processes, the clique over every GPU of every
-// process (nccl_process_communicator.cpp, ncclCommInitRankConfig bootstrapped over MPI). Both make
-// nonblocking communicators, so that their start has a deadline. Internal to engine/cuda/.
+// The NCCL communicator of the CUDA build (its design: nccl_communicator.cpp), shared by its two forms:
+// one process whose GPUs form the whole clique (nccl_communicator.cpp, ncclCommInitAll), and one
+// process's GPUs inside a job of several processes, the clique over every GPU of every process
+// (nccl_process_communicator.cpp, ncclCommInitRank bootstrapped over MPI). Internal to engine/cuda/.
 #pragma once
 
 #include <nccl.h>
@@ -73,19 +72,14 @@ class NcclCommunicator : public Communicator {
   // Every local rank calls it at its first collective; it leaves clique_ ready or unavailable (the
   // one-process form then falls back to peer copies) or throws (the job's form: no fallback).
   virtual void start_clique(int rank);
-  // The one-process form's start, on rank 0's thread: every GPU's nonblocking init in one group (what
-  // ncclCommInitAll does, blocking), each then settled by `deadline`. Throws what failed, comms_ left
-  // to the caller to abort.
-  void init_clique(const std::vector<int>& ids, const Deadline& deadline);
   // Once comms_ are made: every GPU's host waits poll the communicators (CudaDevice::Watch).
   void watch_clique();
-  // One NCCL call on rank's communicator (a collective), made under api_[rank], then settled up to
-  // the timeout; the final result, for DP_NCCL_CHECK.
+  // One NCCL call on rank's communicator (a collective), made under api_[rank]. Its result on a
+  // nonblocking communicator (the job's form: its init has a deadline) may be ncclInProgress: then
+  // ncclCommGetAsyncError is polled, each poll under the lock, until the call is through, up to the
+  // timeout; the final result is returned for DP_NCCL_CHECK. Blocking communicators never answer
+  // ncclInProgress.
   ncclResult_t call(int rank, const std::function<ncclResult_t()>& nccl);
-  // A call's result on rank's nonblocking communicator: where it is ncclInProgress (the work goes on
-  // inside NCCL), ncclCommGetAsyncError polled, each poll under api_[rank], until it is through; the
-  // barrier's abort throws Aborted, the deadline TimedOut naming what(). Any other result as it is.
-  ncclResult_t settle(int rank, ncclResult_t state, const Deadline& deadline, const std::function<std::string()>& what);
   // The watch's questions (CudaDevice::Watch), asked on the rank's thread while it waits.
   bool failed(int rank);
   std::string outstanding(int rank);

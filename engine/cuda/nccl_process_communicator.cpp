@@ -195,18 +195,27 @@ std::string NcclProcessCommunicator::init_rank(int rank, const Deadline& deadlin
   const CudaDevice& d = gpu(rank);
   const int me = first_ + rank;
   // Nonblocking init answers ncclInProgress at once; its progress and outcome come from
-  // ncclCommGetAsyncError, asked (settle) until the init is through, the deadline passes, or the barrier
+  // ncclCommGetAsyncError, asked here until the init is through, the deadline passes, or the barrier
   // was aborted (a local rank failed outside its init, so its init will never come, and NCCL's would
   // wait for it). A rank whose own init fails does not abort it: its error reaches the others in the
   // meeting and agree() after their polls end, so that all agree on one message (up to `start` later).
+  auto finished = [&](ncclResult_t st) {
+    if (st != ncclInProgress) return st;
+    poll_until(
+        [&] {
+          DP_NCCL_CHECK(ncclCommGetAsyncError(comms_[rank], &st));
+          return st != ncclInProgress;
+        },
+        [this] { return barrier_.aborted(); }, deadline, d.id(),
+        [&] {
+          return "NCCL's start on " + d.name() + " (rank " + std::to_string(me) + " of " + std::to_string(world_) + ")";
+        });
+    return st;
+  };
   try {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    auto what = [&] {
-      return "NCCL's start on " + d.name() + " (rank " + std::to_string(me) + " of " + std::to_string(world_) + ")";
-    };
-    const ncclResult_t init = ncclCommInitRankConfig(&comms_[rank], world_, id_, me, &config);
-    DP_NCCL_CHECK_NAMED(settle(rank, init, deadline, what), "ncclCommInitRankConfig");
+    DP_NCCL_CHECK(finished(ncclCommInitRankConfig(&comms_[rank], world_, id_, me, &config)));
     return "";
   } catch (const std::exception& e) {
     return e.what();

@@ -109,20 +109,18 @@ inline void print_failure(const char* lib, const char* call, const std::string& 
       ::dp::cuda::print_failure("cuDNN", #call, cudnnGetErrorString(dp_st_), __FILE__, __LINE__); \
   } while (0)
 
-// ncclGetLastError carries NCCL's detailed message (which peer, which transport) when it has one. The
-// named form is for a result in hand (a nonblocking call's, once settled), named by `text`.
-#define DP_NCCL_CHECK_NAMED(call, text)                                                                     \
+// ncclGetLastError carries NCCL's detailed message (which peer, which transport) when it has one.
+#define DP_NCCL_CHECK(call)                                                                                 \
   do {                                                                                                      \
     ncclResult_t dp_st_ = (call);                                                                           \
     if (dp_st_ != ncclSuccess) {                                                                            \
       const char* dp_last_ = ncclGetLastError(nullptr);                                                     \
-      ::dp::cuda::throw_failure("NCCL", text,                                                               \
+      ::dp::cuda::throw_failure("NCCL", #call,                                                              \
                                 std::string(ncclGetErrorString(dp_st_)) +                                   \
                                     (dp_last_ && *dp_last_ ? std::string(": ") + dp_last_ : std::string()), \
                                 __FILE__, __LINE__);                                                        \
     }                                                                                                       \
   } while (0)
-#define DP_NCCL_CHECK(call) DP_NCCL_CHECK_NAMED(call, #call)
 
 #define DP_NCCL_CHECK_PRINT(call)                                                               \
   do {                                                                                          \
