@@ -23,12 +23,12 @@
 // all-reduce; rank 0 creates the clique with one ncclCommInitAll; a second meeting gives every rank
 // the outcome. If NCCL cannot start (a small /dev/shm in a container, no P2P, ...), one line on
 // stderr says so and all_reduce is the base class's peer copies from then on, counted the same way.
-// Why ncclCommInitAll on one thread rather than ncclCommInitRank on every rank's thread with a shared
-// ncclUniqueId (NCCL's one-thread-per-device recipe): InitAll is that recipe run from one thread
-// (ncclGetUniqueId, then every rank's init in one group), and it succeeds or fails as a whole, in one
-// place, so every rank learns the same outcome and falls back together. With one blocking
-// ncclCommInitRank per thread, a rank whose init fails leaves its peers waiting inside theirs for a
-// rank that never joins, and the ranks could disagree about whether NCCL is in use.
+// InitAll is NCCL's one-thread-per-device recipe run from one thread (ncclGetUniqueId, then every
+// rank's init in one group): it succeeds or fails as a whole, so every rank learns one outcome and
+// falls back together. It blocks with no deadline (a bootstrap that never connects holds the process
+// for good). The job's nonblocking start has one, but a nonblocking communicator of two or more ranks
+// answers every collective ncclInProgress and starts a thread for it (group.cc of NCCL 2.28 and 2.30):
+// a cost on every bucket of DDP's path, which this form does not pay for a start that rarely hangs.
 //
 // Failures. Host waits on GPU work that may include NCCL poll (CudaDevice's watch, set while the
 // clique exists): between polls they look at the barrier's abort flag (another rank failed) and at

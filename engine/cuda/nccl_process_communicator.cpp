@@ -28,7 +28,9 @@
 //      failure each aborts its half-made communicator and throws the same message, which names every
 //      process that failed and why. Nothing hangs: every wait of the start has a deadline.
 // The communicators are nonblocking (the price of the deadline on init): any NCCL call may answer
-// ncclInProgress, and NcclCommunicator::enqueued polls until it is through before the next call.
+// ncclInProgress, and NcclCommunicator::call polls until it is through before the next call. Every
+// collective of two or more ranks does: NCCL starts a thread for it (group.cc, 2.28 and 2.30), a cost
+// per bucket not yet measured (one-process cliques stay blocking: nccl_communicator.cpp).
 //
 // Bytes. Counted as NCCL's ring over the P*K ranks in job-rank order would move them (the ring model of
 // ring_all_reduce_traffic, over P*K; NCCL may pick another ring order, a tree or NVLS, and the count
