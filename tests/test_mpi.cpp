@@ -273,11 +273,14 @@ TEST_CASE("mpi: a process that stops answering trips --timeout, one that is kill
   CHECK(r.output.find("did not finish within 1 s (--timeout)") != std::string::npos);
   CHECK(seconds < 30);  // a bound on a hang, not a speed: the stalled rank sleeps 3 s, then is aborted
 
-  // SIGKILL to one rank mid-training: mpirun notices and ends the others.
+  // SIGKILL to one rank mid-training: mpirun notices and ends the others. Mid-training is once rank 0
+  // logged a step (both ranks past MPI's start), not a fixed 2 s that a loaded machine may not reach.
   const std::string marker = job.dir / "data";  // in every rank's command line, and only theirs
-  start = std::chrono::steady_clock::now();
-  Spawned job_run(kMpirun + " -np 2 " + kTrainCpu + job.with("--epochs 100000"));
-  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const std::string log = job.dir / "steps.jsonl";
+  Spawned job_run(kMpirun + " -np 2 " + kTrainCpu + job.with("--epochs 100000 --log-every 1 --log " + log));
+  for (int i = 0; i < 600 && slurp(log).empty(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  REQUIRE(!slurp(log).empty());
+  start = std::chrono::steady_clock::now();  // the bound below is on the end after the kill
   CommandResult pids = run_command("pgrep -f '^" + std::string(DP_TRAIN_BIN) + ".*" + marker + "'");
   REQUIRE(pids.output.size() > 1);
   const pid_t victim = pid_t(std::stol(pids.output));
@@ -286,7 +289,9 @@ TEST_CASE("mpi: a process that stops answering trips --timeout, one that is kill
   REQUIRE(::waitpid(job_run.pid, &status, 0) == job_run.pid);
   job_run.pid = -1;
   CHECK((WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status)) != 0);
-  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 30);
+  // A bound on a hang, not a speed: about 2 s here, once 31 s in a CI run on 2 loaded cores (cause not
+  // found); without mpirun's end the survivor waits out timeout(1)'s 120 s or --timeout's 600.
+  CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < 60);
   CHECK(run_command("pgrep -f '^" + std::string(DP_TRAIN_BIN) + ".*" + marker + "'").exit_code == 1);  // none left
 }
 
