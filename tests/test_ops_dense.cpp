@@ -1,7 +1,8 @@
 // GEMM, linear and softmax cross-entropy over the op matrix (tests/ops_matrix.h): every GEMM transpose
 // exact on small integers and against the reference in double on odd and empty sizes; linear with and
 // without dx, n = 0 included; softmax cross-entropy's values and stability at large logits worked out
-// by hand, and random rows against the reference in double with a derived bound.
+// by hand, its count where logits are NaN, and random rows against the reference in double with a
+// derived bound.
 //
 // GEMM's and linear's tolerances: C = alpha op(A) op(B) + beta C is, per element, k products summed
 // in any order (k roundings on a product's path), scaled by alpha and added to beta C (two more):
@@ -207,6 +208,26 @@ DP_OPS_TEST("softmax_xent: stable at large logits, accumulates loss and correct 
     for (int i = 0; i < 3; ++i) want += lse_loss(Vec(z.begin() + 4 * i, z.begin() + 4 * i + 4), labels[size_t(i)]);
     CHECK(r.stats[0] == doctest::Approx(want / 3).epsilon(1e-6));
     CHECK(r.stats[1] == 2.0f);
+  }
+  SUBCASE("NaN logits: the count follows the CPU's scan, the loss and every gradient NaN") {
+    // 40 classes: a warp's lane l starts from column l and goes on to l + 32.
+    const int classes = 40, n = 4;
+    Vec z(size_t(n * classes));
+    for (size_t i = 0; i < z.size(); ++i) z[i] = float(int(i * 7 % 11) - 5) * 0.1f;  // within [-0.5, 0.5]
+    auto at = [&](int row, int col) -> float& { return z[size_t(row * classes + col)]; };
+    const float nan = std::nanf("");
+    at(0, 0) = nan;                                 // the scan starts on a NaN and stays: column 0
+    at(1, 3) = nan, at(1, 35) = nan, at(1, 7) = 5;  // NaNs are passed over: column 7
+    at(2, 5) = nan, at(2, 37) = 5;                  // behind a lane's NaN first column: column 37
+    at(3, 1) = nan, at(3, 33) = 5;                  // column 33, and labelled otherwise
+    const Labels labels = {0, 7, 37, 2};
+    const Xent r = run_xent(be, n, classes, z, labels, 1.0f / n, {0, 0});
+    DVec dz(z.size()), stats(2);
+    cpu::softmax_xent<double>(n, classes, dbl(z).data(), labels.data(), 1.0 / n, dz.data(), stats.data());
+    CHECK(stats[1] == 3.0);  // the reference's own scan, as worked out above
+    CHECK(r.stats[1] == 3.0f);
+    CHECK(std::isnan(r.stats[0]));
+    CHECK(std::all_of(r.dz.begin(), r.dz.end(), [](float g) { return std::isnan(g); }));
   }
 }
 
