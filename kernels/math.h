@@ -159,6 +159,25 @@ DP_HD void adam_update(T& w, T& m, T& v, T g, const AdamStep& s) {
   w = w + (-T(s.step_size)) * (m / denom);
 }
 
+// The row's argmax, the first maximum (PyTorch's argmax, but for NaN): whether column a comes before
+// column b. A NaN ranks below every value, above them in column 0, ties go to the smaller index: a
+// scan from column 0 (the CPU) finds what it would with a strict >, which never leaves a NaN but one
+// in column 0 where it starts, and so does any order of comparisons (a warp's lanes, each starting
+// from its own column, then a butterfly: softmax_xent.cu).
+template <class T>
+DP_HD bool argmax_beats(const T* z, int a, int b) {
+  auto rank = [z](int j) {
+#if defined(__CUDA_ARCH__)
+    const bool nan = isnan(z[j]);
+#else
+    const bool nan = std::isnan(z[j]);
+#endif
+    return nan ? (j == 0 ? T(INFINITY) : -T(INFINITY)) : z[j];
+  };
+  const T ra = rank(a), rb = rank(b);
+  return ra > rb || (ra == rb && a < b);
+}
+
 // Cross-entropy of one row from its maximum m and log_sum = log(sum_j exp(z_j - m)):
 //   loss = log_sum - (z_label - m)
 template <class T>

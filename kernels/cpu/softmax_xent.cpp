@@ -14,7 +14,7 @@ void softmax_xent(int n, int classes, const T* logits, const int32_t* labels, T 
     T* dz = dlogits + int64_t(i) * classes;      // (CLASSES)
     int best = 0;
     for (int j = 1; j < classes; ++j)
-      if (z[j] > z[best]) best = j;
+      if (math::argmax_beats(z, j, best)) best = j;  // here the same as z[j] > z[best]
     T m = z[best], sum = T(0);
     for (int j = 0; j < classes; ++j) sum += math::exp_(z[j] - m);
     T log_sum = std::log(sum);  // logf for float

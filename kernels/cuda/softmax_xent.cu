@@ -20,20 +20,6 @@ constexpr int kWarp = 32;
 constexpr int kRowsPerBlock = cuda::kThreads / kWarp;
 constexpr unsigned kAll = 0xffffffffu;
 
-// The CPU scans a row from column 0 and moves on a strict > (the first maximum wins), so a NaN is
-// never chosen, unless it is column 0, where the scan starts and stays. A lane starts from its own
-// column instead: ranking a NaN below everything (above everything in column 0) and breaking ties
-// by the smaller index gives the CPU's column in any order of comparisons. (Without it a lane whose
-// first column is NaN kept it, and the warp's lanes could end on different columns.)
-__device__ float rank(const float* z, int j) {
-  const float v = z[j];
-  return isnan(v) ? (j == 0 ? INFINITY : -INFINITY) : v;
-}
-__device__ bool beats(const float* z, int a, int b) {
-  const float ra = rank(z, a), rb = rank(z, b);
-  return ra > rb || (ra == rb && a < b);
-}
-
 __global__ void softmax_xent_kernel(int n, int classes, const float* logits, const int32_t* labels, float scale,
                                     float* dlogits, float* stats, CudaOps::Scratch* scratch) {
   cuda::await_previous();
@@ -45,14 +31,15 @@ __global__ void softmax_xent_kernel(int n, int classes, const float* logits, con
   for (int64_t row = (int64_t(blockIdx.x) * kRowsPerBlock + warp); row < n; row += int64_t(gridDim.x) * kRowsPerBlock) {
     const float* z = logits + row * classes;  // (C): the whole warp takes this row together
     float* dz = dlogits + row * classes;      // (C)
-    // Argmax, the CPU's answer: lanes scan their columns in order, then the warp keeps the larger
-    // rank, or the smaller index on a tie (rank and beats, above), so every lane ends with one column.
+    // Argmax by the CPU's order (math::argmax_beats, which holds in any order of comparisons): lanes
+    // scan their columns in turn, then the warp's butterfly, so every lane ends with one column. (A
+    // strict > let a lane whose first column is NaN keep it, and lanes end on different columns.)
     int best = lane < classes ? lane : 0;
     for (int j = lane + kWarp; j < classes; j += kWarp)
-      if (beats(z, j, best)) best = j;
+      if (math::argmax_beats(z, j, best)) best = j;
     for (int off = kWarp / 2; off > 0; off /= 2) {
       const int other = __shfl_xor_sync(kAll, best, off);
-      if (beats(z, other, best)) best = other;
+      if (math::argmax_beats(z, other, best)) best = other;
     }
     const float m = z[best];
     float sum = 0.0f;
