@@ -25,7 +25,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 void Buffer::reset() noexcept {
   if (ptr_) {
-    device_->raw_free(ptr_);
+    device_->free(ptr_);
     device_->ledger_.release(category_, int64_t(bytes_));
   }
   device_ = nullptr;
@@ -76,6 +76,20 @@ void Device::refuse_while_capturing(bool capturing, const char* what) const {
     throw DeviceError(id_, std::string(what) +
                                " while capturing a step graph: a graph holds the device's work alone, and a "
                                "replay repeats the captured step's pointers");
+}
+
+void Device::free(void* ptr) noexcept {
+  if (capturing())
+    held_.push_back(ptr);
+  else
+    raw_free(ptr);
+}
+
+bool Device::free_held() noexcept {
+  for (void* p : held_) raw_free(p);
+  const bool any = !held_.empty();
+  held_.clear();
+  return any;
 }
 
 void Device::no_graph(int slot) const {

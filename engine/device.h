@@ -28,7 +28,8 @@ class Device;
 // stream's uploads) or by another device (copy_from_peer) are ordered after the compute stream's work
 // at its allocation, by an event recorded there, and are done, or ordered before the compute stream's
 // work, when it is freed (the peer collectives end with every rank's copies waited for; NCCL's wait()
-// makes the compute stream wait for the comm stream). Nothing is freed while the device captures.
+// makes the compute stream wait for the comm stream). A free while the device captures is held until
+// the capture ends, and the capture is refused (Device::capturing).
 class Buffer {
  public:
   Buffer() = default;
@@ -167,13 +168,22 @@ class Device {
   // while this thread captures, which a replay would get wrong; a launch of a slot with no graph.
   void refuse_while_capturing(bool capturing, const char* what) const;
   [[noreturn]] void no_graph(int slot) const;
+  // Whether the calling thread captures a step graph on this device. A buffer freed meanwhile (its
+  // reset cannot throw) is held, not freed: a captured free would repeat at every replay, and the
+  // work captured before it still uses the memory. Once the capture has ended, end_capture and
+  // abandon_capture call free_held(), which frees what was held and says whether there was any:
+  // end_capture then refuses the graph, as refuse_while_capturing does an allocation.
+  virtual bool capturing() const = 0;
+  bool free_held() noexcept;
 
  private:
   friend class Buffer;
+  void free(void* ptr) noexcept;  // raw_free, or held while capturing
   int rank_, id_;
   DeviceKind kind_;
   Ledger ledger_;
   std::unique_ptr<Worker> compute_, comm_;
+  std::vector<void*> held_;  // freed while capturing (free_held)
 };
 
 // Where there is no GPU, "every device" (--gpus all, dp_train's default) means this many simulated

@@ -130,7 +130,7 @@ TEST_CASE("cuda: graphs: steps replayed from a CUDA graph per upload slot train 
 
 // The device's side, on each backend there is: a captured op runs at launch, not at capture, and each
 // launch runs it again with the capture's arguments; what a replay would repeat wrongly throws while
-// capturing, and the device works on after the capture is abandoned.
+// capturing (a free, which cannot throw, when the capture ends), and the device works on after.
 void check_capture(Device& d) {
   d.run([&] {
      Buffer x = d.alloc_floats(4, Category::workspace);
@@ -168,6 +168,17 @@ void check_capture(Device& d) {
                               DeviceError);
        d.abandon_capture();
      }
+     // A free while capturing: held until the capture ends (the graph's fill still writes y), then
+     // freed, and the graph refused; the slot keeps no graph.
+     const int64_t before = d.ledger().snapshot().total;
+     Buffer y = d.alloc_floats(4, Category::workspace);
+     d.begin_capture();
+     d.ops().fill(4, 1.0f, y.f());
+     y = Buffer();
+     CHECK_THROWS_WITH_AS(d.end_capture(0), doctest::Contains("a free while capturing"), DeviceError);
+     d.abandon_capture();
+     CHECK(d.ledger().snapshot().total == before);
+     CHECK_THROWS_WITH_AS(d.launch(0), doctest::Contains("no graph captured for upload slot 0"), DeviceError);
      d.ops().fill(4, 3.0f, x.f());  // eager again
      d.download(got.data(), x.f(), sizeof(float) * 4);
      CHECK(got == std::vector<float>(4, 3.0f));

@@ -110,11 +110,16 @@ class SimDevice final : public Device {
   void end_capture(int slot) override {
     check_upload_slot(slot);
     ops_.stop();
+    if (free_held()) {
+      capture_.clear();
+      refuse_while_capturing(true, "a free");
+    }
     graphs_[size_t(slot)] = {std::exchange(capture_, {}), marks().size()};
   }
   void abandon_capture() noexcept override {
     ops_.stop();
     capture_.clear();
+    free_held();
   }
   void launch(int slot) override {
     check_upload_slot(slot);
@@ -154,6 +159,7 @@ class SimDevice final : public Device {
     return p;
   }
   void raw_free(void* p) noexcept override { std::free(p); }
+  bool capturing() const override { return ops_.recording(); }
 
  private:
   // A slot's pending uploads, handed to the caller to wait for (the comm thread synchronizes too).

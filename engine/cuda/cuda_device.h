@@ -158,7 +158,7 @@ class CudaDevice final : public Device {
   cuda::Event ready_;        // recorded on stream_ when a peer wants to wait for this device
   // The thread capturing a step graph (none: not capturing); what it may not do then throws.
   std::atomic<std::thread::id> capture_thread_{};
-  bool capturing() const { return capture_thread_.load() == std::this_thread::get_id(); }
+  bool capturing() const override { return capture_thread_.load() == std::this_thread::get_id(); }
   Buffer cublas_workspace_;  // prepare_steps'
   // CudaOps' side lane, under DP_CUDA_STREAMS=2 (CudaOps::streams_wanted); else none
   cuda::Stream side_stream_;

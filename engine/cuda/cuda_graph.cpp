@@ -44,8 +44,11 @@ void CudaDevice::end_capture(int slot) {
   DeviceGuard guard(id());
   capture_thread_.store(std::thread::id());
   cudaGraph_t raw = nullptr;
-  DP_CUDA_CHECK(cudaStreamEndCapture(stream_.get(), &raw));
+  const cudaError_t ended = cudaStreamEndCapture(stream_.get(), &raw);
   cuda::Graph graph(raw);
+  const bool freed = free_held();  // now on the stream, after the capture
+  DP_CUDA_CHECK_NAMED(ended, "cudaStreamEndCapture(stream_.get(), &raw)");
+  if (freed) refuse_while_capturing(true, "a free");
   cudaGraphExec_t exec = nullptr;
   DP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph.get(), 0));
   graphs_[slot] = cuda::GraphExec(exec);
@@ -64,6 +67,7 @@ void CudaDevice::abandon_capture() noexcept {
   (void)cudaStreamEndCapture(stream_.get(), &raw);
   (void)cudaGetLastError();
   if (raw) cuda::Graph drop(raw);
+  free_held();
 }
 
 void CudaDevice::launch(int slot) {
