@@ -209,6 +209,10 @@ DP_OPS_TEST("softmax_xent: stable at large logits, accumulates loss and correct 
     CHECK(r.stats[0] == doctest::Approx(want / 3).epsilon(1e-6));
     CHECK(r.stats[1] == 2.0f);
   }
+  SUBCASE("rows of no classes add nothing to stats, as no rows do") {
+    const Xent r = run_xent(be, 3, 0, Vec{}, {0, 0, 0}, 1.0f, {0.5f, 2.0f});
+    CHECK(r.stats == Vec{0.5f, 2.0f});
+  }
   SUBCASE("NaN logits: the count follows the CPU's scan, the loss and every gradient NaN") {
     // 40 classes: a warp's lane l starts from column l and goes on to l + 32.
     const int classes = 40, n = 4;

@@ -8,6 +8,7 @@ namespace dp::cpu {
 
 template <class T>
 void softmax_xent(int n, int classes, const T* logits, const int32_t* labels, T scale, T* dlogits, T* stats) {
+  if (classes == 0) return;  // stats += 0, as on CUDA: a row of no classes has no loss or argmax
   T loss = T(0), correct = T(0);
   for (int i = 0; i < n; ++i) {
     const T* z = logits + int64_t(i) * classes;  // (CLASSES)

@@ -47,8 +47,8 @@ __global__ void softmax_xent_kernel(int n, int classes, const float* logits, con
     for (int off = kWarp / 2; off > 0; off /= 2) sum += __shfl_xor_sync(kAll, sum, off);
     const float log_sum = logf(__shfl_sync(kAll, sum, 0));  // every lane the same bits
     const int label = labels[row];
+    loss += math::xent_loss(z[label], m, log_sum);  // read before dz is written, as the CPU does
     for (int j = lane; j < classes; j += kWarp) dz[j] = math::xent_grad(z[j], m, log_sum, j == label, scale);
-    loss += math::xent_loss(z[label], m, log_sum);
     correct += best == label ? 1.0f : 0.0f;
   }
   if (lane == 0) {
