@@ -1,56 +1,54 @@
-// make_communicator for CUDA builds: NCCL's all-reduce when every device is a distinct GPU, the peer
-// ring of engine/communicator.cpp otherwise (one device, a GPU shared by several replicas, or
-// simulated devices). Broadcast, scatter, gather and reduce stay the base class's peer copies on
-// both; only all_reduce, the collective that matters for DDP, goes through NCCL.
+// make_communicator for CUDA builds: NCCL's all-reduce when every device is a distinct GPU, the peer ring of
+// engine/communicator.cpp otherwise (one device, a GPU shared by several replicas, or simulated devices).
+// Broadcast, scatter, gather and reduce stay the base class's peer copies on both; only all_reduce, the
+// collective that matters for DDP, goes through NCCL.
 //
-// Calls follow NCCL's one-thread-per-device model: every rank calls ncclAllReduce on its own
-// communicator from its own thread, no group calls. With --allreduce naive it is d2l's all-reduce:
-// ncclReduce to rank 0, then ncclBroadcast from it, every rank enqueuing both in turn on one stream.
+// Calls follow NCCL's one-thread-per-device model: every rank calls ncclAllReduce on its own communicator from
+// its own thread, no group calls. With --allreduce naive it is d2l's all-reduce: ncclReduce to rank 0, then
+// ncclBroadcast from it, every rank enqueuing both in turn on one stream.
 //   all_reduce        — compute thread, compute stream; the engine synchronises after it.
-//   all_reduce_async  — an event recorded on the compute stream right after the bucket's gradients
-//                       were enqueued; the communication thread makes the comm stream wait on it and
-//                       enqueues ncclAllReduce there, so backward keeps going on the compute stream.
+//   all_reduce_async  — an event recorded on the compute stream right after the bucket's gradients were
+//                       enqueued; the communication thread makes the comm stream wait on it and enqueues
+//                       ncclAllReduce there, so backward keeps going on the compute stream.
 //                       reduce_scatter_async and all_gather_async alike (submit_ordered).
 //   wait              — the compute stream waits on an event recorded on the comm stream after the
 //                       last bucket. No host synchronisation with the GPU.
-// Before each ncclAllReduce the ranks meet at the communicator's host barrier. It costs microseconds
-// and keeps the engine's failure rule: a rank that failed earlier aborts the barrier and the others
-// throw instead of enqueuing an all-reduce whose peer never comes (which would hang the GPU).
+// Before each ncclAllReduce the ranks meet at the communicator's host barrier. It costs microseconds and keeps
+// the engine's failure rule: a rank that failed earlier aborts the barrier and the others throw instead of
+// enqueuing an all-reduce whose peer never comes (which would hang the GPU).
 //
-// The clique (one NCCL communicator per GPU) is created at the first all-reduce, not with the
-// communicator: --sync scatter never all-reduces (but for --sync-bn's BatchNorm statistics), and a
-// run that does not need NCCL must not fail because NCCL cannot start. Every rank meets at its first
-// all-reduce; rank 0 creates the clique with one ncclCommInitAll; a second meeting gives every rank
-// the outcome. If NCCL cannot start (a small /dev/shm in a container, no P2P, ...), one line on
-// stderr says so and all_reduce is the base class's peer copies from then on, counted the same way.
-// InitAll is NCCL's one-thread-per-device recipe run from one thread (ncclGetUniqueId, then every
-// rank's init in one group): it succeeds or fails as a whole, so every rank learns one outcome and
-// falls back together. It blocks with no deadline (a bootstrap that never connects holds the process
-// for good). The job's nonblocking start has one, but a nonblocking communicator of two or more ranks
-// answers every collective ncclInProgress and starts a thread for it (group.cc of NCCL 2.28 and 2.30):
-// a cost on every bucket of DDP's path, which this form does not pay for a start that rarely hangs.
+// The clique (one NCCL communicator per GPU) is created at the first all-reduce, not with the communicator:
+// --sync scatter never all-reduces (but for --sync-bn's BatchNorm statistics), and a run that does not need
+// NCCL must not fail because NCCL cannot start. Every rank meets at its first all-reduce; rank 0 creates the
+// clique with one ncclCommInitAll; a second meeting gives every rank the outcome. If NCCL cannot start (a small
+// /dev/shm in a container, no P2P, ...), one line on stderr says so and all_reduce is the base class's peer
+// copies from then on, counted the same way. InitAll is NCCL's one-thread-per-device recipe run from one thread
+// (ncclGetUniqueId, then every rank's init in one group): it succeeds or fails as a whole, so every rank learns
+// one outcome and falls back together. It blocks with no deadline (a bootstrap that never connects holds the
+// process for good). The job's nonblocking start has one, but a nonblocking communicator of two or more ranks
+// answers every collective ncclInProgress and starts a thread for it (group.cc of NCCL 2.28 and 2.30): a cost
+// on every bucket of DDP's path, which this form does not pay for a start that rarely hangs.
 //
-// Failures. Host waits on GPU work that may include NCCL poll (CudaDevice's watch, set while the
-// clique exists): between polls they look at the barrier's abort flag (another rank failed) and at
-// ncclCommGetAsyncError of the rank's own communicator (an NCCL error, which then aborts the other
-// ranks too), and give up after the collective timeout (--timeout) with TimedOut. So a rank whose peer
-// failed after the barrier, its kernel left waiting for the peer's half of an all-reduce, throws
-// instead of hanging. Once every rank has returned, recover() (engine.cpp, after a failed step) ends
-// every NCCL operation still queued: ncclCommAbort on every communicator (the kernels waiting for a
-// half that will never come quit), then both streams of every GPU drain, so no all-reduce queued on
-// the comm stream writes the gradient buffer while the next step's backward writes it; the clique is
-// created again at the next all-reduce, since after a failure its state is unknown. This is what
-// PyTorch's ProcessGroupNCCL does after an NCCL error or a timeout. The abort waits for recover()
-// rather than happening in the wait that saw the failure because ncclCommAbort frees the
+// Failures. Host waits on GPU work that may include NCCL poll (CudaDevice's watch, set while the clique
+// exists): between polls they look at the barrier's abort flag (another rank failed) and at
+// ncclCommGetAsyncError of the rank's own communicator (an NCCL error, which then aborts the other ranks too),
+// and give up after the collective timeout (--timeout) with TimedOut. So a rank whose peer failed after the
+// barrier, its kernel left waiting for the peer's half of an all-reduce, throws instead of hanging. Once every
+// rank has returned, recover() (engine.cpp, after a failed step) ends every NCCL operation still queued:
+// ncclCommAbort on every communicator (the kernels waiting for a half that will never come quit), then both
+// streams of every GPU drain, so no all-reduce queued on the comm stream writes the gradient buffer while the
+// next step's backward writes it; the clique is created again at the next all-reduce, since after a failure its
+// state is unknown. This is what PyTorch's ProcessGroupNCCL does after an NCCL error or a timeout. The abort
+// waits for recover() rather than happening in the wait that saw the failure because ncclCommAbort frees the
 // communicator, and another rank's thread may at that moment still be polling its own.
 //
-// The class is declared in nccl_communicator.h: the job's form (several processes, one clique over all
-// their GPUs; nccl_process_communicator.cpp) derives from it and replaces the start, the byte count
-// and the broadcast; the waits, events, watches and the ends are these.
+// The class is declared in nccl_communicator.h: the job's form (several processes, one clique over all their
+// GPUs; nccl_process_communicator.cpp) derives from it and replaces the start, the byte count and the
+// broadcast; the waits, events, watches and the ends are these.
 //
-// Bytes are counted as the base class counts them (ring_all_reduce_traffic, naive_all_reduce_traffic),
-// so reports compare across communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch)
-// and move other bytes over other links; the count is the ring's, nccl-tests' bus-bandwidth convention.
+// Bytes are counted as the base class counts them (ring_all_reduce_traffic, naive_all_reduce_traffic), so
+// reports compare across communicators. NCCL may choose another algorithm (tree, NVLS on NVSwitch) and move
+// other bytes over other links; the count is the ring's, nccl-tests' bus-bandwidth convention.
 #include "engine/cuda/nccl_communicator.h"
 
 #include <algorithm>
@@ -131,9 +129,8 @@ void NcclCommunicator::start_clique(int rank) {
                           : "");
     }
   }
-  // Every rank learns the outcome. NCCL's start can take seconds on many GPUs: the wait for it is
-  // at least the default timeout, so that a short --timeout (for a quick verdict on a stuck step)
-  // does not fail a start that is merely slow.
+  // Every rank learns the outcome. NCCL's start can take seconds on many GPUs: the wait for it is at least the default
+  // timeout, so that a short --timeout (for a quick verdict on a stuck step) does not fail a start that is merely slow.
   meet(rank, "the start of NCCL", Deadline::after(std::max(timeout_, kDefaultTimeout)));
 }
 
@@ -192,9 +189,10 @@ static bool event_done(const cuda::Event& event) {
 // k's, not the step k+1 that --run-ahead queued behind it.
 std::string NcclCommunicator::outstanding(int rank) {
   std::lock_guard lock(events_mu_);
-  const std::deque<Queued>& queued = events_[rank].queued;
+  const RankEvents& ev = events_[rank];
+  const std::deque<Queued>& queued = ev.queued;
   for (size_t i = 0; i < queued.size(); ++i) {
-    if (event_done(queued[i].finished)) continue;
+    if (queued[i].number <= ev.enqueued && event_done(queued[i].finished)) continue;
     return "NCCL's " + std::string(collective_name(queued[i].kind)) + " number " + std::to_string(queued[i].number) +
            " on " + devices_[rank]->name() + " (the oldest not finished; " + std::to_string(queued.size() - i - 1) +
            " more queued behind it)";
@@ -342,6 +340,7 @@ void NcclCommunicator::submit_ordered(int rank, Collective kind, Interval* timin
                                       std::function<void(cudaStream_t)> nccl) {
   CudaDevice& dev = gpu(rank);
   cudaEvent_t ready = nullptr, finished = nullptr;
+  uint64_t number = 0;
   {
     std::lock_guard lock(events_mu_);
     RankEvents& ev = events_[rank];
@@ -353,7 +352,7 @@ void NcclCommunicator::submit_ordered(int rank, Collective kind, Interval* timin
     if (ev.spare.empty()) ev.spare.push_back({cuda::make_event(), cuda::make_event()});  // the compute thread's GPU
     Queued q = std::move(ev.spare.back());
     ev.spare.pop_back();
-    q.kind = kind, q.number = ++ev.count;
+    q.kind = kind, q.number = number = ++ev.count;
     ready = q.ready.get();
     finished = q.finished.get();
     ev.queued.push_back(std::move(q));
@@ -361,12 +360,13 @@ void NcclCommunicator::submit_ordered(int rank, Collective kind, Interval* timin
   DP_CUDA_CHECK(cudaEventRecord(ready, dev.stream()));  // after the kernels that wrote the buffer
   // Whether NCCL or the peer ring runs it is decided on the communication thread, where the clique
   // starts: the compute thread may not read the outcome while rank 0 writes it.
-  submit_comm(rank, timing, [this, rank, ready, finished, &dev, peer = std::move(peer), nccl = std::move(nccl)] {
+  submit_comm(rank, timing, [=, this, &dev, peer = std::move(peer), nccl = std::move(nccl)] {
     // The peer ring's copies go on the compute stream, after the kernels that wrote the buffer.
     if (!use_nccl(rank)) return peer();
     DP_CUDA_CHECK(cudaStreamWaitEvent(dev.comm_stream(), ready, 0));
     nccl(dev.comm_stream());  // meets the other ranks first, as the synchronous forms do
     DP_CUDA_CHECK(cudaEventRecord(finished, dev.comm_stream()));  // for a timeout's message
+    enqueued(rank, number);
   });
 }
 
