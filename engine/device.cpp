@@ -71,11 +71,10 @@ void Device::check_mark_set(int set) const {
                       "mark set " + std::to_string(set) + ": the sets are 0.." + std::to_string(kDownloadSlots - 1));
 }
 
-void Device::refuse_while_capturing(bool capturing, const char* what) const {
-  if (capturing)
-    throw DeviceError(id_, std::string(what) +
-                               " while capturing a step graph: a graph holds the device's work alone, and a "
-                               "replay repeats the captured step's pointers");
+void Device::refused(const char* what) const {
+  throw DeviceError(id_, std::string(what) +
+                             " while capturing a step graph: a graph holds the device's work alone, and a "
+                             "replay repeats the captured step's pointers");
 }
 
 void Device::free(void* ptr) noexcept {

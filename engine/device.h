@@ -29,7 +29,7 @@ class Device;
 // at its allocation, by an event recorded there, and are done, or ordered before the compute stream's
 // work, when it is freed (the peer collectives end with every rank's copies waited for; NCCL's wait()
 // makes the compute stream wait for the comm stream). A free while the device captures is held until
-// the capture ends, and the capture is refused (Device::capturing).
+// the capture ends, and the capture is refused (Device::free_held).
 class Buffer {
  public:
   Buffer() = default;
@@ -164,16 +164,20 @@ class Device {
   void check_download(int slot, size_t bytes) const;
   // Throws DeviceError unless 0 <= set < kDownloadSlots (clear_marks, mark_time).
   void check_mark_set(int set) const;
-  // The step graphs' errors, alike on every backend: `what` (an upload, a download, an allocation)
-  // while this thread captures, which a replay would get wrong; a launch of a slot with no graph.
-  void refuse_while_capturing(bool capturing, const char* what) const;
-  [[noreturn]] void no_graph(int slot) const;
-  // Whether the calling thread captures a step graph on this device. A buffer freed meanwhile (its
-  // reset cannot throw) is held, not freed: a captured free would repeat at every replay, and the
-  // work captured before it still uses the memory. Once the capture has ended, end_capture and
-  // abandon_capture call free_held(), which frees what was held and says whether there was any:
-  // end_capture then refuses the graph, as refuse_while_capturing does an allocation.
+  // Whether the calling thread captures a step graph on this device.
   virtual bool capturing() const = 0;
+  // The step graphs' errors, alike on every backend: `what` (an upload, a download, an allocation)
+  // while this thread captures, which a replay would get wrong (refused(what) throws it); a launch of
+  // a slot with no graph.
+  void refuse_while_capturing(const char* what) const {
+    if (capturing()) refused(what);
+  }
+  [[noreturn]] void refused(const char* what) const;
+  [[noreturn]] void no_graph(int slot) const;
+  // A buffer freed while capturing (its reset cannot throw) is held, not freed: a captured free would
+  // repeat at every replay, and the work captured before it still uses the memory. Once the capture
+  // has ended, end_capture and abandon_capture call free_held(), which frees what was held and says
+  // whether there was any: end_capture then refuses the graph, refused("a free").
   bool free_held() noexcept;
 
  private:

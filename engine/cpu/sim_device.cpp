@@ -42,17 +42,17 @@ class SimDevice final : public Device {
   // n == 0 comes with null pointers (empty shards, zero-size buffers): memcpy(dst, nullptr, 0) is
   // undefined behaviour, so it is skipped.
   void upload(void* dst, const void* src, size_t n) override {
-    refuse_while_capturing(ops_.recording(), "an upload from host memory");
+    refuse_while_capturing("an upload from host memory");
     if (n) std::memcpy(dst, src, n);
   }
   void download(void* dst, const void* src, size_t n) override {
-    refuse_while_capturing(ops_.recording(), "a download to host memory");
+    refuse_while_capturing("a download to host memory");
     if (n) std::memcpy(dst, src, n);
   }
   // Its compute is done when a call returns, so the bytes are copied at once: the step's end is
   // reached when it is queued.
   void download_async(int slot, const void* src, size_t n) override {
-    refuse_while_capturing(ops_.recording(), "a download to host memory");
+    refuse_while_capturing("a download to host memory");
     check_download(slot, n);
     if (const auto delay = failpoint::step_end_delay(*this); delay.count() > 0) std::this_thread::sleep_for(delay);
     if (n) std::memcpy(downloaded_[size_t(slot)].data(), src, n);
@@ -73,7 +73,7 @@ class SimDevice final : public Device {
   }
   // Compute work is done when its call returns; the copy thread's may not be.
   void synchronize() override {
-    refuse_while_capturing(ops_.recording(), "a host wait for the device");  // as CUDA's capture refuses it
+    refuse_while_capturing("a host wait for the device");  // as CUDA's capture refuses it
     finish_uploads();
   }
 
@@ -94,7 +94,7 @@ class SimDevice final : public Device {
   }
   void await_upload(int slot) override {
     check_upload_slot(slot);
-    if (ops_.recording()) return;  // launch waits
+    if (capturing()) return;  // launch waits
     for (auto& f : take(slot)) f.get();
   }
   void finish_uploads() noexcept override {
@@ -103,7 +103,7 @@ class SimDevice final : public Device {
   }
 
   void begin_capture() override {
-    if (ops_.recording()) throw DeviceError(id(), "begin_capture: a capture is already under way");
+    if (capturing()) throw DeviceError(id(), "begin_capture: a capture is already under way");
     capture_.clear();
     ops_.record(&capture_);
   }
@@ -112,7 +112,7 @@ class SimDevice final : public Device {
     ops_.stop();
     if (free_held()) {
       capture_.clear();
-      refuse_while_capturing(true, "a free");
+      refused("a free");
     }
     graphs_[size_t(slot)] = {std::exchange(capture_, {}), marks().size()};
   }
@@ -153,7 +153,7 @@ class SimDevice final : public Device {
 
  protected:
   void* raw_alloc(size_t bytes) override {
-    refuse_while_capturing(ops_.recording(), "an allocation");
+    refuse_while_capturing("an allocation");
     void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!p) throw DeviceError(id(), "host allocation of " + format_bytes(int64_t(bytes)) + " failed");
     return p;

@@ -184,7 +184,7 @@ Ops& CudaDevice::ops() {
 }
 
 void CudaDevice::upload(void* dst, const void* src_host, size_t bytes) {
-  refuse_while_capturing(capturing(), "an upload from host memory");
+  refuse_while_capturing("an upload from host memory");
   if (bytes == 0) return;
   DeviceGuard guard(id());
   copy_from_host(dst, src_host, bytes, stream_.get());
@@ -211,7 +211,7 @@ std::shared_ptr<void> CudaDevice::pin_host(void* p, size_t bytes) {
 }
 
 void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
-  refuse_while_capturing(capturing(), "a download to host memory");
+  refuse_while_capturing("a download to host memory");
   if (bytes == 0) return;
   DeviceGuard guard(id());
   std::lock_guard lock(bounce_mu_);
@@ -226,7 +226,7 @@ void CudaDevice::download(void* dst_host, const void* src, size_t bytes) {
 }
 
 void CudaDevice::download_async(int slot, const void* src, size_t bytes) {
-  refuse_while_capturing(capturing(), "a download to host memory");
+  refuse_while_capturing("a download to host memory");
   check_download(slot, bytes);
   DeviceGuard guard(id());
   if (const auto delay = failpoint::step_end_delay(*this); delay.count() > 0)  // the test build's slow step
@@ -297,7 +297,7 @@ void CudaDevice::copy_from_peer(void* dst, const Device& src_device, const void*
 }
 
 void CudaDevice::synchronize() {
-  refuse_while_capturing(capturing(), "a host wait for the device");  // cudaErrorStreamCaptureUnsupported
+  refuse_while_capturing("a host wait for the device");  // cudaErrorStreamCaptureUnsupported
   DeviceGuard guard(id());
   wait_stream(copy_stream_.get());
   wait_stream(stream_.get());

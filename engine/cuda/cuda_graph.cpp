@@ -48,7 +48,7 @@ void CudaDevice::end_capture(int slot) {
   cuda::Graph graph(raw);
   const bool freed = free_held();  // now on the stream, after the capture
   DP_CUDA_CHECK_NAMED(ended, "cudaStreamEndCapture(stream_.get(), &raw)");
-  if (freed) refuse_while_capturing(true, "a free");
+  if (freed) refused("a free");
   cudaGraphExec_t exec = nullptr;
   DP_CUDA_CHECK(cudaGraphInstantiate(&exec, graph.get(), 0));
   graphs_[slot] = cuda::GraphExec(exec);

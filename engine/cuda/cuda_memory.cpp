@@ -28,7 +28,7 @@ void CudaDevice::open_pool() {
 }
 
 void* CudaDevice::raw_alloc(size_t bytes) {
-  refuse_while_capturing(capturing(), "an allocation");
+  refuse_while_capturing("an allocation");
   DeviceGuard guard(id());
   if (pool_) return pool_alloc(bytes);
   void* p = nullptr;
