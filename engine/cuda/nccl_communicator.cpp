@@ -366,7 +366,7 @@ void NcclCommunicator::submit_ordered(int rank, Collective kind, Interval* timin
     DP_CUDA_CHECK(cudaStreamWaitEvent(dev.comm_stream(), ready, 0));
     nccl(dev.comm_stream());  // meets the other ranks first, as the synchronous forms do
     DP_CUDA_CHECK(cudaEventRecord(finished, dev.comm_stream()));  // for a timeout's message
-    enqueued(rank, number);
+    note_enqueued(rank, number);
   });
 }
 

@@ -111,12 +111,12 @@ class NcclCommunicator : public Communicator {
     std::vector<Queued> spare;
     uint64_t count = 0;     // collectives queued on this rank so far
     uint64_t waited = 0;    // count at the last wait(): the comm-thread tasks of those up to it have run
-    uint64_t enqueued = 0;  // the last whose comm-thread task recorded `finished`: see enqueued()
+    uint64_t enqueued = 0;  // the last whose comm-thread task recorded `finished`: see note_enqueued()
     cuda::Event done;       // recorded on the comm stream after the last bucket
   };
   // Collective `number`'s comm-thread task recorded its `finished`: until then that event is
   // unrecorded or an older collective's, and outstanding() counts the collective as not finished.
-  void enqueued(int rank, uint64_t number) {
+  void note_enqueued(int rank, uint64_t number) {
     std::lock_guard lock(events_mu_);
     events_[rank].enqueued = number;
   }
