@@ -48,7 +48,7 @@ struct SkewOptions {
   std::string model = "lenet";
   int width = 1;  // --width (make_model)
   int batch = 256, steps = 2;
-  // --optimizer: momentum (SGD, momentum 0.9: one buffer of P), sgd (momentum 0: none), adam (two of P)
+  // --optimizer: momentum (SGD, momentum 0.9: one buffer of P), sgd (momentum 0: none), adam and adamw (two of P)
   Optimizer optimizer = Optimizer::sgd;
   float momentum = 0.9f;
   Split split = Split::even;

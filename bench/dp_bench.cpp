@@ -15,6 +15,7 @@
 //            (sim) or published nccl-tests figures (the GPU presets)
 // Exit codes: 0 done, 1 a check failed (bytes off the model, skew out of bounds) or a device failed
 // or --plot could not plot, 2 bad arguments, 3 a run diverged (a non-finite loss: bn).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -37,10 +38,26 @@ using namespace dp::bench;
 
 std::vector<int> parse_counts(const std::string& text, const char* flag = "--sweep-devices") {
   std::vector<int> counts = parse_ids(text, flag);
-  for (int c : counts)
-    if (c < 1)
+  for (size_t i = 0; i < counts.size(); ++i) {
+    if (counts[i] < 1)
       throw UsageError(std::string(flag) + ": '" + text + "': a device count must be at least 1, e.g. 1,2,4,8");
+    if (std::count(counts.begin(), counts.begin() + long(i), counts[i]) > 0)
+      throw UsageError(std::string(flag) + ": '" + text + "': " + std::to_string(counts[i]) +
+                       " is given twice; give each device count once, e.g. 1,2,4,8");
+  }
   return counts;
+}
+
+// skew's --optimizer: momentum is SGD's with 0.9 (one buffer of P), adam and adamw keep two.
+void set_skew_optimizer(const std::string& name, SkewOptions& so) {
+  if (name == "sgd")
+    so.momentum = 0.0f;
+  else if (name == "momentum")
+    so.momentum = 0.9f;
+  else if (name == "adam" || name == "adamw")
+    so.optimizer = name == "adam" ? Optimizer::adam : Optimizer::adamw;
+  else
+    throw UsageError("--optimizer: '" + name + "' is not an optimizer; use sgd, momentum, adam or adamw");
 }
 
 // --seed as text, read by parse_seed: CLI11 alone wraps "-1" to 2^64-1.
@@ -180,7 +197,7 @@ Subcommand add_skew(CLI::App& app) {
       ->transform(exact_integer<int>());
   c->add_option("--batch", so->batch, "Global batch size")->capture_default_str()->transform(exact_integer<int>());
   c->add_option("--optimizer", *optimizer,
-                "sgd | momentum | adam (the optimizer state: none, one buffer of P floats, Adam's two moments)")
+                "sgd | momentum | adam | adamw (the state: none, one buffer of P floats, Adam's two moments)")
       ->capture_default_str();
   c->add_option("--split", *split, "even | chunk (torch.chunk)")->capture_default_str();
   add_seed(*c, *seed);
@@ -190,14 +207,7 @@ Subcommand add_skew(CLI::App& app) {
             so->devices = dev->finish(*c);
             so->seed = parse_seed(*seed, "--seed");
             so->split = parse_split(*split);
-            if (*optimizer == "sgd")
-              so->momentum = 0.0f;
-            else if (*optimizer == "momentum")
-              so->momentum = 0.9f;
-            else if (*optimizer == "adam")
-              so->optimizer = Optimizer::adam;
-            else
-              throw UsageError("--optimizer: '" + *optimizer + "' is not an optimizer; use sgd, momentum or adam");
+            set_skew_optimizer(*optimizer, *so);
             so->command = command;
             return run_skew(*so);
           }};

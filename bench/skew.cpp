@@ -192,9 +192,10 @@ void print_header(const ModelSpec& spec, const SkewOptions& o, int n) {
       "%s, %d steps%s; no prefetch: dp_train's default also holds the next step's batch, on device 0 alone under "
       "scatter, as dp_train --no-prefetch does not)\n",
       spec.title().c_str(), commas(spec.param_count).c_str(), o.batch, sizes.c_str(), n,
-      o.optimizer == Optimizer::adam ? "Adam"
-      : o.momentum != 0              ? "SGD with momentum"
-                                     : "plain SGD",
+      o.optimizer == Optimizer::adam    ? "Adam"
+      : o.optimizer == Optimizer::adamw ? "AdamW"
+      : o.momentum != 0                 ? "SGD with momentum"
+                                        : "plain SGD",
       o.steps, cap > 0 ? (", --device-memory " + format_bytes(cap)).c_str() : "");
 }
 

@@ -326,11 +326,11 @@ TEST_CASE("dp_bench comm - nccl-tests bandwidths and an alpha-beta fit") {
 TEST_CASE("dp_bench - bad arguments exit 2 with a message and --plot without matplotlib exits 1 and says so") {
   TempDir dir;
   const std::string log = dir / "bad.log";
-  for (const char* args :
-       {"", "frobnicate", "compare --batch 0", "compare --steps 0", "compare --split weird", "compare --gpus 0,x",
-        "compare --sweep-devices 1,0", "compare --alpha-us 5", "compare --json /nonexistent-dir/x.json",
-        "comm --max-bytes 12Q", "comm --gpus 0", "comm --min-bytes 1M --max-bytes 1K", "skew --optimizer rmsprop",
-        "skew --gpus 0", "skew --model resnet", "skew --device-memory lots"}) {
+  for (const char* args : {"", "frobnicate", "compare --batch 0", "compare --steps 0", "compare --split weird",
+                           "compare --gpus 0,x", "compare --sweep-devices 1,0", "compare --sweep-devices 2,1,2",
+                           "compare --alpha-us 5", "compare --json /nonexistent-dir/x.json", "comm --max-bytes 12Q",
+                           "comm --gpus 0", "comm --min-bytes 1M --max-bytes 1K", "skew --optimizer rmsprop",
+                           "skew --gpus 0", "skew --model resnet", "skew --device-memory lots"}) {
     CAPTURE(args);
     CHECK(bench(args, log) == 2);
     CHECK(slurp(log).rfind("dp_bench: ", 0) == 0);

@@ -1,6 +1,6 @@
 // dp_bench end to end, its inputs and records: every output path checked before a run, memory
 // estimates, exact integer flags, the resolved backend and command in every record, the alpha-beta
-// fit's repeats, compare's trace time line, the help and the plots' titles. The test names avoid ';'
+// fit's repeats, compare's trace time line, skew's optimizers, the help and the plots' titles. The test names avoid ';'
 // and ',' (ctest's list separator and doctest's filter separator).
 #include <doctest/doctest.h>
 #include <unistd.h>
@@ -14,6 +14,7 @@
 #include <string>
 
 #include "engine/device.h"
+#include "models/model.h"
 #include "tests/bench_runner.h"
 
 #ifdef DP_BENCH_BIN
@@ -272,6 +273,21 @@ TEST_CASE("bench: compare's trace lays the strategies one after the other on one
   for (int pid = 1; pid < 6; ++pid) {
     CAPTURE(pid);
     CHECK(extent[pid].first > extent[pid - 1].second);  // each strategy starts after the one before's last span
+  }
+}
+
+TEST_CASE("bench: skew --optimizer adamw books AdamW's two moments as adam does") {
+  TempDir dir;
+  const std::string log = dir / "skew.log";
+  for (const std::string name : {"adam", "adamw"}) {
+    CAPTURE(name);
+    REQUIRE(bench("skew --gpus 0,1 --batch 16 --optimizer " + name + " --json '" + (dir / "s.json") + "'", log) == 0);
+    const json j = load(dir / "s.json");
+    const json& ar = j["strategies"][1];
+    REQUIRE(ar["strategy"] == "allreduce");
+    for (const json& d : ar["devices"])
+      CHECK(d["at_peak"]["optimizer"].get<int64_t>() == 2 * dp::make_model("lenet").param_count * 4);
+    CHECK(slurp(log).find(name == "adam" ? "Adam, 2 steps" : "AdamW, 2 steps") != std::string::npos);
   }
 }
 

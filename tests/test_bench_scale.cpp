@@ -132,7 +132,9 @@ TEST_CASE(
   CHECK(two["step_seconds"].get<double>() == doctest::Approx(1000e-6 + 10e-6 + P * 4 / 1e9).epsilon(1e-9));
 }
 
-TEST_CASE("bench: scale refuses a device count below 1, nodes it cannot fill and an unknown preset with exit 2") {
+TEST_CASE(
+    "bench: scale refuses a device count below 1 or given twice, nodes it cannot fill and an unknown preset with exit "
+    "2") {
   TempDir dir;
   const std::string log = dir / "out.log";
   struct Case {
@@ -141,6 +143,7 @@ TEST_CASE("bench: scale refuses a device count below 1, nodes it cannot fill and
   const Case cases[] = {
       {"scale --devices 0,8", "--devices: '0,8': a device count must be at least 1"},
       {"scale --devices 12", "12 devices do not fill whole nodes of 8"},
+      {"scale --devices 8,16,8", "--devices: '8,16,8': 8 is given twice; give each device count once"},
       {"scale --preset tpu", "--preset: unknown 'tpu'; the presets are sim, h100-ndr, a100-hdr, pcie"},
       {"scale --model lenet5", "--compute-us: the h100-ndr preset knows dp's step for lenet at --per-device 256 only"},
       {"scale --per-device 0", "--per-device: at least 1 image per device"},
