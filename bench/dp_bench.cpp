@@ -38,13 +38,13 @@ using namespace dp::bench;
 
 std::vector<int> parse_counts(const std::string& text, const char* flag = "--sweep-devices") {
   std::vector<int> counts = parse_ids(text, flag);
-  for (size_t i = 0; i < counts.size(); ++i) {
-    if (counts[i] < 1)
+  for (int c : counts)
+    if (c < 1)
       throw UsageError(std::string(flag) + ": '" + text + "': a device count must be at least 1, e.g. 1,2,4,8");
-    if (std::count(counts.begin(), counts.begin() + long(i), counts[i]) > 0)
-      throw UsageError(std::string(flag) + ": '" + text + "': " + std::to_string(counts[i]) +
+  for (int c : counts)
+    if (std::count(counts.begin(), counts.end(), c) > 1)  // as bn's --per-device
+      throw UsageError(std::string(flag) + ": '" + text + "': " + std::to_string(c) +
                        " is given twice; give each device count once, e.g. 1,2,4,8");
-  }
   return counts;
 }
 

@@ -1,7 +1,7 @@
 // dp_bench end to end, its inputs and records: every output path checked before a run, memory
 // estimates, exact integer flags, the resolved backend and command in every record, the alpha-beta
-// fit's repeats, compare's trace time line, skew's optimizers, the help and the plots' titles. The test names avoid ';'
-// and ',' (ctest's list separator and doctest's filter separator).
+// fit's repeats, compare's trace time line, skew's optimizers, the help and the plots' titles. The
+// test names avoid ';' and ',' (ctest's list separator and doctest's filter separator).
 #include <doctest/doctest.h>
 #include <unistd.h>
 

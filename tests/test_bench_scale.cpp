@@ -132,9 +132,7 @@ TEST_CASE(
   CHECK(two["step_seconds"].get<double>() == doctest::Approx(1000e-6 + 10e-6 + P * 4 / 1e9).epsilon(1e-9));
 }
 
-TEST_CASE(
-    "bench: scale refuses a device count below 1 or given twice, nodes it cannot fill and an unknown preset with exit "
-    "2") {
+TEST_CASE("bench: scale refuses a count below 1 or given twice, nodes it cannot fill and an unknown preset: exit 2") {
   TempDir dir;
   const std::string log = dir / "out.log";
   struct Case {
