@@ -26,6 +26,7 @@
 #include "bench/bench.h"
 #include "bench/commands.h"
 #include "engine/error.h"
+#include "engine/optimizer.h"
 #include "train/cli.h"
 #include "train/job.h"
 #include "train/options.h"
@@ -55,7 +56,7 @@ void set_skew_optimizer(const std::string& name, SkewOptions& so) {
   else if (name == "momentum")
     so.momentum = 0.9f;
   else if (name == "adam" || name == "adamw")
-    so.optimizer = name == "adam" ? Optimizer::adam : Optimizer::adamw;
+    so.optimizer = parse_optimizer(name);
   else
     throw UsageError("--optimizer: '" + name + "' is not an optimizer; use sgd, momentum, adam or adamw");
 }
